@@ -1,0 +1,41 @@
+# Every target sets itself up: a fresh clone needs only `make demo` or `make test`.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+PLUGINS := $(wildcard plugins/*/pyproject.toml)
+STAMP   := $(VENV)/.installed
+
+.PHONY: install test demo bench lint schema clean
+
+install: $(STAMP)
+
+# torch first, so that nothing pulls a CUDA torch; vLLM's CPU build next; then
+# drop the CUDA-only torchvision/torchaudio/torchcodec it drags in, which break
+# `import vllm` on CPU.
+$(STAMP): pyproject.toml $(PLUGINS)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet 'torch==2.13.0'
+	$(PIP) install --quiet -e '.[vllm,test,lint]' $(foreach p,$(PLUGINS),-e ./$(dir $(p)))
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(PY) -c "import vllm, composer" 
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/kvc demo
+
+bench: $(STAMP)
+	$(PY) -m bench
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check composer plugins tests bench examples
+	$(VENV)/bin/mypy
+
+schema: $(STAMP)
+	$(VENV)/bin/kvc schema --output schemas
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

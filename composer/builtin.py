@@ -1,0 +1,84 @@
+"""The built-in ``vllm`` plugin type: any connector registered in vLLM's factory."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from composer.hookspecs import hookimpl
+from composer.plugin_types import Capabilities, PluginType
+
+# What is known of vLLM's own connectors without importing vLLM. The name
+# itself is checked against vLLM's registry where vLLM is importable
+# (``kvc validate --deep`` and always at engine start).
+KNOWN_CONNECTORS: dict[str, Capabilities] = {
+    "ExampleConnector": Capabilities(),
+    "LMCacheConnectorV1": Capabilities(),
+    "LMCacheMPConnector": Capabilities(hma=True, async_save=True, async_load=True),
+    "NixlConnector": Capabilities(
+        hma=True,
+        provides_handshake=True,
+        async_load=True,
+        transfer_params_keys=frozenset(
+            {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+             "remote_host", "remote_port", "tp_size"}
+        ),
+    ),
+    "NixlPullConnector": Capabilities(hma=True, provides_handshake=True, async_load=True),
+    "NixlPushConnector": Capabilities(hma=True, provides_handshake=True, async_load=True),
+    "MooncakeConnector": Capabilities(provides_handshake=True, async_load=True),
+    "MooncakeStoreConnector": Capabilities(async_save=True, async_load=True),
+    "OffloadingConnector": Capabilities(hma=True, async_save=True, async_load=True),
+    "SimpleCPUOffloadConnector": Capabilities(hma=True, async_save=True, async_load=True),
+    "DecodeBenchConnector": Capabilities(),
+    "FlexKVConnectorV1": Capabilities(async_save=True, async_load=True),
+    "HF3FSKVConnector": Capabilities(async_save=True, async_load=True),
+    "MoRIIOConnector": Capabilities(provides_handshake=True, async_load=True),
+    "HiSparseConnector": Capabilities(),
+}
+
+
+class VllmConnectorConfig(BaseModel):
+    """A connector from vLLM's factory, wrapped as one pipeline node."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    connector: str = Field(description="Name in vLLM's KVConnectorFactory, e.g. NixlConnector.")
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] | None = Field(
+        None, description="Defaults to the composed connector's kv_role."
+    )
+    module_path: str | None = Field(
+        None, description="kv_connector_module_path for an out-of-tree connector."
+    )
+    engine_id: str | None = None
+    kv_buffer_device: str | None = None
+    kv_port: int | None = None
+    extra_config: dict[str, Any] = Field(
+        default_factory=dict, description="The connector's kv_connector_extra_config."
+    )
+    capabilities: Capabilities | None = Field(
+        None, description="Declare capabilities of a connector KV Composer does not know."
+    )
+
+
+def _capabilities(config: BaseModel) -> Capabilities:
+    assert isinstance(config, VllmConnectorConfig)
+    if config.capabilities is not None:
+        return config.capabilities
+    return KNOWN_CONNECTORS.get(config.connector, Capabilities())
+
+
+VLLM = PluginType(
+    name="vllm",
+    node="composer.vllm.native:NativeConnectorNode",
+    config=VllmConnectorConfig,
+    description="Any KV connector registered in vLLM's factory, by name.",
+    capabilities_for=_capabilities,
+    roles=frozenset({"load", "save", "both", "transport"}),
+)
+
+
+@hookimpl
+def register_plugin_types(register: Any) -> None:
+    register(VLLM)

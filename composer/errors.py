@@ -1,0 +1,81 @@
+"""User-facing pipeline errors: where, what, and what would have been valid."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from composer.loader import Marks
+
+Path = tuple[str | int, ...]
+
+
+def dotted(path: Path) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<root>"
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f' (did you mean "{close[0]}"?)' if close else ""
+
+
+def one_of(choices: Iterable[str]) -> str:
+    names = sorted(str(c) for c in choices)
+    return ", ".join(f'"{c}"' for c in names) if names else "(none)"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a pipeline, located in its source file."""
+
+    path: Path
+    message: str
+    file: str = "<pipeline>"
+    line: int | None = None
+    column: int | None = None
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.line is not None:
+            where += f":{self.line}:{self.column}"
+        return f"{where}: {dotted(self.path)}: {self.message}"
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "file": self.file,
+            "line": self.line,
+            "column": self.column,
+            "path": dotted(self.path),
+            "message": self.message,
+        }
+
+
+class PipelineInvalid(ValueError):
+    """A pipeline has problems; all of them are in ``problems``, in file order."""
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems = sorted(
+            problems, key=lambda p: (p.file, p.line or 0, p.column or 0, dotted(p.path))
+        )
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class Reporter:
+    """Collects problems and locates them through the YAML marks of their file."""
+
+    def __init__(self, file: str, marks: Marks) -> None:
+        self.file = file
+        self.marks = marks
+        self.problems: list[Problem] = []
+
+    def add(self, path: Path, message: str, *, key: bool = False) -> None:
+        line, column = self.marks.locate(path, key=key)
+        self.problems.append(Problem(path, message, self.file, line, column))
+
+    def raise_if_any(self) -> None:
+        if self.problems:
+            raise PipelineInvalid(self.problems)

@@ -1,0 +1,225 @@
+"""Graph checks across nodes: ids, dependencies, cycles, roles and capabilities."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+from composer.discovery import Registry
+from composer.errors import Reporter, did_you_mean, one_of
+from composer.pipeline import LOADING_ROLES, SAVING_ROLES
+
+
+def dependency_order(needs: Mapping[str, Sequence[str]]) -> list[str]:
+    """Node ids with every node after the nodes it needs; file order otherwise kept."""
+    done: list[str] = []
+    seen: set[str] = set()
+
+    def visit(node: str, stack: tuple[str, ...]) -> None:
+        if node in seen or node in stack or node not in needs:
+            return
+        for dep in needs[node]:
+            visit(dep, (*stack, node))
+        seen.add(node)
+        done.append(node)
+
+    for node in needs:
+        visit(node, ())
+    return done
+
+
+def find_cycles(needs: Mapping[str, Sequence[str]]) -> list[list[str]]:
+    """Each elementary cycle once, as a path that ends where it starts."""
+    cycles: list[list[str]] = []
+    found: set[frozenset[str]] = set()
+    state: dict[str, int] = {}  # 1 = on stack, 2 = done
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in needs.get(node, ()):
+            if dep not in needs:
+                continue
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep) :] + [dep]
+                key = frozenset(cycle)
+                if key not in found:
+                    found.add(key)
+                    cycles.append(cycle)
+            elif state.get(dep) is None:
+                visit(dep, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in needs:
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
+def check_graph(
+    data: dict[str, Any],
+    registry: Registry,
+    configs: dict[str, BaseModel],
+    reporter: Reporter,
+) -> None:
+    raw_nodes = data.get("nodes")
+    if not isinstance(raw_nodes, dict):
+        return
+    nodes = {k: v for k, v in raw_nodes.items() if isinstance(v, dict)}
+    ids = list(nodes)
+    needs: dict[str, list[str]] = {}
+
+    for node_id, node in nodes.items():
+        deps = node.get("needs") or []
+        needs[node_id] = [d for d in deps if isinstance(d, str)] if isinstance(deps, list) else []
+        for i, dep in enumerate(needs[node_id]):
+            if dep == node_id:
+                reporter.add(("nodes", node_id, "needs", i), "a node cannot need itself")
+            elif dep not in nodes:
+                reporter.add(
+                    ("nodes", node_id, "needs", i),
+                    f'node "{dep}" does not exist{did_you_mean(dep, ids)}; nodes: {one_of(ids)}',
+                )
+            elif nodes[dep].get("enabled") is False and node.get("enabled") is not False:
+                reporter.add(("nodes", node_id, "needs", i), f'node "{dep}" is disabled')
+    for cycle in find_cycles(needs):
+        first = cycle[0]
+        index = needs[first].index(cycle[1])
+        reporter.add(("nodes", first, "needs", index), "dependency cycle: " + " -> ".join(cycle))
+
+    roles: dict[str, str] = {}
+    for node_id, node in nodes.items():
+        plugin = node.get("plugin")
+        if not isinstance(plugin, str) or plugin not in registry:
+            continue
+        ptype = registry[plugin]
+        role = node.get("role") or ptype.default_role
+        roles[node_id] = role if isinstance(role, str) else ptype.default_role
+
+    _check_order_list(data, "load_order", nodes, roles, LOADING_ROLES, "load", reporter)
+    _check_order_list(data, "save_to", nodes, roles, SAVING_ROLES, "save", reporter)
+    _check_capabilities(data, nodes, registry, configs, roles, reporter)
+
+
+def _check_order_list(
+    data: dict[str, Any],
+    key: str,
+    nodes: dict[str, Any],
+    roles: dict[str, str],
+    allowed_roles: frozenset[str],
+    verb: str,
+    reporter: Reporter,
+) -> None:
+    order = data.get(key)
+    if not isinstance(order, list):
+        return
+    seen: set[str] = set()
+    for i, node_id in enumerate(order):
+        if not isinstance(node_id, str):
+            continue
+        if node_id not in nodes:
+            reporter.add(
+                (key, i),
+                f'node "{node_id}" does not exist{did_you_mean(node_id, nodes)}; '
+                f"nodes: {one_of(nodes)}",
+            )
+        elif node_id in seen:
+            reporter.add((key, i), f'node "{node_id}" is listed twice')
+        elif node_id in roles and roles[node_id] not in allowed_roles:
+            reporter.add(
+                (key, i),
+                f'node "{node_id}" has role "{roles[node_id]}", which does not {verb}; '
+                f"roles that {verb}: {one_of(allowed_roles)}",
+            )
+        seen.add(node_id)
+
+
+def _check_capabilities(
+    data: dict[str, Any],
+    nodes: dict[str, Any],
+    registry: Registry,
+    configs: dict[str, BaseModel],
+    roles: dict[str, str],
+    reporter: Reporter,
+) -> None:
+    caps = {}
+    for node_id, config in configs.items():
+        node = nodes[node_id]
+        if node.get("enabled") is False:
+            continue
+        ptype = registry[node["plugin"]]
+        caps[node_id] = ptype.resolve_capabilities(config)
+        role = roles.get(node_id)
+        if role is not None and role not in ptype.roles:
+            reporter.add(
+                ("nodes", node_id, "role"),
+                f'plugin "{ptype.name}" cannot take role "{role}"; '
+                f"expected one of {one_of(ptype.roles)}",
+            )
+
+    def at_most_one(attr: str, what: str) -> None:
+        providers = [n for n, c in caps.items() if getattr(c, attr)]
+        for extra in providers[1:]:
+            reporter.add(
+                ("nodes", extra),
+                f'both "{providers[0]}" and "{extra}" provide {what}; at most one node may',
+            )
+
+    at_most_one("provides_handshake", "the P/D handshake")
+    at_most_one("provides_memory_pool", "the KV cache memory pool")
+
+    layouts = {n: c.kv_layout for n, c in caps.items() if c.kv_layout}
+    if len(set(layouts.values())) > 1:
+        first = next(iter(layouts))
+        for node_id, layout in layouts.items():
+            if layout != layouts[first]:
+                reporter.add(
+                    ("nodes", node_id),
+                    f'needs KV cache layout {layout} but "{first}" needs {layouts[first]}; '
+                    "all nodes must agree",
+                )
+
+    hma = data.get("hma", "auto")
+    no_hma = [n for n, c in caps.items() if not c.hma]
+    if hma == "on":
+        for node_id in no_hma:
+            reporter.add(
+                ("nodes", node_id),
+                'does not support the hybrid memory allocator, but "hma: on" requires every '
+                "node to (set hma: off or auto, or remove the node)",
+            )
+    for node_id, c in caps.items():
+        if c.kv_cache_groups == "one" and no_hma:
+            reporter.add(
+                ("nodes", node_id),
+                f'handles one KV cache group and needs HMA, but "{no_hma[0]}" does not support '
+                "the hybrid memory allocator",
+            )
+
+    writers: dict[str, str] = {}
+    for node_id, c in caps.items():
+        for key in sorted(c.transfer_params_keys):
+            if key in writers:
+                reporter.add(
+                    ("nodes", node_id),
+                    f'writes kv_transfer_params key "{key}", which "{writers[key]}" writes too',
+                )
+            else:
+                writers[key] = node_id
+
+    for node_id, c in caps.items():
+        if c.needs_model and not any(
+            dep in caps and caps[dep].provides_model for dep in nodes[node_id].get("needs") or []
+        ):
+            trackers = [n for n, cc in caps.items() if cc.provides_model]
+            hint = f" (add needs: [{trackers[0]}])" if trackers else " (add a model-tracker node)"
+            reporter.add(("nodes", node_id, "needs"), f"needs the model but no dependency provides it{hint}")
+
+    for node_id, config in configs.items():
+        ptype = registry[nodes[node_id]["plugin"]]
+        if ptype.check is not None:
+            for path, message in ptype.check(node_id, config, data):
+                reporter.add(("nodes", node_id, *path), message)

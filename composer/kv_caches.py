@@ -1,0 +1,64 @@
+"""The canonical view of vLLM's KV caches, built once per worker for every node.
+
+vLLM describes its KV cache allocation in ``KVCacheConfig.kv_cache_tensors``:
+layer ``l``'s page for block ``b`` starts at ``offset + l * layer_stride +
+b * block_stride`` bytes into a backing allocation. The canonical view turns
+that into *regions*: int8 tensors ``[num_blocks, bytes_per_block]`` (strided
+views, no copies) such that copying row ``b`` of every region copies block
+``b`` whole. Block-outermost layouts (vLLM's CPU backend) give one region per
+allocation whose row holds all layers' pages; layer-outermost layouts give one
+region per layer. Layers that share a tensor are listed once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    """Rows of one region hold one block each; ``layers`` are the layers whose pages it covers."""
+
+    tensor: torch.Tensor  # int8 [num_blocks, bytes_per_block]
+    layers: tuple[str, ...]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return int(self.tensor.shape[1])
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV cache group: its layers, tokens per block, and the regions holding them."""
+
+    group_id: int
+    kind: str  # "attention", "sliding_window", "mamba", ...
+    block_size: int
+    layer_names: tuple[str, ...]
+    region_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CanonicalKVCaches:
+    num_blocks: int
+    regions: tuple[KVRegion, ...]
+    groups: tuple[KVGroup, ...]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block id across every region (what one block costs to store)."""
+        return sum(r.bytes_per_block for r in self.regions)
+
+    def group_regions(self, group_id: int) -> tuple[KVRegion, ...]:
+        return tuple(self.regions[i] for i in self.groups[group_id].region_ids)
+
+
+def build_canonical_kv_caches(kv_caches: dict[str, Any], kv_cache_config: Any) -> CanonicalKVCaches:
+    """Build the canonical view from vLLM's layer -> tensor dict and its ``KVCacheConfig``."""
+    from composer.vllm.canonical import build
+
+    return build(kv_caches, kv_cache_config)

@@ -1,0 +1,132 @@
+"""The pipeline file's shape (pydantic), and the resolved pipeline the chain runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
+
+from composer.plugin_types import Capabilities, NodeRole, PluginType
+
+NodeId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_-]*$", max_length=64)]
+ErrorPolicy = Literal["fail", "disable", "recompute"]
+LoadPolicy = Literal["first_hit", "longest_hit"]
+KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]
+
+SCHEMA_ID = "https://kv-composer.dev/schemas/pipeline.schema.json"
+
+
+class Node(BaseModel):
+    """One plugin instance in the pipeline."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    plugin: str = Field(description="Plugin type name (see `kvc plugins`).")
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="Options, validated by the plugin's Config model."
+    )
+    needs: list[NodeId] = Field(
+        default_factory=list, description="Ids of nodes this node depends on (e.g. a model tracker)."
+    )
+    role: NodeRole | None = Field(
+        None, description="load, save, both, transport or service; default: the plugin's own."
+    )
+    on_error: ErrorPolicy = Field(
+        "fail",
+        description="fail: stop the engine. disable: switch the node off and recompute its "
+        "blocks. recompute: recompute the failed blocks and keep the node.",
+    )
+    enabled: bool = Field(True, description="false keeps the node in the file but out of the chain.")
+    description: str = ""
+
+
+class Pipeline(BaseModel):
+    """A KV Composer pipeline file."""
+
+    model_config = ConfigDict(extra="forbid", title="KV Composer pipeline")
+
+    version: Literal[1] = Field(description="Pipeline file format version.")
+    kv_role: KVRole = Field("kv_both", description="vLLM kv_role of the composed connector.")
+    nodes: dict[NodeId, Node] = Field(min_length=1, description="Nodes by id.")
+    load_order: list[NodeId] | None = Field(
+        None, description="Order in which nodes are asked for hits; default: file order."
+    )
+    load_policy: LoadPolicy = Field(
+        "first_hit",
+        description="first_hit: the first node with a hit serves it (MultiConnector's rule). "
+        "longest_hit: the node with the most tokens serves it (ties: load order).",
+    )
+    save_to: list[NodeId] | None = Field(
+        None, description="Nodes that receive the save hooks; default: every node whose role saves."
+    )
+    hma: Literal["auto", "on", "off"] = Field(
+        "auto", description="Hybrid memory allocator: on requires every node to support it."
+    )
+    time_layer_hooks: bool = Field(
+        False, description="Also time per-layer hooks in per-node stats (costs ~0.1 us per call)."
+    )
+
+
+LOADING_ROLES: frozenset[str] = frozenset({"load", "both", "transport"})
+SAVING_ROLES: frozenset[str] = frozenset({"save", "both", "transport"})
+
+
+@dataclass(frozen=True)
+class ResolvedNode:
+    id: str
+    plugin: PluginType
+    config: BaseModel
+    role: NodeRole
+    on_error: ErrorPolicy
+    needs: tuple[str, ...]
+    capabilities: Capabilities
+
+
+@dataclass(frozen=True)
+class ResolvedPipeline:
+    """A validated pipeline: nodes in dependency order plus the chain settings."""
+
+    nodes: tuple[ResolvedNode, ...]
+    load_order: tuple[str, ...]
+    save_to: tuple[str, ...]
+    load_policy: LoadPolicy
+    kv_role: KVRole
+    hma: bool
+    time_layer_hooks: bool
+    #: The validated file as plain data (env expanded), for inlining into vLLM's config.
+    source: dict[str, Any] = field(repr=False, default_factory=dict)
+    file: str = "<pipeline>"
+
+    def node(self, node_id: str) -> ResolvedNode:
+        for n in self.nodes:
+            if n.id == node_id:
+                return n
+        raise KeyError(node_id)
+
+    @property
+    def all_native(self) -> bool:
+        return all(n.plugin.name == "vllm" for n in self.nodes)
+
+
+def typed_pipeline_model(types: dict[str, PluginType]) -> type[BaseModel]:
+    """The pipeline model with each plugin's own Config, for the exported JSON Schema."""
+    variants = [
+        create_model(
+            f"Node_{name.replace('-', '_')}",
+            __base__=Node,
+            __doc__=ptype.description or f"A {name} node.",
+            plugin=(Literal[name], Field(description=ptype.description)),  # type: ignore[valid-type]
+            config=(ptype.config, Field(default_factory=dict)),
+        )
+        for name, ptype in sorted(types.items())
+    ]
+    if not variants:
+        return Pipeline
+    union: Any = Annotated[Union[tuple(variants)], Field(discriminator="plugin")]  # noqa: UP007
+    return create_model(  # type: ignore[call-overload, no-any-return]
+        "Pipeline",
+        __base__=Pipeline,
+        __doc__=Pipeline.__doc__,
+        nodes=(dict[NodeId, union], Field(min_length=1, description="Nodes by id.")),
+    )

@@ -1,0 +1,52 @@
+"""The base class of plugin instances: one per pipeline node and vLLM role."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import structlog
+from pydantic import BaseModel
+
+from composer.plugin_types import NodeRole
+from composer.stats import NodeStats
+
+
+@dataclass
+class NodeContext:
+    """What a node is told when it is created."""
+
+    node_id: str
+    config: BaseModel
+    role: NodeRole
+    vllm_role: Literal["scheduler", "worker"]
+    #: The service of each node this node ``needs``, by node id.
+    needs: Mapping[str, Any] = field(default_factory=dict)
+    #: vLLM's config, when running inside vLLM (None in unit tests).
+    vllm_config: Any = None
+    stats: NodeStats = field(default_factory=NodeStats)
+
+
+class Plugin:
+    """Subclass this, decorate lifecycle methods with ``@hookimpl``.
+
+    Only implemented hooks are ever called. ``self.log`` is a structlog logger
+    bound with the node id and role; ``self.stats`` are the node's counters.
+    """
+
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx = ctx
+        self.node_id = ctx.node_id
+        self.config: Any = ctx.config
+        self.stats = ctx.stats
+        self.log = structlog.get_logger("kv_composer").bind(
+            node=ctx.node_id, role=ctx.vllm_role
+        )
+
+    def service(self) -> Any:
+        """What nodes that ``need`` this one receive (default: the instance)."""
+        return self
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} node={self.node_id!r} role={self.ctx.vllm_role}>"

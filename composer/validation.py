@@ -1,0 +1,253 @@
+"""YAML -> validated model -> resolved graph, reporting every problem at once."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path as FsPath
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from composer.discovery import Registry, discover
+from composer.errors import PipelineInvalid, Problem, Reporter, did_you_mean, one_of
+from composer.graph import check_graph, dependency_order
+from composer.loader import Marks, load_yaml
+from composer.pipeline import (
+    LOADING_ROLES,
+    SAVING_ROLES,
+    Pipeline,
+    ResolvedNode,
+    ResolvedPipeline,
+)
+
+Path = tuple[str | int, ...]
+
+
+def load_pipeline(
+    source: str | os.PathLike[str] | Mapping[str, Any] | BaseModel,
+    *,
+    registry: Registry | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ResolvedPipeline:
+    """Load and fully validate a pipeline from a file path, a mapping or a ``Pipeline``.
+
+    Raises :class:`~composer.errors.PipelineInvalid` listing every problem.
+    """
+    if isinstance(source, BaseModel):
+        return validate_data(source.model_dump(exclude_unset=True), registry=registry)
+    if isinstance(source, Mapping):
+        return validate_data(dict(source), registry=registry)
+    path = FsPath(source)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        reporter = Reporter(str(source), Marks())
+        reporter.add((), f"cannot read pipeline file: {exc.strerror or exc}")
+        raise PipelineInvalid(reporter.problems) from None
+    except UnicodeDecodeError:
+        reporter = Reporter(str(source), Marks())
+        reporter.add((), "pipeline file is not UTF-8 text")
+        raise PipelineInvalid(reporter.problems) from None
+    return validate_text(text, file=str(source), registry=registry, env=env)
+
+
+def validate_text(
+    text: str,
+    *,
+    file: str = "<pipeline>",
+    registry: Registry | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ResolvedPipeline:
+    data, marks, yaml_problems = load_yaml(text, env=env)
+    reporter = Reporter(file, marks)
+    for p in yaml_problems:
+        reporter.problems.append(Problem(p.path, p.message, file, p.line, p.column))
+    if data is None:
+        if not yaml_problems:
+            reporter.add((), "the pipeline file is empty")
+        reporter.raise_if_any()
+    # Keep going after duplicate keys or unset variables: report everything at once.
+    return validate_data(data, registry=registry, reporter=reporter)
+
+
+def validate_data(
+    data: Any,
+    *,
+    registry: Registry | None = None,
+    reporter: Reporter | None = None,
+) -> ResolvedPipeline:
+    registry = registry if registry is not None else discover()
+    reporter = reporter or Reporter("<pipeline>", Marks())
+    if not isinstance(data, dict):
+        reporter.add((), f"a pipeline is a mapping with version and nodes, not {_kind(data)}")
+        reporter.raise_if_any()
+
+    try:
+        pipeline: Pipeline | None = Pipeline.model_validate(data)
+    except ValidationError as exc:
+        pipeline = None
+        _report_pydantic(reporter, exc, (), Pipeline)
+
+    raw_nodes = data.get("nodes") if isinstance(data.get("nodes"), dict) else {}
+    configs: dict[str, BaseModel] = {}
+    for node_id, raw in raw_nodes.items():
+        if not isinstance(raw, dict):
+            continue
+        plugin = raw.get("plugin")
+        if not isinstance(plugin, str):
+            continue
+        if plugin not in registry:
+            reporter.add(
+                ("nodes", node_id, "plugin"),
+                f'unknown plugin "{plugin}"{did_you_mean(plugin, registry.names())}; '
+                f"installed: {one_of(registry.names())}",
+            )
+            continue
+        config_model = registry[plugin].config
+        raw_config = raw.get("config", {})
+        if raw_config is None:
+            raw_config = {}
+        try:
+            configs[node_id] = config_model.model_validate(raw_config)
+        except ValidationError as exc:
+            _report_pydantic(reporter, exc, ("nodes", node_id, "config"), config_model)
+
+    check_graph(data, registry, configs, reporter)
+    reporter.raise_if_any()
+    assert pipeline is not None
+    return _resolve(pipeline, registry, configs, data, reporter.file)
+
+
+def _resolve(
+    pipeline: Pipeline,
+    registry: Registry,
+    configs: dict[str, BaseModel],
+    data: dict[str, Any],
+    file: str,
+) -> ResolvedPipeline:
+    nodes: dict[str, ResolvedNode] = {}
+    for node_id, node in pipeline.nodes.items():
+        if not node.enabled:
+            continue
+        ptype = registry[node.plugin]
+        nodes[node_id] = ResolvedNode(
+            id=node_id,
+            plugin=ptype,
+            config=configs[node_id],
+            role=node.role or ptype.default_role,
+            on_error=node.on_error,
+            needs=tuple(n for n in node.needs),
+            capabilities=ptype.resolve_capabilities(configs[node_id]),
+        )
+    ordered = dependency_order({k: list(v.needs) for k, v in nodes.items()})
+    load_order = (
+        tuple(n for n in pipeline.load_order if n in nodes)
+        if pipeline.load_order is not None
+        else tuple(n for n, v in nodes.items() if v.role in LOADING_ROLES)
+    )
+    save_to = (
+        tuple(n for n in pipeline.save_to if n in nodes)
+        if pipeline.save_to is not None
+        else tuple(n for n, v in nodes.items() if v.role in SAVING_ROLES)
+    )
+    hma = pipeline.hma == "on" or (
+        pipeline.hma == "auto" and all(n.capabilities.hma for n in nodes.values())
+    )
+    return ResolvedPipeline(
+        nodes=tuple(nodes[n] for n in ordered),
+        load_order=load_order,
+        save_to=save_to,
+        load_policy=pipeline.load_policy,
+        kv_role=pipeline.kv_role,
+        hma=hma,
+        time_layer_hooks=pipeline.time_layer_hooks,
+        source=pipeline.model_dump(mode="json", exclude_defaults=True) | {"version": 1},
+        file=file,
+    )
+
+
+# --------------------------------------------------------------------------- #
+# pydantic errors -> our messages
+# --------------------------------------------------------------------------- #
+
+
+def _report_pydantic(
+    reporter: Reporter, exc: ValidationError, prefix: Path, model: type[BaseModel]
+) -> None:
+    for err in exc.errors(include_url=False):
+        loc: Path = tuple(err["loc"])
+        kind = err["type"]
+        path = prefix + loc
+        if kind == "extra_forbidden":
+            fields = _fields_at(model, loc[:-1])
+            hint = did_you_mean(str(loc[-1]), fields) if fields else ""
+            reporter.add(
+                path,
+                f'unknown key "{loc[-1]}"{hint}; valid keys: {one_of(fields)}',
+                key=True,
+            )
+        elif kind == "missing":
+            reporter.add(path[:-1], f'missing required key "{loc[-1]}"')
+        elif kind in ("literal_error", "enum"):
+            expected = (err.get("ctx") or {}).get("expected", "")
+            choices = [c.strip().strip("'\"") for c in str(expected).replace(" or ", ",").split(",")]
+            got = err.get("input")
+            reporter.add(
+                path,
+                f"{_show(got)} is not allowed{did_you_mean(str(got), choices)}; "
+                f"expected one of {one_of(c for c in choices if c)}",
+            )
+        elif kind == "string_pattern_mismatch" and loc and loc[-1] == "[key]":
+            reporter.add(
+                path[:-1],
+                "node ids start with a letter and use letters, digits, '-' and '_' only",
+                key=True,
+            )
+        else:
+            msg = err["msg"]
+            if "input" in err and kind not in ("missing",):
+                msg += f" (got {_show(err['input'])})"
+            reporter.add(path, msg)
+
+
+def _fields_at(model: type[BaseModel], loc: Path) -> list[str]:
+    """Field names of the (nested) model at ``loc``, for did-you-mean hints."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            f = current.model_fields.get(str(part))
+            if f is None:
+                # A dict[str, Model] level: the key is an id, step into the value type.
+                continue
+            current = _model_in(f.annotation)
+        else:
+            current = _model_in(current)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return [
+            f.alias or name for name, f in current.model_fields.items()
+        ]
+    return []
+
+
+def _model_in(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _kind(value: Any) -> str:
+    return {list: "a list", str: "a string", int: "a number", float: "a number"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
