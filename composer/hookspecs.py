@@ -27,7 +27,7 @@ import pluggy
 if TYPE_CHECKING:
     from composer.kv_caches import CanonicalKVCaches
     from composer.plugin_types import PluginType
-    from composer.views import RequestView
+    from composer.views import RequestView, StepView
 
 PROJECT = "kv_composer"
 
@@ -135,8 +135,8 @@ class NodeSpec:
         """Scheduler: split the loaded tokens by cache source. Asked of the chosen node only."""
 
     @hookspec
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        """Scheduler, every step: this node's metadata for its worker half.
+    def build_connector_meta(self, step: StepView, scheduler_output: Any) -> Any:
+        """Scheduler, every step: this node's metadata (picklable) for its worker half.
 
         Combine: one entry per node, delivered to the same node on the worker
         by ``bind_connector_metadata``.
@@ -144,7 +144,11 @@ class NodeSpec:
 
     @hookspec
     def update_connector_output(self, connector_output: Any, worker_meta: Any) -> None:
-        """Scheduler, every step: the workers' output, with this node's own worker metadata."""
+        """Scheduler, every step: the workers' output, with this node's own worker metadata.
+
+        ``worker_meta`` is what this node's ``build_connector_worker_meta``
+        returned on the workers (combined with ``aggregate`` across workers), or None.
+        """
 
     @hookspec
     def request_finished(

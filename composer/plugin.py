@@ -25,6 +25,8 @@ class NodeContext:
     needs: Mapping[str, Any] = field(default_factory=dict)
     #: vLLM's config, when running inside vLLM (None in unit tests).
     vllm_config: Any = None
+    #: vLLM's ``KVCacheConfig`` (both roles get it; None in unit tests).
+    kv_cache_config: Any = None
     stats: NodeStats = field(default_factory=NodeStats)
 
 

@@ -50,3 +50,94 @@ class RequestView:
 
     def __repr__(self) -> str:
         return f"RequestView({self.request_id!r}, {self.num_tokens} tokens)"
+
+
+class ScheduledRequest:
+    """One request in a scheduler step."""
+
+    __slots__ = (
+        "request_id",
+        "is_new",
+        "resumed",
+        "block_ids",
+        "num_computed_tokens",
+        "num_scheduled_tokens",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        is_new: bool,
+        resumed: bool,
+        block_ids: tuple[list[int], ...] | None,
+        num_computed_tokens: int,
+        num_scheduled_tokens: int,
+        token_ids: Sequence[int] | None,
+    ) -> None:
+        self.request_id = request_id
+        self.is_new = is_new
+        self.resumed = resumed
+        #: New requests: all their block ids per group; running ones: blocks added this step.
+        self.block_ids = block_ids
+        self.num_computed_tokens = num_computed_tokens
+        self.num_scheduled_tokens = num_scheduled_tokens
+        #: New requests: the prompt; running ones: all tokens when vLLM sends them, else None.
+        self.token_ids = token_ids
+
+    def __repr__(self) -> str:
+        return (
+            f"ScheduledRequest({self.request_id!r}, new={self.is_new}, "
+            f"computed={self.num_computed_tokens}, scheduled={self.num_scheduled_tokens})"
+        )
+
+
+class StepView:
+    """A scheduler step (vLLM's ``SchedulerOutput``), read lazily and once."""
+
+    __slots__ = ("raw", "_requests")
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self._requests: list[ScheduledRequest] | None = None
+
+    @property
+    def requests(self) -> list[ScheduledRequest]:
+        if self._requests is None:
+            self._requests = list(self._build())
+        return self._requests
+
+    @property
+    def finished_request_ids(self) -> set[str]:
+        return self.raw.finished_req_ids  # type: ignore[no-any-return]
+
+    @property
+    def preempted_request_ids(self) -> set[str]:
+        return self.raw.preempted_req_ids or set()
+
+    def _build(self) -> Any:
+        out = self.raw
+        scheduled = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            yield ScheduledRequest(
+                new.req_id,
+                is_new=True,
+                resumed=False,
+                block_ids=new.block_ids,
+                num_computed_tokens=new.num_computed_tokens,
+                num_scheduled_tokens=scheduled.get(new.req_id, 0),
+                token_ids=new.prompt_token_ids,
+            )
+        cached = out.scheduled_cached_reqs
+        all_tokens = getattr(cached, "all_token_ids", None) or {}
+        for i, req_id in enumerate(cached.req_ids):
+            yield ScheduledRequest(
+                req_id,
+                is_new=False,
+                resumed=req_id in cached.resumed_req_ids,
+                block_ids=cached.new_block_ids[i],
+                num_computed_tokens=cached.num_computed_tokens[i],
+                num_scheduled_tokens=scheduled.get(req_id, 0),
+                token_ids=all_tokens.get(req_id),
+            )
