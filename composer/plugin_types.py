@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict
 
@@ -65,7 +66,10 @@ class PluginType:
     #: Capabilities that depend on the node's config (e.g. which native connector).
     capabilities_for: Callable[[BaseModel], Capabilities] | None = None
     #: Extra checks of a node against the whole pipeline file: yields (path, message).
-    check: Callable[[str, BaseModel, dict[str, Any]], Iterable[tuple[tuple[str | int, ...], str]]] | None = None
+    check: (
+        Callable[[str, BaseModel, dict[str, Any]], Iterable[tuple[tuple[str | int, ...], str]]]
+        | None
+    ) = None
     #: Filled by discovery: the distribution that registered it.
     package: str = ""
     version: str = ""
@@ -94,4 +98,19 @@ class PluginType:
 
 
 def _type_name(annotation: Any) -> str:
-    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+    """A short readable type: ``'kv_producer' | 'kv_both' | None`` rather than ``Optional``."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{', '.join(_type_name(a) for a in args)}]" if args else name
+    if annotation is type(None):
+        return "None"
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")

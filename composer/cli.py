@@ -1,0 +1,472 @@
+"""``kvc``: validate, draw, export and run KV Composer pipelines.
+
+Everything here stays importable without torch or vLLM: the commands that need
+vLLM (``validate --deep``, ``serve``, ``demo``) import it inside the command.
+User mistakes end with a located message and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import pluggy
+import structlog
+from pydantic_core import to_jsonable_python
+
+from composer.discovery import PluginConflict, Registry, discover
+from composer.errors import PipelineInvalid, Problem
+from composer.export import CONNECTOR_NAME, as_multiconnector, kv_transfer_config
+from composer.logs import configure
+from composer.pipeline import SCHEMA_ID, ResolvedPipeline, typed_pipeline_model
+from composer.plugin_types import PluginType
+from composer.validation import load_pipeline, validate_text
+
+EXIT_OK = 0
+EXIT_ENVIRONMENT = 1
+EXIT_INVALID = 2
+
+SCHEMA_FILE = "pipeline.schema.json"
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+log = structlog.get_logger("kv_composer.cli")
+
+
+class CommandError(Exception):
+    """A user-facing failure that is not about a pipeline's contents (exit 2)."""
+
+
+class MissingRuntime(Exception):
+    """A command needs vLLM (or torch) and it is not importable here (exit 1)."""
+
+
+# --------------------------------------------------------------------------- #
+# shared helpers
+# --------------------------------------------------------------------------- #
+
+
+def _load(file: str, registry: Registry) -> ResolvedPipeline:
+    if file == "-":
+        return validate_text(sys.stdin.read(), file="<stdin>", registry=registry)
+    return load_pipeline(file, registry=registry)
+
+
+def _print_problems(problems: Sequence[Problem], stream: TextIO) -> None:
+    for problem in problems:
+        print(problem, file=stream)
+
+
+def _plugin_label(node: Any) -> str:
+    if node.plugin.name == "vllm":
+        return f"vllm ({getattr(node.config, 'connector', '?')})"
+    return str(node.plugin.name)
+
+
+def _runs_as(pipeline: ResolvedPipeline) -> str:
+    return "MultiConnector" if as_multiconnector(pipeline) else CONNECTOR_NAME
+
+
+def _disabled_nodes(pipeline: ResolvedPipeline) -> list[str]:
+    nodes = pipeline.source.get("nodes", {})
+    return [n for n, s in nodes.items() if isinstance(s, dict) and s.get("enabled") is False]
+
+
+def schema_json(registry: Registry) -> str:
+    """The pipeline JSON Schema (every installed plugin's config included), as written to disk."""
+    schema = typed_pipeline_model(dict(registry.types)).model_json_schema()
+    schema["$id"] = SCHEMA_ID
+    schema["$schema"] = JSON_SCHEMA_DIALECT
+    return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def _dump(data: Any) -> str:
+    return json.dumps(to_jsonable_python(data, fallback=str), indent=2, sort_keys=False)
+
+
+# --------------------------------------------------------------------------- #
+# commands
+# --------------------------------------------------------------------------- #
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    registry = discover()
+    results: list[dict[str, Any]] = []
+    for file in args.files:
+        try:
+            pipeline = _load(file, registry)
+            problems: list[Problem] = []
+            if args.deep:
+                problems = _deep_problems(pipeline, file)
+        except PipelineInvalid as exc:
+            pipeline, problems = None, list(exc.problems)
+        results.append({"file": file, "pipeline": pipeline, "problems": problems})
+
+    invalid = [r for r in results if r["problems"]]
+    if args.json:
+        print(
+            _dump(
+                {
+                    "ok": not invalid,
+                    "files": [
+                        {
+                            "file": r["file"],
+                            "ok": not r["problems"],
+                            "problems": [p.as_dict() for p in r["problems"]],
+                            "nodes": [n.id for n in r["pipeline"].nodes]
+                            if r["pipeline"] and not r["problems"]
+                            else [],
+                            "runs_as": _runs_as(r["pipeline"])
+                            if r["pipeline"] and not r["problems"]
+                            else None,
+                        }
+                        for r in results
+                    ],
+                }
+            )
+        )
+    else:
+        for r in results:
+            if r["problems"]:
+                _print_problems(r["problems"], sys.stdout)
+            else:
+                p: ResolvedPipeline = r["pipeline"]
+                names = ", ".join(n.id for n in p.nodes)
+                print(f"{r['file']}: ok ({len(p.nodes)} nodes: {names}; runs as {_runs_as(p)})")
+        if invalid:
+            count = sum(len(r["problems"]) for r in invalid)
+            print(
+                f"{count} problem{'s' * (count != 1)} in {len(invalid)} "
+                f"file{'s' * (len(invalid) != 1)}",
+                file=sys.stderr,
+            )
+    return EXIT_INVALID if invalid else EXIT_OK
+
+
+def _deep_problems(pipeline: ResolvedPipeline, file: str) -> list[Problem]:
+    from composer.deep_check import deep_check
+    from composer.loader import load_yaml
+
+    marks = None
+    if file != "-":
+        # The file was read successfully a moment ago; its marks locate the problems.
+        _, marks, _ = load_yaml(Path(file).read_text(encoding="utf-8"))
+    try:
+        return deep_check(pipeline, marks=marks)
+    except ImportError as exc:
+        raise MissingRuntime(f"--deep needs vLLM importable ({exc})") from None
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    pipeline = _load(args.file, discover())
+    if args.json:
+        print(_dump(_graph_data(pipeline)))
+    elif args.format == "mermaid":
+        print(_mermaid(pipeline))
+    else:
+        print(_graph_text(pipeline))
+    return EXIT_OK
+
+
+def _graph_data(p: ResolvedPipeline) -> dict[str, Any]:
+    return {
+        "file": p.file,
+        "kv_role": p.kv_role,
+        "hma": p.hma,
+        "runs_as": _runs_as(p),
+        "nodes": [
+            {
+                "id": n.id,
+                "plugin": n.plugin.name,
+                "connector": getattr(n.config, "connector", None)
+                if n.plugin.name == "vllm"
+                else None,
+                "role": n.role,
+                "needs": list(n.needs),
+                "on_error": n.on_error,
+            }
+            for n in p.nodes
+        ],
+        "disabled": _disabled_nodes(p),
+        "load_order": list(p.load_order),
+        "load_policy": p.load_policy,
+        "save_to": list(p.save_to),
+    }
+
+
+def _graph_text(p: ResolvedPipeline) -> str:
+    id_width = max(len(n.id) for n in p.nodes)
+    plugin_width = max(len(_plugin_label(n)) for n in p.nodes)
+    lines = [
+        f"pipeline {p.file}",
+        f"  kv_role {p.kv_role}, hma {'on' if p.hma else 'off'}, runs as {_runs_as(p)}",
+        "",
+        "nodes (dependency order):",
+    ]
+    for n in p.nodes:
+        row = f"  {n.id:<{id_width}}  {_plugin_label(n):<{plugin_width}}  role {n.role}"
+        if n.on_error != "fail":
+            row += f", on_error {n.on_error}"
+        if n.needs:
+            row += f", needs {', '.join(n.needs)}"
+        lines.append(row)
+    disabled = _disabled_nodes(p)
+    if disabled:
+        lines.append(f"  disabled: {', '.join(disabled)}")
+    lines += [
+        "",
+        f"load order ({p.load_policy}): {' -> '.join(p.load_order) or '(none)'}",
+        f"save to: {', '.join(p.save_to) or '(none)'}",
+    ]
+    return "\n".join(lines)
+
+
+def _mermaid(p: ResolvedPipeline) -> str:
+    # Mermaid ids are positional: node ids may contain '-', which Mermaid reads as an edge.
+    ids = {n.id: f"n{i}" for i, n in enumerate(p.nodes)}
+    lines = ["flowchart LR"]
+    for n in p.nodes:
+        lines.append(f'  {ids[n.id]}["{n.id}<br/>{_plugin_label(n)}<br/>role: {n.role}"]')
+    for n in p.nodes:
+        for dep in n.needs:
+            if dep in ids:
+                lines.append(f"  {ids[n.id]} -. needs .-> {ids[dep]}")
+    if p.load_order:
+        lines.append(f'  load(["load: {p.load_policy}"])')
+        for i, node_id in enumerate(p.load_order, 1):
+            lines.append(f"  load -->|{i}| {ids[node_id]}")
+    if p.save_to:
+        lines.append('  save(["save"])')
+        for node_id in p.save_to:
+            lines.append(f"  save --> {ids[node_id]}")
+    return "\n".join(lines)
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    registry = discover()
+    data = [_plugin_data(t) for t in registry.types.values()]
+    if args.json:
+        print(_dump(data))
+        return EXIT_OK
+    for i, info in enumerate(data):
+        if i:
+            print()
+        origin = " ".join(x for x in (info["package"], info["version"]) if x) or "unknown package"
+        print(f"{info['name']}  ({origin})")
+        if info["description"]:
+            print(f"  {info['description']}")
+        print(f"  roles: {', '.join(info['roles'])} (default {info['default_role']})")
+        print(f"  runs in: {', '.join(info['vllm_roles'])}")
+        caps = info["capabilities"]
+        if isinstance(caps, str):
+            print(f"  capabilities: {caps}")
+        else:
+            shown = [k if v is True else f"{k}={_show(v)}" for k, v in caps.items() if v]
+            print(f"  capabilities: {', '.join(shown) or '(none)'}")
+        fields = info["config"]
+        if not fields:
+            print("  config: (no options)")
+            continue
+        print("  config:")
+        width = max(len(name) for name in fields)
+        for name, f in fields.items():
+            default = "required" if f["required"] else f"default {_show(f['default'])}"
+            desc = f"  {f['description']}" if f["description"] else ""
+            print(f"    {name:<{width}}  {f['type']}, {default}{desc}")
+    return EXIT_OK
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list | tuple | set | frozenset):
+        return "[" + ", ".join(str(v) for v in sorted(value, key=str)) + "]"
+    return json.dumps(to_jsonable_python(value, fallback=str))
+
+
+def _plugin_data(t: PluginType) -> dict[str, Any]:
+    node = t.node if isinstance(t.node, str) else f"{t.node.__module__}:{t.node.__qualname__}"
+    capabilities: Any = (
+        "depends on the node's config"
+        if t.capabilities_for is not None
+        else t.capabilities.model_dump(mode="json")
+    )
+    return {
+        "name": t.name,
+        "package": t.package,
+        "version": t.version,
+        "description": t.description,
+        "node": node,
+        "roles": sorted(t.roles),
+        "default_role": t.default_role,
+        "vllm_roles": sorted(t.vllm_roles),
+        "capabilities": capabilities,
+        "config": to_jsonable_python(t.config_fields(), fallback=str),
+    }
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    text = schema_json(discover())
+    if args.output is None:
+        sys.stdout.write(text)
+        return EXIT_OK
+    out = Path(args.output)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / SCHEMA_FILE).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise CommandError(f"cannot write {out / SCHEMA_FILE}: {exc.strerror or exc}") from None
+    print(f"wrote {out / SCHEMA_FILE}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    pipeline = _load(args.file, discover())
+    reference = None
+    if args.reference:
+        if args.file == "-":
+            raise CommandError("--reference needs a file path, not stdin")
+        reference = os.path.abspath(args.file)
+    print(json.dumps(kv_transfer_config(pipeline, reference=reference)))
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    vllm_args = list(args.vllm_args)
+    if vllm_args[:1] == ["--"]:
+        vllm_args = vllm_args[1:]
+    with _needs_runtime("kvc serve"):
+        from composer.serve import serve
+    return serve(args.file, vllm_args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    with _needs_runtime("kvc demo"):
+        from composer.demo import main as demo_main
+    return demo_main(args.file)
+
+
+@contextlib.contextmanager
+def _needs_runtime(what: str) -> Iterator[None]:
+    """Turn a missing vLLM / torch into a one-line hint instead of a traceback."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("vllm", "torch"):
+            raise
+        raise MissingRuntime(
+            f"{what} needs vLLM ({exc}); install it with "
+            "`pip install 'kv-composer[vllm]'` or run `make demo`"
+        ) from None
+
+
+# --------------------------------------------------------------------------- #
+# parser and entry point
+# --------------------------------------------------------------------------- #
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvc",
+        description="KV Composer: compose vLLM KV-cache connectors from a validated YAML "
+        "graph of plugins.",
+        epilog="Exit codes: 0 ok, 1 environment problem (e.g. vLLM missing), "
+        "2 invalid pipeline or usage.",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="machine-readable output where a command has it"
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help: str) -> Any:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    def add_json(p: argparse.ArgumentParser) -> None:
+        # SUPPRESS keeps a global `kvc --json validate` from being reset by the subcommand.
+        p.add_argument(
+            "--json", action="store_true", default=argparse.SUPPRESS, help="JSON output"
+        )
+
+    p = add("validate", cmd_validate, "Validate pipeline files; report every problem.")
+    p.add_argument("files", nargs="+", metavar="FILE", help="pipeline YAML file ('-' for stdin)")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="also check vLLM-native connector names against the installed vLLM (imports vLLM)",
+    )
+    add_json(p)
+
+    p = add("graph", cmd_graph, "Draw a pipeline: nodes, roles, needs, load order, save targets.")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--format", choices=("text", "mermaid"), default="text")
+    add_json(p)
+
+    p = add("plugins", cmd_plugins, "List installed plugin types and their config options.")
+    add_json(p)
+
+    p = add("schema", cmd_schema, "Write the pipeline JSON Schema (installed plugins included).")
+    p.add_argument(
+        "--output", "-o", metavar="DIR", help=f"write DIR/{SCHEMA_FILE} instead of printing"
+    )
+
+    p = add("export", cmd_export, "Print the JSON for vLLM's --kv-transfer-config.")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="point vLLM at the file's absolute path instead of inlining the pipeline",
+    )
+
+    p = add("serve", cmd_serve, "Run `vllm serve` with this pipeline as its KV connector.")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument(
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        metavar="-- VLLM_ARGS",
+        help="arguments for `vllm serve`, after --, e.g. -- MODEL --max-model-len 512",
+    )
+
+    p = add("demo", cmd_demo, "Serve a tiny local model through a composed pipeline.")
+    p.add_argument("file", nargs="?", metavar="FILE", help="pipeline to use (default: built in)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_INVALID
+    configure(level={0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG))
+    log.debug("command", command=args.command)
+    try:
+        return int(args.func(args))
+    except PipelineInvalid as exc:
+        _print_problems(exc.problems, sys.stderr)
+        return EXIT_INVALID
+    except CommandError as exc:
+        print(f"kvc: error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except (MissingRuntime, PluginConflict, pluggy.PluginValidationError) as exc:
+        print(f"kvc: error: {exc}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) went away; say nothing more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_ENVIRONMENT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
