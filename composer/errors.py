@@ -71,8 +71,13 @@ class Reporter:
         self.file = file
         self.marks = marks
         self.problems: list[Problem] = []
+        #: Values already reported as unusable (e.g. an unset variable): checks of
+        #: them, or of anything inside them, would only repeat that report.
+        self.settled: set[Path] = set()
 
     def add(self, path: Path, message: str, *, key: bool = False) -> None:
+        if any(path[: len(p)] == p for p in self.settled):
+            return
         line, column = self.marks.locate(path, key=key)
         self.problems.append(Problem(path, message, self.file, line, column))
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel
 
 from composer.discovery import Registry
 from composer.errors import Reporter, did_you_mean, one_of
 from composer.pipeline import LOADING_ROLES, SAVING_ROLES
+from composer.plugin_types import NodeRole
 
 
 def dependency_order(needs: Mapping[str, Sequence[str]]) -> list[str]:
@@ -86,6 +87,8 @@ def check_graph(
             elif nodes[dep].get("enabled") is False and node.get("enabled") is not False:
                 reporter.add(("nodes", node_id, "needs", i), f'node "{dep}" is disabled')
     for cycle in find_cycles(needs):
+        if len(cycle) == 2:
+            continue  # a self-dependency, reported above
         first = cycle[0]
         index = needs[first].index(cycle[1])
         reporter.add(("nodes", first, "needs", index), "dependency cycle: " + " -> ".join(cycle))
@@ -153,7 +156,8 @@ def _check_capabilities(
         ptype = registry[node["plugin"]]
         caps[node_id] = ptype.resolve_capabilities(config)
         role = roles.get(node_id)
-        if role is not None and role not in ptype.roles:
+        # A role that is no role at all has been reported by the Pipeline model.
+        if role in get_args(NodeRole) and role not in ptype.roles:
             reporter.add(
                 ("nodes", node_id, "role"),
                 f'plugin "{ptype.name}" cannot take role "{role}"; '
@@ -216,7 +220,10 @@ def _check_capabilities(
         ):
             trackers = [n for n, cc in caps.items() if cc.provides_model]
             hint = f" (add needs: [{trackers[0]}])" if trackers else " (add a model-tracker node)"
-            reporter.add(("nodes", node_id, "needs"), f"needs the model but no dependency provides it{hint}")
+            reporter.add(
+                ("nodes", node_id, "needs"),
+                f"needs the model but no dependency provides it{hint}",
+            )
 
     for node_id, config in configs.items():
         ptype = registry[nodes[node_id]["plugin"]]

@@ -18,6 +18,27 @@ import yaml
 
 Path = tuple[str | int, ...]
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}|\$\$")
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_PLAIN_TAGS = frozenset({"tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"})
+
+
+class PipelineLoader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 booleans: only true/false are booleans.
+
+    YAML 1.1 also reads on/off/yes/no as booleans, so ``hma: on`` would arrive as
+    ``True`` and fail as "not one of auto, on, off", while editors (YAML 1.2, the
+    JSON Schema) see the string. Boolean fields still accept yes/no/on/off,
+    because pydantic parses those strings.
+    """
+
+
+PipelineLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+PipelineLoader.add_implicit_resolver(
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 @dataclass
@@ -40,9 +61,50 @@ class Marks:
 
 
 class YAMLProblem(Exception):
-    def __init__(self, path: Path, message: str, line: int | None, column: int | None) -> None:
+    """A problem found while reading YAML.
+
+    ``replaces_value`` means the value at ``path`` is not what the user meant
+    (an unset variable, an unsupported tag): later checks of that value would
+    only repeat the problem, so validation drops them.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        message: str,
+        line: int | None,
+        column: int | None,
+        *,
+        replaces_value: bool = False,
+    ) -> None:
         super().__init__(message)
         self.path, self.message, self.line, self.column = path, message, line, column
+        self.replaces_value = replaces_value
+
+
+def syntax_problem(exc: yaml.YAMLError, text: str = "") -> YAMLProblem:
+    """One located problem from PyYAML's error, without its multi-line rendering."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return YAMLProblem((), f"YAML error: {exc}", None, None)
+    mark = exc.problem_mark or exc.context_mark
+    line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
+    message = str(exc.problem or exc.context or "invalid YAML")
+    if exc.context and exc.problem:
+        where = ""
+        if exc.context_mark is not None and exc.context_mark is not mark:
+            where = f" at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}"
+        message += f" ({exc.context}{where})"
+    if "'\\t'" in message:
+        message += "; indent with spaces, YAML does not allow tabs"
+    elif line is not None and "flow" in str(exc.context) and "${" in _line(text, line):
+        message += "; quote ${...} values inside {...} and [...]"
+    kind = "error" if isinstance(exc, yaml.constructor.ConstructorError) else "syntax error"
+    return YAMLProblem((), f"YAML {kind}: {message}", line, col)
+
+
+def _line(text: str, line: int) -> str:
+    lines = text.splitlines()
+    return lines[line - 1] if 0 < line <= len(lines) else ""
 
 
 def _pos(node: yaml.Node) -> tuple[int, int]:
@@ -72,12 +134,28 @@ class _Builder:
 
     def build(self, node: yaml.Node, path: Path) -> Any:
         self.marks.values.setdefault(path, _pos(node))
+        if isinstance(node, yaml.MappingNode | yaml.SequenceNode) and node.tag not in _PLAIN_TAGS:
+            # The safe constructors would build sets, pairs or refuse; a pipeline
+            # is plain mappings, lists and scalars.
+            self.problems.append(
+                YAMLProblem(
+                    path,
+                    f"unsupported YAML tag {node.tag.replace('tag:yaml.org,2002:', '!!')}",
+                    *_pos(node),
+                    replaces_value=True,
+                )
+            )
+            return None
         if isinstance(node, yaml.MappingNode):
             self.loader.flatten_mapping(node)  # resolves "<<" merge keys
             out: dict[Any, Any] = {}
             for key_node, value_node in node.value:
-                key = self.loader.construct_object(key_node, deep=True)
-                if not isinstance(key, str | int | float | bool) or key is None:
+                key = (
+                    self._scalar(key_node, path)
+                    if isinstance(key_node, yaml.ScalarNode)
+                    else None
+                )
+                if not isinstance(key, str | int | float | bool):
                     self.problems.append(
                         YAMLProblem(path, "mapping keys must be plain scalars", *_pos(key_node))
                     )
@@ -98,7 +176,7 @@ class _Builder:
             return out
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, (*path, i)) for i, item in enumerate(node.value)]
-        value = self.loader.construct_object(node, deep=True)
+        value = self._scalar(node, path)
         if isinstance(value, str) and "$" in value:
             try:
                 expanded = expand_env(value, self.env)
@@ -109,43 +187,65 @@ class _Builder:
                         f"environment variable ${{{missing.args[0]}}} is not set "
                         f"(give a default with ${{{missing.args[0]}:-value}})",
                         *_pos(node),
+                        replaces_value=True,
                     )
                 )
                 return value
-            if expanded != value and node.style is None:
+            if expanded != value and getattr(node, "style", None) is None:
                 # An unquoted scalar becomes what YAML would have read: 8 -> int.
-                value = yaml.safe_load(expanded) if expanded.strip() else expanded
-                if isinstance(value, dict | list):
-                    value = expanded
+                value = _plain_scalar(expanded)
             else:
                 value = expanded
         return value
+
+    def _scalar(self, node: yaml.Node, path: Path) -> Any:
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except yaml.constructor.ConstructorError as exc:  # e.g. an unknown or bad tag
+            problem = syntax_problem(exc)
+            self.problems.append(
+                YAMLProblem(
+                    path,
+                    problem.message.removeprefix("YAML error: "),
+                    problem.line,
+                    problem.column,
+                    replaces_value=True,
+                )
+            )
+            return None
+
+
+def _plain_scalar(text: str) -> Any:
+    """What an unquoted YAML scalar with this text reads as (int, float, bool, null or str)."""
+    loader = PipelineLoader(text)
+    try:
+        node = loader.get_single_node()
+        if isinstance(node, yaml.ScalarNode):
+            return loader.construct_object(node, deep=True)
+    except yaml.YAMLError:
+        pass
+    finally:
+        loader.dispose()
+    return text
 
 
 def load_yaml(
     text: str, *, env: Mapping[str, str] | None = None
 ) -> tuple[Any, Marks, list[YAMLProblem]]:
     """Parse one YAML document safely; returns (data, marks, problems)."""
-    loader = yaml.SafeLoader(text)
+    loader = PipelineLoader(text)
     try:
         try:
             root = loader.get_single_node()
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
-            msg = " ".join(str(p) for p in (exc.context, exc.problem) if p) or str(exc)
-            return None, Marks(), [YAMLProblem((), f"YAML syntax error: {msg}", line, col)]
         except yaml.YAMLError as exc:
-            return None, Marks(), [YAMLProblem((), f"YAML error: {exc}", None, None)]
+            return None, Marks(), [syntax_problem(exc, text)]
         if root is None:
             return None, Marks(), []
         builder = _Builder(loader, os.environ if env is None else env)
         try:
             data = builder.build(root, ())
-        except yaml.YAMLError as exc:  # e.g. a bad tag on a scalar
-            mark = getattr(exc, "problem_mark", None)
-            line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
-            return None, builder.marks, [YAMLProblem((), f"YAML error: {exc}", line, col)]
+        except yaml.YAMLError as exc:
+            return None, builder.marks, [syntax_problem(exc, text)]
         except RecursionError:
             return None, builder.marks, [YAMLProblem((), "YAML nesting is too deep", None, None)]
         return data, builder.marks, builder.problems

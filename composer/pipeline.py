@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    create_model,
+)
 
 from composer.plugin_types import Capabilities, NodeRole, PluginType
 
@@ -17,17 +24,23 @@ KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]
 SCHEMA_ID = "https://kv-composer.dev/schemas/pipeline.schema.json"
 
 
+def _none_as_empty(value: Any) -> Any:
+    # `config:` whose options are all commented out reads as null: no options.
+    return {} if value is None else value
+
+
 class Node(BaseModel):
     """One plugin instance in the pipeline."""
 
     model_config = ConfigDict(extra="forbid")
 
     plugin: str = Field(description="Plugin type name (see `kvc plugins`).")
-    config: dict[str, Any] = Field(
+    config: Annotated[dict[str, Any], BeforeValidator(_none_as_empty)] = Field(
         default_factory=dict, description="Options, validated by the plugin's Config model."
     )
     needs: list[NodeId] = Field(
-        default_factory=list, description="Ids of nodes this node depends on (e.g. a model tracker)."
+        default_factory=list,
+        description="Ids of nodes this node depends on (e.g. a model tracker).",
     )
     role: NodeRole | None = Field(
         None, description="load, save, both, transport or service; default: the plugin's own."
@@ -37,7 +50,9 @@ class Node(BaseModel):
         description="fail: stop the engine. disable: switch the node off and recompute its "
         "blocks. recompute: recompute the failed blocks and keep the node.",
     )
-    enabled: bool = Field(True, description="false keeps the node in the file but out of the chain.")
+    enabled: bool = Field(
+        True, description="false keeps the node in the file but out of the chain."
+    )
     description: str = ""
 
 
@@ -116,7 +131,7 @@ def typed_pipeline_model(types: dict[str, PluginType]) -> type[BaseModel]:
             f"Node_{name.replace('-', '_')}",
             __base__=Node,
             __doc__=ptype.description or f"A {name} node.",
-            plugin=(Literal[name], Field(description=ptype.description)),  # type: ignore[valid-type]
+            plugin=(_literal(name), Field(description=ptype.description)),
             config=(ptype.config, Field(default_factory=dict)),
         )
         for name, ptype in sorted(types.items())
@@ -124,9 +139,14 @@ def typed_pipeline_model(types: dict[str, PluginType]) -> type[BaseModel]:
     if not variants:
         return Pipeline
     union: Any = Annotated[Union[tuple(variants)], Field(discriminator="plugin")]  # noqa: UP007
-    return create_model(  # type: ignore[call-overload, no-any-return]
+    return create_model(
         "Pipeline",
         __base__=Pipeline,
         __doc__=Pipeline.__doc__,
         nodes=(dict[NodeId, union], Field(min_length=1, description="Nodes by id.")),
     )
+
+
+def _literal(value: str) -> Any:
+    # A Literal built at run time; typed Any because no static type can name it.
+    return Literal[value]

@@ -78,7 +78,8 @@ class PluginType:
         if isinstance(self.node, type):
             return self.node
         module, _, attr = self.node.partition(":")
-        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+        cls: type = getattr(importlib.import_module(module), attr)
+        return cls
 
     def resolve_capabilities(self, config: BaseModel) -> Capabilities:
         if self.capabilities_for is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path as FsPath
@@ -63,6 +64,8 @@ def validate_text(
     reporter = Reporter(file, marks)
     for p in yaml_problems:
         reporter.problems.append(Problem(p.path, p.message, file, p.line, p.column))
+        if p.replaces_value:
+            reporter.settled.add(p.path)
     if data is None:
         if not yaml_problems:
             reporter.add((), "the pipeline file is empty")
@@ -107,7 +110,10 @@ def validate_data(
         config_model = registry[plugin].config
         raw_config = raw.get("config", {})
         if raw_config is None:
+            # `config:` with every option commented out.
             raw_config = {}
+        elif not isinstance(raw_config, dict):
+            continue  # the Pipeline model has reported it already
         try:
             configs[node_id] = config_model.model_validate(raw_config)
         except ValidationError as exc:
@@ -172,6 +178,27 @@ def _resolve(
 # --------------------------------------------------------------------------- #
 
 
+_EXPECTED = {
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+    "list_type": "a list",
+    "tuple_type": "a list",
+    "set_type": "a list",
+    "frozen_set_type": "a list",
+    "string_type": "a string",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "byte_size": 'a size such as 8GiB, 512MB or a number of bytes',
+    "byte_size_unit": "a size unit such as B, KB, MB, GB, KiB, MiB or GiB",
+}
+
+
 def _report_pydantic(
     reporter: Reporter, exc: ValidationError, prefix: Path, model: type[BaseModel]
 ) -> None:
@@ -179,6 +206,7 @@ def _report_pydantic(
         loc: Path = tuple(err["loc"])
         kind = err["type"]
         path = prefix + loc
+        got = err.get("input")
         if kind == "extra_forbidden":
             fields = _fields_at(model, loc[:-1])
             hint = did_you_mean(str(loc[-1]), fields) if fields else ""
@@ -188,11 +216,14 @@ def _report_pydantic(
                 key=True,
             )
         elif kind == "missing":
-            reporter.add(path[:-1], f'missing required key "{loc[-1]}"')
+            # At the key that holds the incomplete mapping, which is what one edits.
+            reporter.add(path[:-1], f'missing required key "{loc[-1]}"', key=True)
+        elif path == ("version",):
+            reporter.add(path, f"pipeline format version {_show(got)} is not supported; expected 1")
         elif kind in ("literal_error", "enum"):
             expected = (err.get("ctx") or {}).get("expected", "")
-            choices = [c.strip().strip("'\"") for c in str(expected).replace(" or ", ",").split(",")]
-            got = err.get("input")
+            listed = str(expected).replace(" or ", ",").split(",")
+            choices = [c.strip().strip("'\"") for c in listed]
             reporter.add(
                 path,
                 f"{_show(got)} is not allowed{did_you_mean(str(got), choices)}; "
@@ -204,10 +235,15 @@ def _report_pydantic(
                 "node ids start with a letter and use letters, digits, '-' and '_' only",
                 key=True,
             )
+        elif kind == "too_short" and path == ("nodes",):
+            reporter.add(path, "a pipeline needs at least one node")
+        elif kind in _EXPECTED:
+            reporter.add(path, f"expected {_EXPECTED[kind]}, got {_show(got)}")
         else:
             msg = err["msg"]
-            if "input" in err and kind not in ("missing",):
-                msg += f" (got {_show(err['input'])})"
+            msg = msg[:1].lower() + msg[1:]
+            if "input" in err:
+                msg += f" (got {_show(got)})"
             reporter.add(path, msg)
 
 
@@ -249,5 +285,10 @@ def _kind(value: Any) -> str:
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    # Double quotes, like every other name in our messages; YAML's null as null.
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = json.dumps(value, ensure_ascii=False) if isinstance(value, str) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
