@@ -1,0 +1,581 @@
+"""Every class of bad pipeline input: exact location, dotted path and message.
+
+Test plugin types (``cache``, ``tracker``, ``blend``) come from conftest; the
+builtin ``vllm`` type's ``capabilities`` field declares the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from composer import Pipeline, PipelineInvalid, ResolvedPipeline, validate_text
+
+Check = Callable[..., list[str]]
+Valid = Callable[..., ResolvedPipeline]
+
+
+# --------------------------------------------------------------------------- #
+# YAML
+# --------------------------------------------------------------------------- #
+
+
+def test_yaml_syntax_error_points_at_the_problem_and_where_the_construct_started(
+    problems: Check,
+) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a: {plugin: cache, config: {capacity: 8GiB
+        """
+    ) == [
+        "p.yaml:4:1: <root>: YAML syntax error: expected ',' or '}', but got '<stream end>' "
+        "(while parsing a flow mapping at line 3, column 30)"
+    ]
+
+
+def test_tab_indentation_says_to_use_spaces(problems: Check) -> None:
+    assert problems("version: 1\nnodes:\n\ta: {plugin: cache}\n") == [
+        "p.yaml:3:1: <root>: YAML syntax error: found character '\\t' that cannot start any "
+        "token (while scanning for the next token); indent with spaces, YAML does not allow tabs"
+    ]
+
+
+def test_unquoted_variable_inside_a_flow_mapping_gets_a_quoting_hint(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a: {plugin: vllm, config: {connector: X, kv_port: ${PORT:-9}}}
+        """,
+    ) == [
+        "p.yaml:3:54: <root>: YAML syntax error: expected ',' or '}', but got '{' "
+        "(while parsing a flow mapping at line 3, column 29); "
+        "quote ${...} values inside {...} and [...]"
+    ]
+
+
+def test_duplicate_key_is_an_error_not_last_one_wins(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a:
+            plugin: cache
+            config:
+              capacity: 1GiB
+              capacity: 2GiB
+        """
+    ) == ['p.yaml:7:7: nodes.a.config.capacity: duplicate key "capacity" (first defined at line 6)']
+
+
+def test_duplicate_node_id_is_a_duplicate_mapping_key(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a: {plugin: cache, config: {capacity: 1GiB}}
+          b: {plugin: cache, config: {capacity: 1GiB}}
+          a: {plugin: cache, config: {capacity: 2GiB}}
+        """
+    ) == ['p.yaml:5:3: nodes.a: duplicate key "a" (first defined at line 3)']
+
+
+def test_unsupported_tag_is_reported_and_nothing_is_constructed(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a: !!python/object/apply:os.system {plugin: cache}
+        """
+    ) == ["p.yaml:3:6: nodes.a: unsupported YAML tag !!python/object/apply:os.system"]
+
+
+def test_empty_file_and_non_mapping_documents(problems: Check) -> None:
+    assert problems("") == ["p.yaml: <root>: the pipeline file is empty"]
+    assert problems("# only a comment\n") == ["p.yaml: <root>: the pipeline file is empty"]
+    assert problems("- a\n- b\n") == [
+        "p.yaml:1:1: <root>: a pipeline is a mapping with version and nodes, not a list"
+    ]
+
+
+# --------------------------------------------------------------------------- #
+# environment variables
+# --------------------------------------------------------------------------- #
+
+
+def test_unset_variable_is_reported_once_at_its_value(problems: Check) -> None:
+    # Only the variable: the unexpanded text failing ByteSize would repeat the same mistake.
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a:
+            plugin: cache
+            config:
+              capacity: ${CPU_CAPACITY}
+        """
+    ) == [
+        "p.yaml:6:17: nodes.a.config.capacity: environment variable ${CPU_CAPACITY} is not set "
+        "(give a default with ${CPU_CAPACITY:-value})"
+    ]
+
+
+def test_variables_and_defaults_expand_to_the_types_yaml_would_read(valid: Valid) -> None:
+    pipeline = valid(
+        """\
+        version: 1
+        nodes:
+          a:
+            plugin: cache
+            config:
+              capacity: ${CAPACITY:-2GiB}
+              min_blocks: ${MIN_BLOCKS}
+              checksums: ${CHECKSUMS:-true}
+              eviction: "${EVICTION:-fifo}"
+          n:
+            plugin: vllm
+            config:
+              connector: ${CONNECTOR}
+              kv_port: ${PORT:-5600}
+              engine_id: "${PORT:-5600}"
+              extra_config: {path: "$${HOME}/kv", empty: "${EMPTY:-fallback}"}
+        """,
+        env={"MIN_BLOCKS": "16", "CONNECTOR": "ExampleConnector", "EMPTY": ""},
+    )
+    cache, native = pipeline.node("a").config, pipeline.node("n").config
+    assert cache.model_dump() == {
+        "capacity": 2 * 1024**3,
+        "eviction": "fifo",
+        "min_blocks": 16,
+        "checksums": True,
+    }
+    assert pipeline.source["nodes"]["a"]["config"]["min_blocks"] == 16
+    assert native.connector == "ExampleConnector"
+    assert native.kv_port == 5600
+    # Quoted: stays a string even though it looks like a number.
+    assert native.engine_id == "5600"
+    assert native.extra_config == {"path": "${HOME}/kv", "empty": "fallback"}
+
+
+# --------------------------------------------------------------------------- #
+# plugins and keys
+# --------------------------------------------------------------------------- #
+
+
+def test_unknown_plugin_suggests_and_lists_installed(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a:
+            plugin: cahce
+        """
+    ) == [
+        'p.yaml:4:13: nodes.a.plugin: unknown plugin "cahce" (did you mean "cache"?); '
+        'installed: "blend", "cache", "tracker", "vllm"'
+    ]
+
+
+def test_unknown_plugin_without_a_close_match_lists_installed(problems: Check) -> None:
+    assert problems("version: 1\nnodes:\n  a: {plugin: zzz}\n") == [
+        'p.yaml:3:15: nodes.a.plugin: unknown plugin "zzz"; '
+        'installed: "blend", "cache", "tracker", "vllm"'
+    ]
+
+
+def test_unknown_keys_in_node_and_in_plugin_config(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a:
+            plugin: cache
+            neds: [b]
+            config:
+              capacity: 1GiB
+              evicton: lru
+        """
+    ) == [
+        'p.yaml:5:5: nodes.a.neds: unknown key "neds" (did you mean "needs"?); valid keys: '
+        '"config", "description", "enabled", "needs", "on_error", "plugin", "role"',
+        'p.yaml:8:7: nodes.a.config.evicton: unknown key "evicton" (did you mean "eviction"?); '
+        'valid keys: "capacity", "checksums", "eviction", "min_blocks"',
+    ]
+
+
+def test_unknown_top_level_key(problems: Check) -> None:
+    keys = ", ".join(f'"{k}"' for k in sorted(Pipeline.model_fields))
+    assert problems("version: 1\nnodes: {a: {plugin: tracker}}\nload_ordr: [a]\n") == [
+        'p.yaml:3:1: load_ordr: unknown key "load_ordr" (did you mean "load_order"?); '
+        f"valid keys: {keys}"
+    ]
+
+
+def test_wrong_types(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a:
+            plugin: cache
+            config:
+              capacity: lots
+              min_blocks: many
+              checksums: maybe
+          b: 5
+          c: {plugin: cache, config: [capacity]}
+        load_order: a
+        """
+    ) == [
+        'p.yaml:6:17: nodes.a.config.capacity: expected a size such as 8GiB, 512MB or a number '
+        'of bytes, got "lots"',
+        'p.yaml:7:19: nodes.a.config.min_blocks: expected an integer, got "many"',
+        'p.yaml:8:18: nodes.a.config.checksums: expected true or false, got "maybe"',
+        "p.yaml:9:6: nodes.b: expected a mapping, got 5",
+        "p.yaml:10:30: nodes.c.config: expected a mapping, got ['capacity']",
+        'p.yaml:11:13: load_order: expected a list, got "a"',
+    ]
+
+
+def test_missing_required_keys_are_reported_at_the_key_that_lacks_them(problems: Check) -> None:
+    assert problems(
+        """\
+        nodes:
+          a:
+            config: {capacity: 1GiB}
+          b:
+            plugin: cache
+            config:
+              eviction: lru
+        """
+    ) == [
+        'p.yaml:1:1: <root>: missing required key "version"',
+        'p.yaml:2:3: nodes.a: missing required key "plugin"',
+        'p.yaml:6:5: nodes.b.config: missing required key "capacity"',
+    ]
+
+
+def test_config_with_every_option_commented_out_means_no_options(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a:
+            plugin: cache
+            config:
+              # capacity: 1GiB
+        """
+    ) == ['p.yaml:5:5: nodes.a.config: missing required key "capacity"']
+
+
+def test_bad_enum_values_suggest_and_list_choices(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        kv_role: kv_prod
+        load_policy: longest
+        nodes:
+          a: {plugin: cache, role: loader, config: {capacity: 1GiB, eviction: lfu}}
+        """
+    ) == [
+        'p.yaml:2:10: kv_role: "kv_prod" is not allowed (did you mean "kv_producer"?); '
+        'expected one of "kv_both", "kv_consumer", "kv_producer"',
+        'p.yaml:3:14: load_policy: "longest" is not allowed (did you mean "longest_hit"?); '
+        'expected one of "first_hit", "longest_hit"',
+        'p.yaml:5:28: nodes.a.role: "loader" is not allowed (did you mean "load"?); '
+        'expected one of "both", "load", "save", "service", "transport"',
+        'p.yaml:5:71: nodes.a.config.eviction: "lfu" is not allowed (did you mean "lru"?); '
+        'expected one of "fifo", "lru"',
+    ]
+
+
+def test_unsupported_version_and_empty_nodes(problems: Check) -> None:
+    assert problems("version: 2\nnodes: {}\n") == [
+        "p.yaml:1:10: version: pipeline format version 2 is not supported; expected 1",
+        "p.yaml:2:8: nodes: a pipeline needs at least one node",
+    ]
+
+
+def test_hma_on_is_the_string_on_not_a_yaml_1_1_boolean(valid: Valid) -> None:
+    pipeline = valid(
+        """\
+        version: 1
+        hma: on
+        nodes:
+          a: {plugin: vllm, config: {connector: NixlConnector}}
+        """
+    )
+    assert pipeline.hma is True
+
+
+def test_sizes_parse_as_bytes(valid: Valid) -> None:
+    pipeline = valid(
+        """\
+        version: 1
+        nodes:
+          a: {plugin: cache, config: {capacity: 8GiB}}
+          b: {plugin: cache, config: {capacity: 1.5 MB}}
+          c: {plugin: cache, config: {capacity: 4096}}
+          d: {plugin: cache, config: {capacity: 2gib}}
+        """
+    )
+    assert [pipeline.node(n).config.capacity for n in "abcd"] == [
+        8 * 1024**3,
+        1_500_000,
+        4096,
+        2 * 1024**3,
+    ]
+
+
+def test_bad_size_unit(problems: Check) -> None:
+    assert problems("version: 1\nnodes: {a: {plugin: cache, config: {capacity: 8XiB}}}\n") == [
+        "p.yaml:2:47: nodes.a.config.capacity: expected a size unit such as B, KB, MB, GB, KiB, "
+        'MiB or GiB, got "8XiB"'
+    ]
+
+
+# --------------------------------------------------------------------------- #
+# node ids and dependencies
+# --------------------------------------------------------------------------- #
+
+
+def test_invalid_node_id(problems: Check) -> None:
+    assert problems("version: 1\nnodes:\n  1st cache: {plugin: tracker}\n") == [
+        "p.yaml:3:3: nodes.1st cache: node ids start with a letter and use letters, digits, "
+        "'-' and '_' only"
+    ]
+
+
+def test_needs_naming_a_missing_node_suggests_the_close_one(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          tracker: {plugin: tracker}
+          blend:
+            plugin: blend
+            needs: [tracker, trackr]
+        """
+    ) == [
+        'p.yaml:6:22: nodes.blend.needs[1]: node "trackr" does not exist '
+        '(did you mean "tracker"?); nodes: "blend", "tracker"'
+    ]
+
+
+def test_self_dependency_is_one_problem_not_also_a_cycle(problems: Check) -> None:
+    text = "version: 1\nnodes:\n  a: {plugin: cache, needs: [a], config: {capacity: 1}}\n"
+    assert problems(text) == ["p.yaml:3:30: nodes.a.needs[0]: a node cannot need itself"]
+
+
+def test_cycle_is_printed_as_its_full_path(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a: {plugin: tracker, needs: [b]}
+          b: {plugin: tracker, needs: [c]}
+          c: {plugin: tracker, needs: [a]}
+          d: {plugin: tracker, needs: [a]}
+        """
+    ) == ["p.yaml:3:32: nodes.a.needs[0]: dependency cycle: a -> b -> c -> a"]
+
+
+def test_needing_a_disabled_node(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          t: {plugin: tracker, enabled: false}
+          b: {plugin: blend, needs: [t]}
+        """
+    ) == [
+        # The tracker is off, so the blend node is left without a model too.
+        "p.yaml:4:29: nodes.b.needs: needs the model but no dependency provides it "
+        "(add a model-tracker node)",
+        'p.yaml:4:30: nodes.b.needs[0]: node "t" is disabled',
+    ]
+
+
+# --------------------------------------------------------------------------- #
+# load order, save targets and roles
+# --------------------------------------------------------------------------- #
+
+
+def test_load_order_and_save_to_problems(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          t: {plugin: tracker}
+          c: {plugin: cache, config: {capacity: 1GiB}}
+        load_order: [c, cc, c, t]
+        save_to: [t, c, c]
+        """
+    ) == [
+        'p.yaml:5:17: load_order[1]: node "cc" does not exist (did you mean "c"?); '
+        'nodes: "c", "t"',
+        'p.yaml:5:21: load_order[2]: node "c" is listed twice',
+        'p.yaml:5:24: load_order[3]: node "t" has role "service", which does not load; '
+        'roles that load: "both", "load", "transport"',
+        'p.yaml:6:11: save_to[0]: node "t" has role "service", which does not save; '
+        'roles that save: "both", "save", "transport"',
+        'p.yaml:6:17: save_to[2]: node "c" is listed twice',
+    ]
+
+
+def test_role_the_plugin_cannot_take(problems: Check) -> None:
+    assert problems("version: 1\nnodes:\n  t: {plugin: tracker, role: load}\n") == [
+        'p.yaml:3:30: nodes.t.role: plugin "tracker" cannot take role "load"; '
+        'expected one of "service"'
+    ]
+
+
+# --------------------------------------------------------------------------- #
+# capabilities across nodes
+# --------------------------------------------------------------------------- #
+
+
+def test_two_handshake_providers(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          nixl: {plugin: vllm, config: {connector: NixlConnector}}
+          mooncake: {plugin: vllm, config: {connector: MooncakeConnector}}
+        """
+    ) == [
+        'p.yaml:4:13: nodes.mooncake: both "nixl" and "mooncake" provide the P/D handshake; '
+        "at most one node may"
+    ]
+
+
+def test_two_memory_pools(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a: {plugin: vllm, config: {connector: A, capabilities: {provides_memory_pool: true}}}
+          b: {plugin: vllm, config: {connector: B, capabilities: {provides_memory_pool: true}}}
+        """
+    ) == [
+        'p.yaml:4:6: nodes.b: both "a" and "b" provide the KV cache memory pool; '
+        "at most one node may"
+    ]
+
+
+def test_disagreeing_kv_layouts(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a: {plugin: vllm, config: {connector: A, capabilities: {kv_layout: NHD}}}
+          b: {plugin: vllm, config: {connector: B}}
+          c: {plugin: vllm, config: {connector: C, capabilities: {kv_layout: HND}}}
+        """
+    ) == ['p.yaml:5:6: nodes.c: needs KV cache layout HND but "a" needs NHD; all nodes must agree']
+
+
+def test_hma_on_with_a_node_lacking_hma(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        hma: on
+        nodes:
+          nixl: {plugin: vllm, config: {connector: NixlConnector}}
+          disk: {plugin: vllm, config: {connector: ExampleConnector}}
+        """
+    ) == [
+        'p.yaml:5:9: nodes.disk: does not support the hybrid memory allocator, but "hma: on" '
+        "requires every node to (set hma: off or auto, or remove the node)"
+    ]
+
+
+def test_hma_auto_turns_off_when_a_node_lacks_it(valid: Valid) -> None:
+    both = "version: 1\nnodes:\n  a: {plugin: vllm, config: {connector: NixlConnector}}\n"
+    assert valid(both).hma is True
+    mixed = both + "  b: {plugin: vllm, config: {connector: ExampleConnector}}\n"
+    assert valid(mixed).hma is False
+
+
+def test_two_nodes_writing_the_same_transfer_params_key(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          nixl: {plugin: vllm, config: {connector: NixlConnector}}
+          mine:
+            plugin: vllm
+            config:
+              connector: Mine
+              capabilities: {transfer_params_keys: [remote_host, my_key]}
+        """
+    ) == [
+        'p.yaml:5:5: nodes.mine: writes kv_transfer_params key "remote_host", '
+        'which "nixl" writes too'
+    ]
+
+
+def test_node_needing_a_model_without_a_provider(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          tracker: {plugin: tracker}
+          blend: {plugin: blend}
+        """
+    ) == [
+        "p.yaml:4:10: nodes.blend.needs: needs the model but no dependency provides it "
+        "(add needs: [tracker])"
+    ]
+
+
+def test_model_provider_satisfies_the_need(valid: Valid) -> None:
+    pipeline = valid(
+        """\
+        version: 1
+        nodes:
+          blend: {plugin: blend, needs: [tracker]}
+          tracker: {plugin: tracker}
+        """
+    )
+    # Dependencies first, whatever the file order.
+    assert [n.id for n in pipeline.nodes] == ["tracker", "blend"]
+    assert pipeline.load_order == ("blend",)
+
+
+# --------------------------------------------------------------------------- #
+# all at once, in file order
+# --------------------------------------------------------------------------- #
+
+
+def test_every_problem_is_reported_at_once_in_file_order(problems: Check) -> None:
+    found = problems(
+        """\
+        version: 1
+        nodes:
+          a: {plugin: cahce}
+          b: {plugin: cache, config: {capacity: 1GiB, colour: red}}
+        load_order: [x]
+        """
+    )
+    assert [line.split(": ", 2)[:2] for line in found] == [
+        ["p.yaml:3:15", "nodes.a.plugin"],
+        ["p.yaml:4:47", "nodes.b.config.colour"],
+        ["p.yaml:5:14", "load_order[0]"],
+    ]
+
+
+def test_problems_carry_the_file_name_given(registry: object) -> None:
+    with pytest.raises(PipelineInvalid) as info:
+        validate_text("version: 1\nnodes: {}\n", file="conf/pipeline.yaml")
+    assert str(info.value) == "conf/pipeline.yaml:2:8: nodes: a pipeline needs at least one node"
+    assert info.value.problems[0].as_dict() == {
+        "file": "conf/pipeline.yaml",
+        "line": 2,
+        "column": 8,
+        "path": "nodes",
+        "message": "a pipeline needs at least one node",
+    }
