@@ -1,0 +1,57 @@
+"""The ``offload-cpu`` node's options (validated before vLLM starts)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
+
+
+class OffloadCPUConfig(BaseModel):
+    """A CPU memory tier for whole KV cache blocks, keyed by a chained hash of their tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    capacity: ByteSize = Field(
+        ByteSize(4 * 1024**3),
+        description=(
+            "Host memory of the block pool per worker, e.g. 8GiB. Slots = capacity // bytes "
+            "of one KV block (all layers); the pool is preallocated and never grows."
+        ),
+    )
+    eviction: Literal["lru"] = Field(
+        "lru", description="What to drop when the pool is full: least recently used block."
+    )
+    save: Literal["prompt", "all"] = Field(
+        "prompt",
+        description=(
+            '"prompt": store the full blocks of the prompt only; '
+            '"all": also the full blocks produced while decoding.'
+        ),
+    )
+    min_blocks: int = Field(
+        1, ge=1, description="Serve a hit only when at least this many blocks can be loaded."
+    )
+    load_mode: Literal["sync", "async"] = Field(
+        "sync",
+        description=(
+            '"sync": blocks are copied into vLLM\'s cache before the forward that needs them; '
+            '"async": vLLM\'s async-load protocol (the request waits while a background '
+            "thread copies, then reports it finished)."
+        ),
+    )
+    save_mode: Literal["sync", "async"] = Field(
+        "async",
+        description=(
+            '"async": saves run on a background thread and overlap the next forward '
+            "(a finished request's blocks are held until saved); "
+            '"sync": saves finish inside wait_for_save.'
+        ),
+    )
+    checksums: bool = Field(
+        False,
+        description=(
+            "Checksum every block at save and verify it at load; a mismatch becomes a load "
+            "error and vLLM recomputes the block."
+        ),
+    )

@@ -1,0 +1,142 @@
+"""The scheduler half's index: block key -> slot of the host pool, LRU, pins.
+
+The index never touches bytes. A slot's *generation* grows every time the slot
+is given to a new key, so a worker can tell a slot that was overwritten from
+the one a load was planned against.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+
+
+class Entry:
+    __slots__ = ("key", "slot", "gen", "ready", "pins", "dropped")
+
+    def __init__(self, key: bytes, slot: int, gen: int) -> None:
+        self.key = key
+        self.slot = slot
+        self.gen = gen
+        #: False while the save is in flight: not a hit until every worker confirms it.
+        self.ready = False
+        #: Pending loads reading this slot; a pinned slot is never evicted or reused.
+        self.pins = 0
+        #: Removed from the index while pinned; the slot is freed at the last unpin.
+        self.dropped = False
+
+    def __repr__(self) -> str:
+        state = "ready" if self.ready else "saving"
+        return f"Entry(slot={self.slot}, gen={self.gen}, {state}, pins={self.pins})"
+
+
+class BlockIndex:
+    """Maps block keys to slots of a pool of ``num_slots`` blocks (LRU eviction)."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 0:
+            raise ValueError("num_slots must be >= 0")
+        self.num_slots = num_slots
+        self._entries: dict[bytes, Entry] = {}
+        #: Ready entries, least recently used first.
+        self._lru: OrderedDict[bytes, Entry] = OrderedDict()
+        #: Free slots, lowest first (consecutive saves get consecutive slots).
+        self._free: list[int] = list(range(num_slots))
+        self._gen: list[int] = [0] * num_slots
+        self._by_slot: list[Entry | None] = [None] * num_slots
+        self.evictions = 0
+
+    # -- queries ------------------------------------------------------------ #
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def get(self, key: bytes) -> Entry | None:
+        return self._entries.get(key)
+
+    def ready(self, key: bytes) -> Entry | None:
+        """The entry for ``key`` if it can be served now (saved and confirmed)."""
+        entry = self._entries.get(key)
+        return entry if entry is not None and entry.ready else None
+
+    def current(self, slot: int, gen: int) -> Entry | None:
+        """The live entry holding ``slot`` at generation ``gen``, if any."""
+        if not 0 <= slot < self.num_slots or self._gen[slot] != gen:
+            return None
+        entry = self._by_slot[slot]
+        return entry if entry is not None and not entry.dropped else None
+
+    # -- updates ------------------------------------------------------------ #
+
+    def touch(self, entry: Entry) -> None:
+        if entry.ready and entry.key in self._lru:
+            self._lru.move_to_end(entry.key)
+
+    def allocate(self, key: bytes) -> Entry | None:
+        """A slot for a new block (evicting the LRU unpinned one if full), or None."""
+        if key in self._entries:
+            raise KeyError(f"key already indexed: {key.hex()}")
+        if self._free:
+            slot = heapq.heappop(self._free)
+        else:
+            victim = next((e for e in self._lru.values() if e.pins == 0), None)
+            if victim is None:
+                return None
+            self._remove(victim)
+            self.evictions += 1
+            slot = victim.slot
+        self._gen[slot] += 1
+        entry = Entry(key, slot, self._gen[slot])
+        self._entries[key] = entry
+        self._by_slot[slot] = entry
+        return entry
+
+    def mark_ready(self, entry: Entry) -> None:
+        if entry.dropped or self._entries.get(entry.key) is not entry:
+            return
+        entry.ready = True
+        self._lru[entry.key] = entry
+        self._lru.move_to_end(entry.key)
+
+    def drop(self, entry: Entry) -> None:
+        """Forget ``entry`` (failed save, corrupt data); its slot is freed once unpinned."""
+        if self._entries.get(entry.key) is not entry:
+            return
+        if entry.pins:
+            del self._entries[entry.key]
+            self._lru.pop(entry.key, None)
+            entry.dropped = True
+        else:
+            self._remove(entry)
+            self._by_slot[entry.slot] = None
+            heapq.heappush(self._free, entry.slot)
+
+    def pin(self, entry: Entry) -> None:
+        entry.pins += 1
+
+    def unpin(self, entry: Entry) -> None:
+        entry.pins -= 1
+        assert entry.pins >= 0, entry
+        if entry.pins == 0 and entry.dropped:
+            entry.dropped = False  # freed once
+            if self._by_slot[entry.slot] is entry:
+                self._by_slot[entry.slot] = None
+            heapq.heappush(self._free, entry.slot)
+
+    def reset(self) -> int:
+        """Drop every ready, unpinned entry (``reset_cache``); returns how many."""
+        victims = [e for e in self._lru.values() if e.pins == 0]
+        for entry in victims:
+            self.drop(entry)
+        return len(victims)
+
+    def _remove(self, entry: Entry) -> None:
+        del self._entries[entry.key]
+        self._lru.pop(entry.key, None)

@@ -1,0 +1,40 @@
+"""Discovery: registers the ``offload-cpu`` plugin type. Light on purpose (no torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import BaseModel
+
+from composer.hookspecs import hookimpl
+from composer.plugin_types import Capabilities, PluginType
+from kvc_offload_cpu.config import OffloadCPUConfig
+
+
+def capabilities(config: BaseModel) -> Capabilities:
+    assert isinstance(config, OffloadCPUConfig)
+    return Capabilities(
+        # One block table (vLLM's non-hybrid manager); sliding-window / mamba
+        # groups of the hybrid manager are not handled, so HMA stays off.
+        hma=False,
+        kv_cache_groups="all",
+        async_save=config.save_mode == "async",
+        async_load=config.load_mode == "async",
+    )
+
+
+OFFLOAD_CPU = PluginType(
+    name="offload-cpu",
+    node="kvc_offload_cpu.node:CPUOffloadNode",
+    config=OffloadCPUConfig,
+    description="CPU memory tier: whole KV blocks in a preallocated host pool, LRU, prefix hits.",
+    default_role="both",
+    roles=frozenset({"load", "save", "both"}),
+    capabilities=capabilities(OffloadCPUConfig()),
+    capabilities_for=capabilities,
+)
+
+
+@hookimpl
+def register_plugin_types(register: Callable[[PluginType], None]) -> None:
+    register(OFFLOAD_CPU)

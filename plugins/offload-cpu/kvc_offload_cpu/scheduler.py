@@ -1,0 +1,322 @@
+"""The scheduler half: owns the index, answers lookups, plans loads and saves.
+
+It runs in vLLM's EngineCore process and never touches KV bytes. Every step it
+tells the worker half, through :class:`~kvc_offload_cpu.metadata.OffloadMetadata`,
+which slots to load into which blocks and which blocks to save into which
+slots; the workers confirm through
+:class:`~kvc_offload_cpu.metadata.OffloadWorkerMeta`. A block being saved is no
+hit until every worker confirmed it; a slot with a pending load is pinned.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from composer.stats import NodeStats
+from kvc_offload_cpu.config import OffloadCPUConfig
+from kvc_offload_cpu.index import BlockIndex, Entry
+from kvc_offload_cpu.keys import RequestKeys
+from kvc_offload_cpu.layout import BlockLayout
+from kvc_offload_cpu.metadata import OffloadMetadata, OffloadWorkerMeta, SlotGen, Transfer
+
+
+class _Req:
+    __slots__ = ("view", "keys", "block_ids", "next_save", "inflight", "lookup", "finished")
+
+    def __init__(self, view: Any, hash_ratio: int | None) -> None:
+        self.view = view
+        self.keys = RequestKeys(hash_ratio)
+        self.block_ids: list[list[int]] = []
+        #: Blocks below this index are stored, being stored, or skipped.
+        self.next_save = 0
+        #: Saves of this request not yet confirmed by every worker.
+        self.inflight: set[SlotGen] = set()
+        #: (num_computed_tokens, hit blocks) of the last lookup.
+        self.lookup: tuple[int, int] | None = None
+        self.finished = False
+
+
+class _PendingSave:
+    __slots__ = ("entry", "req", "confirmations")
+
+    def __init__(self, entry: Entry, req: _Req) -> None:
+        self.entry = entry
+        self.req = req
+        self.confirmations = 0
+
+
+class _PendingLoad:
+    __slots__ = ("entries", "confirmations")
+
+    def __init__(self, entries: list[Entry]) -> None:
+        self.entries = entries
+        self.confirmations = 0
+
+
+class SchedulerHalf:
+    def __init__(
+        self,
+        config: OffloadCPUConfig,
+        layout: BlockLayout,
+        *,
+        stats: NodeStats,
+        log: Any,
+        node_role: str = "both",
+        num_workers: int = 1,
+        hash_block_size: int | None = None,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.stats = stats
+        self.log = log
+        self.num_workers = max(1, num_workers)
+        self.serves = node_role in ("load", "both")
+        self.saves = node_role in ("save", "both")
+        self.num_slots = int(config.capacity) // layout.slot_bytes if layout.slot_bytes else 0
+        self.index = BlockIndex(self.num_slots)
+        self.disabled_reason: str | None = None
+        if layout.num_groups > 1 and any(k != "attention" for k in layout.group_kinds):
+            self.disabled_reason = f"KV cache groups {layout.group_kinds} need the hybrid manager"
+        elif self.num_slots == 0:
+            self.disabled_reason = (
+                f"capacity {config.capacity.human_readable()} holds no block "
+                f"of {layout.slot_bytes} bytes"
+            )
+        if self.disabled_reason:
+            log.warning("offload-cpu disabled", reason=self.disabled_reason)
+            stats.disabled = True
+        hbs = hash_block_size or self.block_size
+        self.hash_ratio = self.block_size // hbs if self.block_size % hbs == 0 else None
+        self._reqs: dict[str, _Req] = {}
+        self._saving: dict[SlotGen, _PendingSave] = {}
+        self._loading: dict[str, deque[_PendingLoad]] = {}
+        self._pending_loads: list[Transfer] = []
+        self._pending_hold: list[str] = []
+        self._evictions_seen = 0
+        log.info(
+            "offload-cpu scheduler",
+            slots=self.num_slots,
+            slot_bytes=layout.slot_bytes,
+            block_size=self.block_size,
+            vllm_hashes=self.hash_ratio is not None,
+        )
+
+    # -- requests ------------------------------------------------------------ #
+
+    def _req(self, request: Any) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.finished:
+            st = _Req(request, self.hash_ratio)
+            self._reqs[request.request_id] = st
+        else:
+            st.view = request
+        return st
+
+    def on_new_request(self, request: Any) -> None:
+        self._req(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self.serves or self.disabled_reason:
+            return 0, False
+        st = self._req(request)
+        bs = self.block_size
+        # Leave at least one token to compute; only whole blocks are served.
+        max_blocks = max(0, request.num_tokens - 1) // bs
+        start = num_computed_tokens // bs
+        hit = 0
+        if num_computed_tokens % bs == 0 and start < max_blocks:
+            available = st.keys.ensure(request, max_blocks, bs)
+            for k in range(start, available):
+                if self.index.ready(st.keys.keys[k]) is None:
+                    break
+                hit += 1
+        if hit < self.config.min_blocks:
+            hit = 0
+        st.lookup = (num_computed_tokens, hit)
+        return hit * bs, hit > 0 and self.config.load_mode == "async"
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
+        st = self._req(request)
+        st.block_ids = [list(ids) for ids in block_ids]
+        if num_external_tokens == 0:
+            if st.lookup is not None:  # first allocation of a request we looked up
+                self.stats.lookups += 1
+                self.stats.extra["misses"] = self.stats.extra.get("misses", 0) + 1
+                st.lookup = None
+            return
+        bs = self.block_size
+        computed = st.lookup[0] if st.lookup is not None else 0
+        st.lookup = None
+        start, n = computed // bs, num_external_tokens // bs
+        self.stats.lookups += 1
+        self.stats.hits += 1
+        self.stats.tokens_hit += num_external_tokens
+        transfer = Transfer(request.request_id, [], [], [[] for _ in block_ids], [])
+        entries: list[Entry] = []
+        for k in range(start, start + n):
+            entry = self.index.ready(st.keys.keys[k]) if k < len(st.keys.keys) else None
+            if entry is None:  # cannot happen between lookup and alloc; fail it safely
+                transfer.slots.append(-1)
+                transfer.gens.append(-1)
+            else:
+                self.index.pin(entry)
+                self.index.touch(entry)
+                entries.append(entry)
+                transfer.slots.append(entry.slot)
+                transfer.gens.append(entry.gen)
+            for g, ids in enumerate(block_ids):
+                transfer.block_ids[g].append(ids[k])
+            transfer.positions.append(k)
+        # Saving skips the loaded blocks by key (they are in the index).
+        self._loading.setdefault(request.request_id, deque()).append(_PendingLoad(entries))
+        self._pending_loads.append(transfer)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return False, None
+        st.finished = True
+        hold = bool(st.inflight) and self.config.save_mode == "async"
+        if hold:
+            self._pending_hold.append(request.request_id)
+        else:
+            self._forget(st)
+        return hold, None
+
+    def _forget(self, st: _Req) -> None:
+        rid = st.view.request_id
+        if self._reqs.get(rid) is st:
+            del self._reqs[rid]
+
+    # -- steps --------------------------------------------------------------- #
+
+    def build_connector_meta(self, step: Any) -> OffloadMetadata:
+        meta = OffloadMetadata(
+            loads=self._pending_loads,
+            hold=self._pending_hold,
+            preempted=sorted(step.preempted_request_ids),
+            async_loads=self.config.load_mode == "async",
+        )
+        self._pending_loads = []
+        self._pending_hold = []
+        for sched in step.requests:
+            st = self._reqs.get(sched.request_id)
+            if st is None:
+                continue
+            if sched.block_ids is not None:
+                if sched.is_new or sched.resumed or not st.block_ids:
+                    st.block_ids = [list(ids) for ids in sched.block_ids]
+                else:
+                    for g, ids in enumerate(sched.block_ids):
+                        st.block_ids[g].extend(ids)
+            if self.saves and not self.disabled_reason:
+                self._plan_saves(st, sched, meta)
+        self._update_gauges()
+        return meta
+
+    def _plan_saves(self, st: _Req, sched: Any, meta: OffloadMetadata) -> None:
+        view = st.view
+        done = min(sched.num_computed_tokens + sched.num_scheduled_tokens, view.num_tokens)
+        if self.config.save == "prompt":
+            done = min(done, view.num_prompt_tokens)
+        full = min(done // self.block_size, len(st.block_ids[0]) if st.block_ids else 0)
+        if full <= st.next_save:
+            return
+        available = st.keys.ensure(view, full, self.block_size)
+        transfer: Transfer | None = None
+        k = st.next_save
+        while k < available:
+            key = st.keys.keys[k]
+            entry = self.index.get(key)
+            if entry is not None:  # stored or being stored (maybe by another request)
+                self.index.touch(entry)
+                k += 1
+                continue
+            entry = self.index.allocate(key)
+            if entry is None:  # every slot pinned or in flight: try again next step
+                self.stats.extra["save_skipped_full"] = (
+                    self.stats.extra.get("save_skipped_full", 0) + 1
+                )
+                break
+            if transfer is None:
+                transfer = Transfer(view.request_id, [], [], [[] for _ in st.block_ids], [])
+                meta.saves.append(transfer)
+            transfer.slots.append(entry.slot)
+            transfer.gens.append(entry.gen)
+            for g, ids in enumerate(st.block_ids):
+                transfer.block_ids[g].append(ids[k])
+            transfer.positions.append(k)
+            sg = (entry.slot, entry.gen)
+            self._saving[sg] = _PendingSave(entry, st)
+            st.inflight.add(sg)
+            k += 1
+        st.next_save = k
+
+    def update_connector_output(self, worker_meta: OffloadWorkerMeta | None) -> None:
+        if worker_meta is None:
+            return
+        for sg, n in worker_meta.saved.items():
+            pending = self._saving.get(sg)
+            if pending is None:
+                continue
+            pending.confirmations += n
+            if pending.confirmations >= self.num_workers:
+                del self._saving[sg]
+                self.index.mark_ready(pending.entry)
+                self._save_resolved(pending, sg)
+        for sg in worker_meta.save_failed:
+            pending = self._saving.pop(sg, None)
+            if pending is not None:
+                self.index.drop(pending.entry)
+                self._save_resolved(pending, sg)
+        for rid, n in worker_meta.loaded.items():
+            queue = self._loading.get(rid)
+            while queue and n > 0:
+                take = min(n, self.num_workers - queue[0].confirmations)
+                queue[0].confirmations += take
+                n -= take
+                if queue[0].confirmations >= self.num_workers:
+                    for entry in queue.popleft().entries:
+                        self.index.unpin(entry)
+            if queue is not None and not queue:
+                del self._loading[rid]
+        for slot, gen in worker_meta.load_failed:
+            entry = self.index.current(slot, gen)
+            if entry is not None:
+                self.index.drop(entry)
+                self.stats.extra["dropped_bad_blocks"] = (
+                    self.stats.extra.get("dropped_bad_blocks", 0) + 1
+                )
+        for rid, position in worker_meta.req_load_failed.items():
+            st = self._reqs.get(rid)
+            if st is not None:  # vLLM recomputes from there: save those blocks again
+                st.next_save = min(st.next_save, position)
+        self._update_gauges()
+
+    def _save_resolved(self, pending: _PendingSave, sg: SlotGen) -> None:
+        st = pending.req
+        st.inflight.discard(sg)
+        if st.finished and not st.inflight:
+            self._forget(st)
+
+    def reset_cache(self) -> bool:
+        dropped = self.index.reset()
+        self.log.info("offload-cpu reset", dropped=dropped)
+        return True
+
+    def _update_gauges(self) -> None:
+        extra = self.stats.extra
+        new = self.index.evictions - self._evictions_seen
+        if new:
+            extra["evictions"] = extra.get("evictions", 0) + new
+            self._evictions_seen = self.index.evictions
+        extra["pool_slots"] = self.num_slots
+        extra["pool_slots_used"] = self.index.used_slots
+        extra["pool_bytes_used"] = self.index.used_slots * self.layout.slot_bytes
+        extra["pool_use"] = self.index.used_slots / self.num_slots if self.num_slots else 0.0

@@ -1,0 +1,320 @@
+"""The worker half: the host pool and the copies, driven by the scheduler's metadata.
+
+Runs in each vLLM worker process. Loads (sync mode) run in ``start_load_kv``,
+before any layer of the forward; saves are submitted in ``wait_for_save``,
+after the forward computed the blocks, and run on a background thread (or
+inline with ``save_mode: sync``). Results travel back to the scheduler half in
+:class:`~kvc_offload_cpu.metadata.OffloadWorkerMeta`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from composer.kv_caches import CanonicalKVCaches
+from composer.stats import NodeStats
+from kvc_offload_cpu.config import OffloadCPUConfig
+from kvc_offload_cpu.datapath import HostPool, RegionPlan
+from kvc_offload_cpu.layout import BlockLayout
+from kvc_offload_cpu.metadata import OffloadMetadata, OffloadWorkerMeta, Transfer
+
+GiB = float(1 << 30)
+
+
+@dataclass
+class _SaveResult:
+    slots: list[int]
+    gens: list[int]
+    req_ids: list[str]  # one per transfer
+    seconds: float = 0.0
+    error: BaseException | None = None
+
+
+@dataclass
+class _LoadResult:
+    transfers: list[Transfer]
+    ok: list[bool] = field(default_factory=list)  # per block, in transfer order
+    stale: list[bool] = field(default_factory=list)  # slot overwritten / never written
+    seconds: float = 0.0
+    error: BaseException | None = None
+
+
+class WorkerHalf:
+    def __init__(
+        self,
+        config: OffloadCPUConfig,
+        layout: BlockLayout | None,
+        *,
+        stats: NodeStats,
+        log: Any,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.stats = stats
+        self.log = log
+        self.pool: HostPool | None = None
+        self.block_size = layout.block_size if layout else 0
+        self._slot_gen: list[int] = []
+        self._meta: OffloadMetadata | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._futures: list[tuple[Future[Any], Callable[[Any], None]]] = []
+        self._wmeta = OffloadWorkerMeta()
+        self._load_errors: set[int] = set()
+        self._step_failed: set[str] = set()
+        self._held: set[str] = set()
+        self._inflight: dict[str, int] = {}
+        self._recving: set[str] = set()
+        self._recving_done: set[str] = set()
+
+    # -- setup --------------------------------------------------------------- #
+
+    def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
+        plans: list[RegionPlan] = []
+        offset = 0
+        for group in kv_caches.groups:
+            for rid in group.region_ids:
+                region = kv_caches.regions[rid].tensor
+                plans.append(RegionPlan(group.group_id, region, offset, int(region.shape[1])))
+                offset += int(region.shape[1])
+        slot_bytes = offset
+        if len(kv_caches.groups) == 1 and slot_bytes != kv_caches.bytes_per_block:
+            self.log.warning(
+                "offload-cpu: canonical regions of the group differ from bytes_per_block",
+                slot_bytes=slot_bytes, bytes_per_block=kv_caches.bytes_per_block,
+            )
+        if self.layout is not None:
+            # Same slot count as the scheduler half (it computed it from the same config).
+            num_slots = int(self.config.capacity) // self.layout.slot_bytes
+            if self.layout.slot_bytes != slot_bytes:
+                self.log.warning(
+                    "offload-cpu: KVCacheConfig bytes per block differ from the canonical view",
+                    kv_cache_config=self.layout.slot_bytes, canonical=slot_bytes,
+                )
+        else:
+            num_slots = int(self.config.capacity) // slot_bytes if slot_bytes else 0
+        if not self.block_size:
+            self.block_size = kv_caches.groups[0].block_size if kv_caches.groups else 0
+        device = plans[0].region.device if plans else torch.device("cpu")
+        pin = device.type == "cuda" and torch.cuda.is_available()
+        self.pool = HostPool(plans, num_slots, pin=pin)
+        self._slot_gen = [0] * num_slots
+        if self.config.save_mode == "async" or self.config.load_mode == "async":
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvc-offload-cpu")
+        self.stats.extra["pool_bytes"] = self.pool.nbytes
+        self.log.info(
+            "offload-cpu worker pool",
+            slots=num_slots, slot_bytes=slot_bytes, regions=len(plans),
+            pool_gib=round(self.pool.nbytes / GiB, 3), pinned=pin, device=str(device),
+        )
+
+    # -- per step ------------------------------------------------------------ #
+
+    def bind_connector_metadata(self, metadata: OffloadMetadata | None) -> None:
+        self._meta = metadata
+        self._step_failed = set()
+        if metadata is not None:
+            self._held.update(metadata.hold)
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = None
+
+    def handle_preemptions(self, metadata: OffloadMetadata | None) -> None:
+        # A preempted request's blocks are reused right away: finish reading them first.
+        if metadata is not None and metadata.preempted:
+            self.drain()
+
+    def start_load_kv(self) -> None:
+        meta = self._meta
+        if meta is None or not meta.loads or self.pool is None:
+            return
+        transfers = meta.loads
+        if meta.async_loads and self._executor is not None:
+            for t in transfers:
+                self._recving.add(t.req_id)
+            fut = self._executor.submit(self._load, transfers)
+            self._futures.append((fut, self._finish_load))
+        else:
+            self._finish_load(self._load(transfers))
+
+    def wait_for_save(self) -> None:
+        meta = self._meta
+        if meta is None or not meta.saves or self.pool is None:
+            return
+        slots: list[int] = []
+        gens: list[int] = []
+        ids: list[list[int]] = [[] for _ in meta.saves[0].block_ids]
+        req_ids: list[str] = []
+        for t in meta.saves:
+            if t.req_id in self._step_failed:
+                # Its blocks were computed over a failed load this step: never store them.
+                self._wmeta.save_failed.update(zip(t.slots, t.gens, strict=True))
+                continue
+            slots += t.slots
+            gens += t.gens
+            for g, block_ids in enumerate(t.block_ids):
+                ids[g] += block_ids
+            req_ids.append(t.req_id)
+        if not slots:
+            return
+        for s in slots:
+            self._slot_gen[s] = -1  # being written: no load may read it
+        for rid in req_ids:
+            self._inflight[rid] = self._inflight.get(rid, 0) + 1
+        result = _SaveResult(slots, gens, req_ids)
+        if self.config.save_mode == "async" and self._executor is not None:
+            event = None
+            if self.pool.device.type == "cuda":  # pragma: no cover - needs a GPU
+                event = torch.cuda.Event()
+                event.record()
+            fut = self._executor.submit(self._save, result, ids, event)
+            self._futures.append((fut, self._finish_save))
+        else:
+            self._finish_save(self._save(result, ids, None))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._collect()
+        sending = {rid for rid in self._held if not self._inflight.get(rid)}
+        self._held -= sending
+        recving, self._recving_done = self._recving_done, set()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._collect()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> OffloadWorkerMeta | None:
+        self._collect()
+        out, self._wmeta = self._wmeta, OffloadWorkerMeta()
+        return None if out.is_empty() else out
+
+    def drain(self) -> None:
+        """Wait for every background copy and fold its results in."""
+        for fut, _ in list(self._futures):
+            fut.exception()
+        self._collect()
+
+    def shutdown(self) -> None:
+        self.drain()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # -- copies (maybe on the background thread) ----------------------------- #
+
+    def _save(self, result: _SaveResult, ids: list[list[int]], event: Any) -> _SaveResult:
+        assert self.pool is not None
+        try:
+            result.seconds = self.pool.save(
+                result.slots, ids, with_checksums=self.config.checksums, ready_event=event
+            )
+            for s, g in zip(result.slots, result.gens, strict=True):
+                self._slot_gen[s] = g
+        except BaseException as exc:  # reported as failed saves, never raised into vLLM
+            result.error = exc
+        return result
+
+    def _load(self, transfers: list[Transfer]) -> _LoadResult:
+        assert self.pool is not None
+        result = _LoadResult(transfers)
+        slots: list[int] = []
+        ids: list[list[int]] = [[] for _ in transfers[0].block_ids]
+        for t in transfers:
+            for i, (s, g) in enumerate(zip(t.slots, t.gens, strict=True)):
+                stale = not (0 <= s < len(self._slot_gen)) or self._slot_gen[s] != g
+                result.stale.append(stale)
+                if not stale:
+                    slots.append(s)
+                    for grp, block_ids in enumerate(t.block_ids):
+                        ids[grp].append(block_ids[i])
+        try:
+            ok: list[bool] = []
+            if slots:
+                ok, result.seconds = self.pool.load(slots, ids, verify=self.config.checksums)
+            it = iter(ok)
+            result.ok = [False if stale else next(it) for stale in result.stale]
+        except BaseException as exc:
+            result.error = exc
+            result.ok = [False] * len(result.stale)
+        return result
+
+    # -- results (main thread) ----------------------------------------------- #
+
+    def _collect(self) -> None:
+        while self._futures and self._futures[0][0].done():
+            fut, finish = self._futures.pop(0)
+            finish(fut.result())
+
+    def _finish_save(self, result: _SaveResult) -> None:
+        for rid in result.req_ids:
+            left = self._inflight.get(rid, 0) - 1
+            if left > 0:
+                self._inflight[rid] = left
+            else:
+                self._inflight.pop(rid, None)
+        pairs = list(zip(result.slots, result.gens, strict=True))
+        if result.error is not None:
+            self.log.error("offload-cpu save failed", error=repr(result.error), blocks=len(pairs))
+            self.stats.errors += 1
+            self._wmeta.save_failed.update(pairs)
+            return
+        for sg in pairs:
+            self._wmeta.saved[sg] = self._wmeta.saved.get(sg, 0) + 1
+        assert self.pool is not None
+        n = len(pairs)
+        self.stats.tokens_saved += n * self.block_size
+        self.stats.bytes_saved += n * self.pool.slot_bytes
+        self._add_time("save", result.seconds, self.stats.bytes_saved)
+
+    def _finish_load(self, result: _LoadResult) -> None:
+        assert self.pool is not None
+        if result.error is not None:
+            self.log.error("offload-cpu load failed", error=repr(result.error))
+            self.stats.errors += 1
+        i = 0
+        good = 0
+        for t in result.transfers:
+            self._wmeta.loaded[t.req_id] = self._wmeta.loaded.get(t.req_id, 0) + 1
+            self._recving_done_add(t.req_id)
+            for j in range(len(t)):
+                if result.ok[i]:
+                    good += 1
+                else:
+                    for block_ids in t.block_ids:
+                        self._load_errors.add(block_ids[j])
+                    self._step_failed.add(t.req_id)
+                    pos = t.positions[j]
+                    old = self._wmeta.req_load_failed.get(t.req_id)
+                    self._wmeta.req_load_failed[t.req_id] = pos if old is None else min(old, pos)
+                    kind = "stale_slot_loads" if result.stale[i] else "checksum_failures"
+                    if result.error is not None:
+                        kind = "load_exceptions"
+                    if not result.stale[i]:  # corrupt data in a live slot: drop it
+                        self._wmeta.load_failed.add((t.slots[j], t.gens[j]))
+                    self.stats.extra[kind] = self.stats.extra.get(kind, 0) + 1
+                    self.stats.extra["load_errors"] = self.stats.extra.get("load_errors", 0) + 1
+                i += 1
+        bad = i - good
+        if bad:
+            self.stats.errors += bad
+            self.log.warning("offload-cpu: blocks failed to load; vLLM recomputes them", blocks=bad)
+        self.stats.tokens_loaded += good * self.block_size
+        self.stats.bytes_loaded += good * self.pool.slot_bytes
+        self._add_time("load", result.seconds, self.stats.bytes_loaded)
+
+    def _recving_done_add(self, rid: str) -> None:
+        if rid in self._recving:
+            self._recving.discard(rid)
+            self._recving_done.add(rid)
+
+    def _add_time(self, what: str, seconds: float, total_bytes: int) -> None:
+        extra = self.stats.extra
+        key = f"{what}_copy_s"
+        extra[key] = extra.get(key, 0.0) + seconds
+        if extra[key] > 0:
+            extra[f"{what}_gib_s"] = total_bytes / extra[key] / GiB
