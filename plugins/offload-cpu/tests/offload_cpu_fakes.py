@@ -1,0 +1,282 @@
+"""Fakes and a tiny vLLM-like driver for the offload-cpu unit tests.
+
+The KV cache is real: a bf16 tensor laid out like vLLM's CPU backend
+(block-outermost, all layers of a block in one row), seen through a real
+``CanonicalKVCaches`` (one int8 region ``[num_blocks, bytes_per_block]``).
+vLLM's ``KVCacheConfig`` dataclasses are used when vLLM is importable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from composer.kv_caches import CanonicalKVCaches, KVGroup, KVRegion
+from composer.plugin import NodeContext
+from composer.views import RequestView, StepView
+from kvc_offload_cpu.config import OffloadCPUConfig
+from kvc_offload_cpu.node import CPUOffloadNode
+
+BLOCK = 32
+LAYERS = 2
+KV_HEADS = 2
+HEAD = 32
+PAGE = BLOCK * KV_HEADS * 2 * HEAD * 2  # bf16: 8 KiB per layer per block
+SLOT = LAYERS * PAGE
+
+
+def kv_cache_config(num_blocks: int) -> Any:
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    try:
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+        )
+    except ImportError:  # pragma: no cover
+        spec = SimpleNamespace(block_size=BLOCK, page_size_bytes=PAGE)
+        return SimpleNamespace(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[SimpleNamespace(layers=layers)],
+            kv_cache_groups=[SimpleNamespace(layer_names=layers, kv_cache_spec=spec)],
+            hash_block_size=BLOCK,
+        )
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.bfloat16
+    )
+    assert spec.page_size_bytes == PAGE
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=num_blocks * SLOT, layers=layers, layer_stride=PAGE, block_stride=SLOT
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)],
+        hash_block_size=BLOCK,
+    )
+
+
+def canonical(num_blocks: int) -> tuple[CanonicalKVCaches, dict[str, torch.Tensor]]:
+    """vLLM CPU layout: [num_blocks, layers, kv_heads, block_size, 2*head] bf16, one allocation."""
+    alloc = torch.zeros(num_blocks, LAYERS, KV_HEADS, BLOCK, 2 * HEAD, dtype=torch.bfloat16)
+    layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
+    raw = {name: alloc[:, i] for i, name in enumerate(layers)}
+    region = alloc.view(torch.int8).reshape(num_blocks, SLOT)
+    caches = CanonicalKVCaches(
+        num_blocks=num_blocks,
+        regions=(KVRegion(region, layers),),
+        groups=(KVGroup(0, "attention", BLOCK, layers, (0,)),),
+    )
+    return caches, raw
+
+
+def content(tokens: list[int], block: int) -> torch.Tensor:
+    """What a forward writes into block ``block`` given the tokens so far (deterministic)."""
+    seed = int.from_bytes(
+        hashlib.blake2b(repr(tokens[: (block + 1) * BLOCK]).encode(), digest_size=8).digest(),
+        "little",
+    )
+    g = torch.Generator().manual_seed(seed & (2**63 - 1))
+    return torch.randint(-128, 128, (SLOT,), generator=g, dtype=torch.int8)
+
+
+@dataclass
+class FakeRequest:
+    """The attributes of vLLM's ``Request`` that ``RequestView`` reads."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+@dataclass
+class NewReq:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class CachedReqs:
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    all_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class FakeSchedulerOutput:
+    """The attributes of vLLM's ``SchedulerOutput`` that ``StepView`` reads."""
+
+    scheduled_new_reqs: list[NewReq] = field(default_factory=list)
+    scheduled_cached_reqs: CachedReqs = field(default_factory=CachedReqs)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Running:
+    req: FakeRequest
+    view: RequestView
+    block_ids: list[int]
+    num_computed: int
+    loaded: int  # external tokens loaded at admission
+
+
+class Engine:
+    """Drives a scheduler node and a worker node the way vLLM calls a connector.
+
+    One request per step keeps it simple; ``forward`` writes deterministic
+    content (a function of the tokens) into the blocks it computes, so a test
+    can tell loaded bytes from computed ones.
+    """
+
+    def __init__(self, num_blocks: int = 64, role: str = "both", **config: Any) -> None:
+        config.setdefault("capacity", 64 * SLOT)
+        self.config = OffloadCPUConfig(**config)
+        kvc = kv_cache_config(num_blocks)
+        self.sched = CPUOffloadNode(
+            NodeContext("cpu", self.config, role, "scheduler", kv_cache_config=kvc)  # type: ignore[arg-type]
+        )
+        self.worker = CPUOffloadNode(
+            NodeContext("cpu", self.config, role, "worker", kv_cache_config=kvc)  # type: ignore[arg-type]
+        )
+        self.caches, raw = canonical(num_blocks)
+        self.region = self.caches.regions[0].tensor
+        self.worker.register_kv_caches(self.caches, raw)
+        self.free = list(range(1, num_blocks))  # block 0 is vLLM's null block
+        self.running: dict[str, Running] = {}
+        self.finished_pending: set[str] = set()
+        self.held: set[str] = set()
+        self.errors: set[int] = set()
+        self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()
+
+    # -- vLLM-like request lifecycle ------------------------------------------ #
+
+    def add(self, req_id: str, prompt: list[int], **kw: Any) -> tuple[int, bool]:
+        """Admit a request: lookup, allocate, update_state_after_alloc. Returns the lookup."""
+        req = FakeRequest(req_id, list(prompt), **kw)
+        view = RequestView(req)
+        self.sched.on_new_request(view)
+        ext, is_async = self.sched.get_num_new_matched_tokens(view, 0)
+        assert ext is not None
+        n_blocks = -(-len(prompt) // BLOCK)
+        ids = [self.free.pop(0) for _ in range(n_blocks)]
+        self.region[ids] = 0  # fresh blocks hold nothing useful
+        self.sched.update_state_after_alloc(view, (ids,), ext)
+        self.running[req_id] = Running(req, view, ids, ext, ext)
+        return ext, is_async
+
+    def prefill(self, req_id: str, *, forward: bool = True) -> FakeSchedulerOutput:
+        r = self.running[req_id]
+        n = r.req.num_prompt_tokens - r.num_computed
+        out = FakeSchedulerOutput(num_scheduled_tokens={req_id: n})
+        out.scheduled_new_reqs.append(
+            NewReq(req_id, (list(r.block_ids),), r.num_computed, list(r.req.prompt_token_ids))
+        )
+        self.step(out, forward=forward)
+        return out
+
+    def decode(self, req_id: str, token: int) -> None:
+        """Sample ``token`` then run one decode step for it."""
+        r = self.running[req_id]
+        r.req.output_token_ids.append(token)
+        new_ids: list[int] = []
+        if r.req.num_tokens > len(r.block_ids) * BLOCK:
+            new_ids = [self.free.pop(0)]
+            r.block_ids += new_ids
+        out = FakeSchedulerOutput(num_scheduled_tokens={req_id: 1})
+        out.scheduled_cached_reqs = CachedReqs(
+            [req_id], set(), [(new_ids,)], [r.num_computed], {}
+        )
+        self.step(out)
+
+    def finish(self, req_id: str) -> bool:
+        r = self.running.pop(req_id)
+        hold, _ = self.sched.request_finished(r.view, r.block_ids)
+        self.finished_pending.add(req_id)
+        if hold:
+            self.held.add(req_id)
+        else:
+            self.free += r.block_ids
+        return hold
+
+    def step(self, out: FakeSchedulerOutput | None = None, *, forward: bool = True) -> Any:
+        out = out or FakeSchedulerOutput()
+        out.finished_req_ids |= self.finished_pending
+        self.finished_pending = set()
+        meta = self.sched.build_connector_meta(StepView(out))
+        w = self.worker
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        if forward:
+            self._forward(out)
+        w.wait_for_save()
+        sending, recving = w.get_finished(out.finished_req_ids)
+        self.errors |= w.get_block_ids_with_load_errors()
+        wmeta = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        self.sched.update_connector_output(wmeta)
+        for rid in sending or ():
+            self.finished_sending.add(rid)
+            self.held.discard(rid)
+        self.finished_recving |= set(recving or ())
+        return meta
+
+    def _forward(self, out: FakeSchedulerOutput) -> None:
+        for req_id, n in out.num_scheduled_tokens.items():
+            r = self.running[req_id]
+            start, end = r.num_computed, r.num_computed + n
+            tokens = r.req.all_token_ids
+            for b in range(start // BLOCK, -(-end // BLOCK)):
+                self.region[r.block_ids[b]] = content(tokens, b)
+            r.num_computed = end
+
+    def settle(self, steps: int = 3) -> None:
+        """Let background saves finish and their confirmations reach the scheduler."""
+        for _ in range(steps):
+            self.worker.worker.drain()
+            self.step()
+
+    # -- inspection ------------------------------------------------------------ #
+
+    def block_bytes(self, req_id: str, b: int) -> torch.Tensor:
+        return self.region[self.running[req_id].block_ids[b]].clone()
+
+    @property
+    def index(self) -> Any:
+        return self.sched.scheduler.index  # type: ignore[union-attr]
+
+    @property
+    def pool(self) -> Any:
+        return self.worker.worker.pool
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 1000, (n,), generator=g).tolist()
