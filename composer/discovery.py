@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -17,6 +18,9 @@ from composer.plugin_types import PluginType
 ENTRY_POINT_GROUP = "kv_composer"
 ALLOW_ENV = "KV_COMPOSER_PLUGINS"
 DENY_ENV = "KV_COMPOSER_DISABLE_PLUGINS"
+#: Extra modules (import paths) implementing ``register_plugin_types``, e.g. while
+#: developing a plugin that is not installed, or test plugins in vLLM's processes.
+MODULES_ENV = "KV_COMPOSER_PLUGIN_MODULES"
 
 
 class PluginConflict(RuntimeError):
@@ -78,7 +82,8 @@ def discover(
                 continue
             pm.register(ep.load(), name=ep.name)
             sources[ep.name] = (dist, ep.dist.version if ep.dist else "")
-    for i, obj in enumerate(extra):
+    modules = [importlib.import_module(m) for m in sorted(_split(os.environ.get(MODULES_ENV)) or ())]
+    for i, obj in enumerate([*modules, *extra]):
         name = getattr(obj, "__name__", f"extra-{i}")
         pm.register(obj, name=name)
         sources[name] = ("", "")

@@ -78,6 +78,11 @@ class Pipeline(BaseModel):
     hma: Literal["auto", "on", "off"] = Field(
         "auto", description="Hybrid memory allocator: on requires every node to support it."
     )
+    annotate_outputs: bool = Field(
+        False,
+        description='Add {"kv_composer": {"served_by": node, "tokens": n}} to each finished '
+        "request's kv_transfer_params, so callers see which node served it.",
+    )
     time_layer_hooks: bool = Field(
         False, description="Also time per-layer hooks in per-node stats (costs ~0.1 us per call)."
     )
@@ -109,6 +114,7 @@ class ResolvedPipeline:
     kv_role: KVRole
     hma: bool
     time_layer_hooks: bool
+    annotate_outputs: bool = False
     #: The validated file as plain data (env expanded), for inlining into vLLM's config.
     source: dict[str, Any] = field(repr=False, default_factory=dict)
     file: str = "<pipeline>"

@@ -1,0 +1,608 @@
+"""The chain: node instances of one vLLM role, dispatched with MultiConnector semantics.
+
+pluggy is the registry, the validator (``check_pending``) and the tracer; the
+calls themselves go through lists bound once from pluggy's own hookimpls, in
+pipeline order, so a node that does not implement a hook costs nothing and a
+per-layer hook is a plain loop (see DESIGN.md, "Hot paths").
+
+Nothing here imports torch or vLLM: vLLM's objects pass through untouched, and
+the vLLM adapter (:mod:`composer.vllm.connector`) wraps results in vLLM's types.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pluggy
+import structlog
+
+from composer.hookspecs import PER_LAYER_HOOKS, PROJECT, NodeSpec
+from composer.pipeline import ResolvedNode, ResolvedPipeline
+from composer.plugin import NodeContext
+from composer.stats import NodeStats
+from composer.views import RequestView, StepView
+
+log = structlog.get_logger("kv_composer")
+
+VllmRole = Literal["scheduler", "worker"]
+Call = Callable[..., Any]
+
+LOAD_HOOKS = frozenset({"start_load_kv", "wait_for_layer_load"})
+SAVE_HOOKS = frozenset({"save_kv_layer", "wait_for_save"})
+
+
+class TransferParamsClash(RuntimeError):
+    pass
+
+
+@dataclass
+class ChainMetadata:
+    """What the scheduler half sends the worker half each step."""
+
+    per_node: dict[str, Any] = field(default_factory=dict)
+    #: Request id -> async saves beyond the first still to finish (MultiConnector's rule).
+    extra_async_saves: dict[str, int] | None = None
+    #: Node id -> block ids it loads this step, so a failing load becomes load errors.
+    loads: dict[str, set[int]] = field(default_factory=dict)
+
+
+@dataclass
+class ChainWorkerMetadata:
+    """What the worker halves send back; one entry per node that returned something."""
+
+    per_node: dict[str, Any] = field(default_factory=dict)
+
+    def aggregate(self, other: ChainWorkerMetadata) -> ChainWorkerMetadata:
+        merged = dict(self.per_node)
+        for node_id, meta in other.per_node.items():
+            mine = merged.get(node_id)
+            merged[node_id] = meta if mine is None else mine.aggregate(meta)
+        return ChainWorkerMetadata(merged)
+
+
+@dataclass
+class TransferResults:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+def _positional(impl: pluggy.HookImpl, spec_args: tuple[str, ...]) -> Call:
+    """A callable taking the spec's arguments positionally, for an impl that may take fewer."""
+    fn = impl.function
+    if tuple(impl.argnames) == spec_args:
+        return fn
+    index = [spec_args.index(a) for a in impl.argnames]
+    return lambda *args: fn(*[args[i] for i in index])
+
+
+class Chain:
+    """The nodes of one pipeline in one vLLM process."""
+
+    def __init__(
+        self,
+        pipeline: ResolvedPipeline,
+        vllm_role: VllmRole,
+        *,
+        vllm_config: Any = None,
+        kv_cache_config: Any = None,
+        trace: bool = False,
+    ) -> None:
+        self.pipeline = pipeline
+        self.vllm_role = vllm_role
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(NodeSpec)
+        self.nodes: dict[str, Any] = {}
+        self.stats: dict[str, NodeStats] = {}
+        self.policy: dict[str, str] = {}
+        self.log = log.bind(role=vllm_role)
+        services: dict[str, Any] = {}
+        for rnode in pipeline.nodes:
+            if vllm_role not in rnode.plugin.vllm_roles:
+                continue
+            ctx = NodeContext(
+                node_id=rnode.id,
+                config=rnode.config,
+                role=rnode.role,
+                vllm_role=vllm_role,
+                needs={d: services[d] for d in rnode.needs if d in services},
+                vllm_config=vllm_config,
+                kv_cache_config=kv_cache_config,
+            )
+            instance = rnode.plugin.node_class()(ctx)
+            self.pm.register(instance, name=rnode.id)
+            self.nodes[rnode.id] = instance
+            self.stats[rnode.id] = ctx.stats
+            self.policy[rnode.id] = rnode.on_error
+            services[rnode.id] = instance.service()
+            self.log.debug("node created", node=rnode.id, plugin=rnode.plugin.name)
+        # A misspelled @hookimpl is an error, not a silently skipped node.
+        self.pm.check_pending()
+        if trace:
+            self.pm.trace.root.setwriter(lambda msg: self.log.debug("hook", trace=msg.rstrip()))
+            self.pm.enable_tracing()
+        self.disabled: set[str] = set()
+        self.load_error_blocks: set[int] = set()
+        self._chosen: dict[str, tuple[str, int]] = {}
+        self._served: dict[str, tuple[str, int]] = {}
+        self._pending_loads: dict[str, set[int]] = {}
+        self._step_loads: dict[str, set[int]] = {}
+        self._extra_async_saves: dict[str, int] = {}
+        self._block_size = _block_size(kv_cache_config)
+        #: Called after the call lists change (a node switched off).
+        self.on_rebind: list[Callable[[], None]] = []
+        self._bind()
+
+    # ------------------------------------------------------------------ #
+    # binding
+    # ------------------------------------------------------------------ #
+
+    def _order_for(self, hook: str) -> list[str]:
+        order = [n.id for n in self.pipeline.nodes]
+        if hook == "get_num_new_matched_tokens":
+            order = list(self.pipeline.load_order)
+        elif hook in LOAD_HOOKS:
+            order = [n for n in order if n in self.pipeline.load_order]
+        elif hook in SAVE_HOOKS:
+            order = [n for n in order if n in self.pipeline.save_to]
+        return [n for n in order if n in self.nodes and n not in self.disabled]
+
+    def _bind(self) -> None:
+        """(Re)build every hook's call list: (node id, callable) in dispatch order."""
+        self.calls: dict[str, list[tuple[str, Call]]] = {}
+        for name in dir(NodeSpec):
+            caller = getattr(self.pm.hook, name, None)
+            if caller is None or not hasattr(caller, "get_hookimpls"):
+                continue
+            spec_args = tuple(caller.spec.argnames)
+            impls = {impl.plugin_name: impl for impl in caller.get_hookimpls()}
+            bound: list[tuple[str, Call]] = []
+            for node_id in self._order_for(name):
+                if node_id not in impls:
+                    continue
+                direct = getattr(self.nodes[node_id], "direct_hooks", None)
+                fast = direct().get(name) if direct is not None else None
+                bound.append((node_id, fast or _positional(impls[node_id], spec_args)))
+            self.calls[name] = bound
+        self._bind_hot_paths()
+        for callback in getattr(self, "on_rebind", ()):
+            callback()
+
+    def _bind_hot_paths(self) -> None:
+        # Per-layer hooks are instance attributes specialised for their call list,
+        # so vLLM's per-layer call costs one Python call per implementing node.
+        for hook in PER_LAYER_HOOKS:
+            calls = self.calls[hook]
+            timed = self.pipeline.time_layer_hooks
+            setattr(self, hook, self._make_layer_dispatch(hook, calls, timed))
+
+    def _make_layer_dispatch(self, hook: str, calls: list[tuple[str, Call]], timed: bool) -> Call:
+        fault = self._fault
+        if not calls:
+            return _noop
+        if timed:
+            stats = self.stats
+            clock = time.perf_counter
+
+            def dispatch_timed(*args: Any) -> None:
+                for node_id, fn in calls:
+                    t0 = clock()
+                    try:
+                        fn(*args)
+                    except Exception as exc:
+                        fault(node_id, hook, exc)
+                    stats[node_id].add_time(hook, clock() - t0)
+
+            return dispatch_timed
+        if len(calls) == 1:
+            (node_id, fn), = calls
+
+            def dispatch_one(*args: Any) -> None:
+                try:
+                    fn(*args)
+                except Exception as exc:
+                    fault(node_id, hook, exc)
+
+            return dispatch_one
+
+        def dispatch(*args: Any) -> None:
+            for node_id, fn in calls:
+                try:
+                    fn(*args)
+                except Exception as exc:
+                    fault(node_id, hook, exc)
+
+        return dispatch
+
+    def implemented(self, hook: str) -> list[str]:
+        return [n for n, _ in self.calls.get(hook, ())]
+
+    # ------------------------------------------------------------------ #
+    # faults
+    # ------------------------------------------------------------------ #
+
+    def _fault(self, node_id: str, hook: str, exc: BaseException) -> None:
+        """Apply the node's error policy; returns only if the engine should go on."""
+        policy = self.policy.get(node_id, "fail")
+        self.stats[node_id].errors += 1
+        if hook in LOAD_HOOKS:
+            self.load_error_blocks |= self._step_loads.get(node_id, set())
+        if policy == "fail":
+            self.log.error("node failed", node=node_id, hook=hook, error=repr(exc))
+            raise exc
+        self.log.warning(
+            "node failed; its blocks are recomputed",
+            node=node_id,
+            hook=hook,
+            policy=policy,
+            error=repr(exc),
+        )
+        if policy == "disable" and node_id not in self.disabled:
+            self.disabled.add(node_id)
+            self.stats[node_id].disabled = True
+            self._bind()
+
+    def _each(self, hook: str, *args: Any, default: Any = None) -> list[tuple[str, Any]]:
+        """Call every node implementing ``hook``, timing it; a failed node yields ``default``."""
+        out = []
+        clock = time.perf_counter
+        for node_id, fn in self.calls[hook]:
+            t0 = clock()
+            try:
+                result = fn(*args)
+            except Exception as exc:
+                self._fault(node_id, hook, exc)
+                result = default
+            self.stats[node_id].add_time(hook, clock() - t0)
+            out.append((node_id, result))
+        return out
+
+    # ------------------------------------------------------------------ #
+    # worker: initialize
+    # ------------------------------------------------------------------ #
+
+    def initialize_worker_connector(self, model: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+        self._each("initialize_worker_connector", model, vllm_config, kv_cache_config)
+
+    def get_mem_pool_context(self) -> Any:
+        found = [(n, ctx) for n, ctx in self._each("get_mem_pool_context") if ctx is not None]
+        if len(found) > 1:
+            raise ValueError(
+                f"nodes {[n for n, _ in found]} all provide a KV cache memory pool; "
+                "KV cache is allocated once, in one pool: keep at most one"
+            )
+        return found[0][1] if found else None
+
+    def register_kv_caches(self, canonical: Any, raw: dict[str, Any]) -> None:
+        self._each("register_kv_caches", canonical, raw)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        self._each("set_host_xfer_buffer_ops", copy_operation)
+
+    def get_handshake_metadata(self) -> Any:
+        for _, meta in self._each("get_handshake_metadata"):
+            if meta is not None:
+                return meta
+        return None
+
+    # ------------------------------------------------------------------ #
+    # scheduler
+    # ------------------------------------------------------------------ #
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self._each("bind_kv_cache_manager", kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._each("bind_gpu_block_pool", gpu_block_pool)
+
+    def on_new_request(self, request: Any) -> None:
+        self._each("on_new_request", RequestView(request))
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        view = RequestView(request)
+        longest = self.pipeline.load_policy == "longest_hit"
+        chosen: tuple[str, int, bool] | None = None
+        for node_id, fn in self.calls["get_num_new_matched_tokens"]:
+            stats = self.stats[node_id]
+            stats.lookups += 1
+            t0 = time.perf_counter()
+            try:
+                tokens, load_async = fn(view, num_computed_tokens)
+            except Exception as exc:
+                self._fault(node_id, "get_num_new_matched_tokens", exc)
+                tokens, load_async = 0, False
+            stats.add_time("get_num_new_matched_tokens", time.perf_counter() - t0)
+            if tokens is None:
+                # Still looking up: vLLM asks again later (MultiConnector's rule).
+                return None, False
+            if tokens > 0:
+                stats.hits += 1
+                if chosen is None or (longest and tokens > chosen[1]):
+                    chosen = (node_id, tokens, load_async)
+        if chosen is None:
+            self._chosen.pop(view.request_id, None)
+            return 0, False
+        self._chosen[view.request_id] = (chosen[0], num_computed_tokens)
+        return chosen[1], chosen[2]
+
+    def chosen_node(self, request_id: str) -> str | None:
+        entry = self._chosen.get(request_id)
+        return entry[0] if entry else None
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        view = RequestView(request)
+        entry = self._chosen.get(view.request_id)
+        chosen = entry[0] if entry else None
+        block_ids = blocks.get_block_ids() if blocks is not None else ()
+        if chosen is not None and num_external_tokens > 0:
+            self.stats[chosen].tokens_hit += num_external_tokens
+            self._served[view.request_id] = (chosen, num_external_tokens)
+            first = entry[1] // self._block_size if entry and self._block_size else 0
+            last = -(-(entry[1] + num_external_tokens) // self._block_size) if entry and self._block_size else None
+            loading = self._pending_loads.setdefault(chosen, set())
+            for group in block_ids:
+                loading.update(group[first:last])
+        for node_id, fn in self.calls["update_state_after_alloc"]:
+            tokens = num_external_tokens if node_id == chosen else 0
+            try:
+                fn(view, block_ids, tokens, blocks)
+            except Exception as exc:
+                self._fault(node_id, "update_state_after_alloc", exc)
+
+    def ask_chosen(self, hook: str, request: Any, *args: Any) -> Any:
+        """Ask only the node serving ``request``; None when it has no answer."""
+        chosen = self.chosen_node(request.request_id)
+        for node_id, fn in self.calls[hook]:
+            if node_id == chosen:
+                try:
+                    return fn(RequestView(request), *args)
+                except Exception as exc:
+                    self._fault(node_id, hook, exc)
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> ChainMetadata:
+        step = StepView(scheduler_output)
+        meta = ChainMetadata(
+            per_node=dict(self._each("build_connector_meta", step, scheduler_output)),
+            loads=self._pending_loads,
+        )
+        self._pending_loads = {}
+        if self._extra_async_saves:
+            meta.extra_async_saves = self._extra_async_saves
+            self._extra_async_saves = {}
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        per_node = worker_meta.per_node if isinstance(worker_meta, ChainWorkerMetadata) else {}
+        for node_id, fn in self.calls["update_connector_output"]:
+            try:
+                fn(connector_output, per_node.get(node_id))
+            except Exception as exc:
+                self._fault(node_id, "update_connector_output", exc)
+
+    def _finish(
+        self, request: Any, results: Iterable[tuple[str, Any]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        async_saves = 0
+        params: dict[str, Any] | None = None
+        writer: dict[str, str] = {}
+        for node_id, result in results:
+            hold, node_params = result if result is not None else (False, None)
+            async_saves += bool(hold)
+            if node_params is None:
+                continue
+            clash = sorted(set(writer) & set(node_params))
+            if clash:
+                raise TransferParamsClash(
+                    f"kv_transfer_params key(s) {clash} written by node "
+                    f'"{writer[clash[0]]}" and node "{node_id}"'
+                )
+            writer.update(dict.fromkeys(node_params, node_id))
+            params = {**(params or {}), **node_params}
+        if async_saves > 1:
+            self._extra_async_saves[request.request_id] = async_saves - 1
+        served = self._served.pop(request.request_id, None)
+        if self.pipeline.annotate_outputs:
+            params = {**(params or {}), "kv_composer": {"served_by": served[0] if served else None,
+                                                       "tokens": served[1] if served else 0}}
+        self._chosen.pop(request.request_id, None)
+        return async_saves > 0, params
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        view = RequestView(request)
+        return self._finish(request, self._each("request_finished", view, block_ids))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if not self.pipeline.hma:
+            assert len(block_ids) == 1, "HMA with several KV cache groups needs every node to support it"
+            return self.request_finished(request, block_ids[0])
+        view = RequestView(request)
+        all_groups = dict(self.calls["request_finished_all_groups"])
+        results: list[tuple[str, Any]] = []
+        for node_id in self.nodes:
+            if node_id in self.disabled:
+                continue
+            fn = all_groups.get(node_id)
+            if fn is None:
+                continue
+            try:
+                results.append((node_id, fn(view, self._groups_for(node_id, block_ids))))
+            except Exception as exc:
+                self._fault(node_id, "request_finished_all_groups", exc)
+        return self._finish(request, results)
+
+    def _groups_for(self, node_id: str, block_ids: tuple[list[int], ...]) -> tuple[list[int], ...]:
+        rnode: ResolvedNode = self.pipeline.node(node_id)
+        group = getattr(rnode.config, "kv_cache_group", None)
+        if rnode.capabilities.kv_cache_groups == "one" and isinstance(group, int):
+            return (block_ids[group],)
+        return block_ids
+
+    def register_finished_partial_tail(self, request: Any, block_ids: Any, offloads: Any) -> bool:
+        view = RequestView(request)
+        results = self._each("register_finished_partial_tail", view, block_ids, offloads, default=False)
+        return any(r for _, r in results)
+
+    def take_events(self) -> Iterable[Any]:
+        for node_id, fn in self.calls["take_events"]:
+            try:
+                yield from fn()
+            except Exception as exc:
+                self._fault(node_id, "take_events", exc)
+
+    def any_true(self, hook: str) -> bool:
+        return any(r for _, r in self._each(hook, default=False))
+
+    def get_finished_count(self) -> int | None:
+        counts = [c for _, c in self._each("get_finished_count")]
+        if not counts or any(c is None for c in counts):
+            return None
+        if len(set(counts)) > 1:
+            raise ValueError(f"nodes returned incompatible finished counts: {sorted(set(counts))}")
+        return counts[0]
+
+    def broadcast(self, hook: str, *args: Any) -> None:
+        self._each(hook, *args)
+
+    def reset_cache(self) -> bool:
+        return all(r is not False for _, r in self._each("reset_cache"))
+
+    # ------------------------------------------------------------------ #
+    # worker, per step
+    # ------------------------------------------------------------------ #
+
+    def handle_preemptions(self, metadata: ChainMetadata) -> None:
+        for node_id, fn in self.calls["handle_preemptions"]:
+            try:
+                fn(metadata.per_node.get(node_id))
+            except Exception as exc:
+                self._fault(node_id, "handle_preemptions", exc)
+
+    def bind_connector_metadata(self, metadata: ChainMetadata) -> None:
+        if metadata.extra_async_saves:
+            self._extra_async_saves.update(metadata.extra_async_saves)
+        self._step_loads = metadata.loads
+        for node_id in self.disabled:
+            # A switched-off node loads nothing: vLLM recomputes what it was to load.
+            self.load_error_blocks |= metadata.loads.get(node_id, set())
+        for node_id, fn in self.calls["bind_connector_metadata"]:
+            try:
+                fn(metadata.per_node.get(node_id))
+            except Exception as exc:
+                self._fault(node_id, "bind_connector_metadata", exc)
+
+    def start_load_kv(self, forward_context: Any) -> None:
+        self._each("start_load_kv", forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:  # replaced in _bind_hot_paths
+        raise AssertionError("bound at construction")
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:  # idem
+        raise AssertionError("bound at construction")
+
+    def wait_for_save(self) -> None:
+        self._each("wait_for_save")
+
+    def clear_connector_metadata(self) -> None:
+        self._step_loads = {}
+        self._each("clear_connector_metadata")
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
+        results = TransferResults()
+        direct = dict(self.calls["get_transfer_results"])
+        via_finished = dict(self.calls["get_finished"])
+        for node_id in self.nodes:
+            if node_id in self.disabled:
+                continue
+            try:
+                if node_id in direct:
+                    r = direct[node_id](finished_req_ids)
+                    sending, recving = r.finished_sending, r.finished_recving
+                    results.failed_recving.update(r.failed_recving)
+                elif node_id in via_finished:
+                    sending, recving = via_finished[node_id](finished_req_ids)
+                else:
+                    continue
+            except Exception as exc:
+                self._fault(node_id, "get_transfer_results", exc)
+                continue
+            results.finished_recving.update(recving or ())
+            for req_id in sending or ():
+                extra = self._extra_async_saves.get(req_id)
+                if extra is None:
+                    results.finished_sending.add(req_id)
+                elif extra == 1:
+                    del self._extra_async_saves[req_id]
+                else:
+                    self._extra_async_saves[req_id] = extra - 1
+        return results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        blocks = set(self.load_error_blocks)
+        self.load_error_blocks.clear()
+        for _, failed in self._each("get_block_ids_with_load_errors", default=set()):
+            blocks |= failed or set()
+        return blocks
+
+    def build_connector_worker_meta(self) -> ChainWorkerMetadata | None:
+        per_node = {n: m for n, m in self._each("build_connector_worker_meta") if m is not None}
+        return ChainWorkerMetadata(per_node) if per_node else None
+
+    # ------------------------------------------------------------------ #
+    # stats, events, shutdown
+    # ------------------------------------------------------------------ #
+
+    def take_stats(self) -> dict[str, dict[str, Any]]:
+        """Per node id: the chain's counters plus the node's own stats, since the last call."""
+        own = dict(self._each("get_kv_connector_stats"))
+        out: dict[str, dict[str, Any]] = {}
+        for node_id, stats in self.stats.items():
+            node_stats = own.get(node_id)
+            if stats.is_empty() and node_stats is None:
+                continue
+            entry: dict[str, Any] = {
+                "plugin": self.pipeline.node(node_id).plugin.name,
+                "counters": stats.take(),
+            }
+            if node_stats is not None:
+                entry["node"] = node_stats
+            out[node_id] = entry
+        return out
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        merged = None
+        for _, events in self._each("get_kv_connector_kv_cache_events"):
+            if events is None:
+                continue
+            merged = events if merged is None else merged.merge(events)
+        return merged
+
+    def shutdown(self) -> None:
+        error: BaseException | None = None
+        for node_id, fn in self.calls["shutdown"]:
+            try:
+                fn()
+            except Exception as exc:
+                self.log.error("node shutdown failed", node=node_id, error=repr(exc))
+                error = exc
+        if error is not None:
+            raise error
+
+
+def _noop(*args: Any) -> None:
+    return None
+
+
+def _block_size(kv_cache_config: Any) -> int:
+    try:
+        return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+    except (AttributeError, IndexError, TypeError):
+        return 0

@@ -1,0 +1,1 @@
+"""Helpers to run real vLLM on a tiny local model (tests, the demo, benchmarks)."""

@@ -1,0 +1,162 @@
+"""Run real vLLM offline in a child process and report what it generated.
+
+Each engine runs in its own process group with a hard timeout, so a hung
+engine never stalls a test run, and with explicit CPU thread settings, so two
+runs that are compared use the same number of OpenMP threads (tiny random
+models have near-ties; see VLLM-ON-CPU.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class EngineSpec:
+    model: str
+    rounds: list[list[str]]
+    kv_transfer_config: dict[str, Any] | None = None
+    max_tokens: int = 8
+    prefix_caching: bool = False
+    #: Reset vLLM's own prefix cache between rounds, so a hit comes from the connector.
+    reset_between_rounds: bool = True
+    block_size: int = 32
+    max_model_len: int = 2048
+    kv_cache_gib: float = 1
+    #: VLLM_CPU_OMP_THREADS_BIND, the same on both sides of any comparison.
+    threads_bind: str = "0-1"
+    env: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 420
+
+
+@dataclass
+class RequestResult:
+    prompt_tokens: int
+    tokens: list[int]
+    cached_tokens: int
+    ttft_s: float | None
+    kv_transfer_params: dict[str, Any] | None
+
+
+@dataclass
+class EngineResult:
+    rounds: list[list[RequestResult]]
+    startup_s: float
+    log_tail: str = ""
+
+    def tokens(self, round_index: int) -> list[list[int]]:
+        return [r.tokens for r in self.rounds[round_index]]
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+def run_engine(spec: EngineSpec) -> EngineResult:
+    with tempfile.TemporaryDirectory(prefix="kvc-engine-") as tmp:
+        spec_file = Path(tmp) / "spec.json"
+        out_file = Path(tmp) / "result.json"
+        log_file = Path(tmp) / "engine.log"
+        spec_file.write_text(json.dumps(asdict(spec)))
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": spec.threads_bind,
+            "PYTHONHASHSEED": "0",
+            "TOKENIZERS_PARALLELISM": "false",
+            **spec.env,
+        }
+        with log_file.open("w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "composer.testing.engine", str(spec_file), str(out_file)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+            try:
+                proc.wait(timeout=spec.timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                _kill_group(proc)
+        tail = log_file.read_text(errors="replace")[-6000:]
+        if proc.returncode != 0 or not out_file.exists():
+            raise EngineFailed(f"vLLM engine exited with {proc.returncode}:\n{tail}")
+        data = json.loads(out_file.read_text())
+        return EngineResult(
+            rounds=[[RequestResult(**r) for r in rnd] for rnd in data["rounds"]],
+            startup_s=data["startup_s"],
+            log_tail=tail,
+        )
+
+
+def _kill_group(proc: subprocess.Popen[Any]) -> None:
+    """Stop the engine and every process it spawned (EngineCore, workers)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+        # The leader is gone; make sure no child outlived it.
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+
+
+def _child(spec_path: str, out_path: str) -> None:
+    import time
+
+    spec = EngineSpec(**json.loads(Path(spec_path).read_text()))
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=spec.model,
+        block_size=spec.block_size,
+        max_model_len=spec.max_model_len,
+        enable_prefix_caching=spec.prefix_caching,
+        kv_transfer_config=spec.kv_transfer_config,
+        disable_log_stats=False,
+        seed=0,
+    )
+    startup = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
+    rounds = []
+    for prompts in spec.rounds:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        rounds.append(
+            [
+                {
+                    "prompt_tokens": len(o.prompt_token_ids or ()),
+                    "tokens": list(o.outputs[0].token_ids),
+                    "cached_tokens": o.num_cached_tokens or 0,
+                    "ttft_s": getattr(o.metrics, "first_token_latency", None) or None,
+                    "kv_transfer_params": o.kv_transfer_params,
+                }
+                for o in outputs
+            ]
+        )
+        if spec.reset_between_rounds and spec.prefix_caching:
+            llm.reset_prefix_cache()
+    Path(out_path).write_text(json.dumps({"rounds": rounds, "startup_s": startup}))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
+    # vLLM's engine processes are torn down with ours; don't wait on atexit hooks.
+    os._exit(0)

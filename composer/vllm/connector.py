@@ -1,0 +1,527 @@
+"""``ComposedConnector``: a pipeline running inside vLLM as one KV connector.
+
+vLLM creates it twice, once in the scheduler process (EngineCore) and once per
+worker; each builds the :class:`~composer.chain.Chain` of its role. Every public
+method of vLLM's ``KVConnectorBase_V1`` is overridden (a test checks this), so
+no node is ever silently skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    CopyBlocksOp,
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from composer.chain import Chain, ChainMetadata, ChainWorkerMetadata
+from composer.pipeline import ResolvedPipeline
+from composer.stats import merge
+from composer.validation import load_pipeline
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = structlog.get_logger("kv_composer")
+
+
+@dataclass
+class ComposedMetadata(ChainMetadata, KVConnectorMetadata):
+    pass
+
+
+@dataclass
+class ComposedWorkerMetadata(ChainWorkerMetadata, KVConnectorWorkerMetadata):
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, ChainWorkerMetadata)
+        return ComposedWorkerMetadata(ChainWorkerMetadata.aggregate(self, other).per_node)
+
+
+@dataclass
+class ComposedStats(KVConnectorStats):
+    """Stats per **node id**: ``{node: {"plugin", "counters", "node"?}}``."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for node_id, entry in other.data.items():
+            mine = self.data.get(node_id)
+            if mine is None:
+                self.data[node_id] = entry
+                continue
+            mine["counters"] = merge(mine["counters"], entry["counters"])
+            if "node" in entry:
+                own = mine.get("node")
+                mine["node"] = entry["node"] if own is None else _merge_node_stats(own, entry["node"])
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        flat: dict[str, int | float] = {}
+        for node_id, entry in self.data.items():
+            for key, value in entry["counters"].items():
+                if isinstance(value, bool):
+                    continue
+                if isinstance(value, int | float) and value:
+                    flat[f"{node_id}.{key}"] = value
+                elif isinstance(value, dict):
+                    for sub, v in value.items():
+                        flat[f"{node_id}.{key}.{sub}"] = v
+            own = entry.get("node")
+            if isinstance(own, KVConnectorStats):
+                for key, value in own.reduce().items():
+                    flat[f"{node_id}.{key}"] = value
+            elif isinstance(own, dict):
+                for key, value in own.items():
+                    if isinstance(value, int | float):
+                        flat[f"{node_id}.{key}"] = value
+        return flat
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+def _merge_node_stats(a: Any, b: Any) -> Any:
+    if isinstance(a, KVConnectorStats):
+        return a.aggregate(b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return merge(a, b)
+    return b
+
+
+@lru_cache(maxsize=16)
+def _load(source: str) -> ResolvedPipeline:
+    spec = json.loads(source)
+    return load_pipeline(spec)
+
+
+def pipeline_from_extra_config(extra: dict[str, Any]) -> ResolvedPipeline:
+    """The pipeline named by ``kv_connector_extra_config["pipeline"]`` (path or inline)."""
+    spec = extra.get("pipeline")
+    if spec is None:
+        raise ValueError(
+            'ComposedConnector needs kv_connector_extra_config["pipeline"]: '
+            "a pipeline file path or the pipeline inline (see `kvc export`)"
+        )
+    return _load(json.dumps(spec, sort_keys=True))
+
+
+def _native_classes(pipeline: ResolvedPipeline, vllm_config: VllmConfig) -> list[tuple[type, Any]]:
+    from composer.vllm.native import child_vllm_config
+
+    out = []
+    for node in pipeline.nodes:
+        if node.plugin.name == "vllm":
+            temp = child_vllm_config(node.config, vllm_config)
+            out.append((KVConnectorFactory.get_connector_class(temp.kv_transfer_config), temp))
+    return out
+
+
+class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
+    """One vLLM KV connector running a KV Composer pipeline."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        assert vllm_config.kv_transfer_config is not None
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.pipeline = pipeline_from_extra_config(extra)
+        _deep_check(self.pipeline)
+        vllm_role = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        # The class is SupportsHMA, so vLLM leaves its hybrid manager on; that is
+        # harmless with one KV cache group, and refused with several unless every
+        # node supports HMA.
+        hma_on = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+        if hma_on and len(kv_cache_config.kv_cache_groups) > 1 and not self.pipeline.hma:
+            lacking = [n.id for n in self.pipeline.nodes if not n.capabilities.hma]
+            raise ValueError(
+                f"this model has {len(kv_cache_config.kv_cache_groups)} KV cache groups and "
+                f"vLLM's hybrid KV cache manager is on, but nodes {lacking} do not support it: "
+                "pass --disable-hybrid-kv-cache-manager, or use nodes with HMA support"
+            )
+        self.chain = Chain(
+            self.pipeline,
+            vllm_role,  # type: ignore[arg-type]
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            trace=bool(extra.get("trace", False)),
+        )
+        self.chain.on_rebind.append(self._bind_hot_paths)
+        self._bind_hot_paths()
+        self._model_delivered = False
+        log.info(
+            "composed connector ready",
+            role=vllm_role,
+            nodes=list(self.chain.nodes),
+            load_order=list(self.pipeline.load_order),
+            save_to=list(self.pipeline.save_to),
+            load_policy=self.pipeline.load_policy,
+        )
+        if vllm_role == "worker":
+            self._deliver_model()
+
+    def _bind_hot_paths(self) -> None:
+        # vLLM's per-layer calls go straight to the chain's bound dispatch,
+        # re-bound whenever a node is switched off.
+        self.wait_for_layer_load = self.chain.wait_for_layer_load  # type: ignore[method-assign]
+        self.save_kv_layer = self.chain.save_kv_layer  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ #
+    # properties
+    # ------------------------------------------------------------------ #
+
+    @property
+    def role(self) -> KVConnectorRole:
+        return self._role
+
+    def _native_connectors(self) -> list[KVConnectorBase_V1]:
+        return [n.connector for n in self.chain.nodes.values() if hasattr(n, "connector")]
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        native = self._native_connectors()
+        return bool(native) and len(native) == len(self.chain.nodes) and all(
+            c.supports_divergent_local_hybrid_hits for c in native
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return any(c.requires_kv_delivery for c in self._native_connectors())
+
+    # ------------------------------------------------------------------ #
+    # worker: initialize
+    # ------------------------------------------------------------------ #
+
+    def initialize_worker_connector(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's own model hand-off, on versions that have it (not 0.32.0)."""
+        model = kwargs.get("model") or (args[0] if args else None)
+        if model is None and args and hasattr(args[0], "model"):
+            model = args[0].model
+        self._model_delivered = True
+        self.chain.initialize_worker_connector(model, self._vllm_config, self._kv_cache_config)
+
+    def _deliver_model(self) -> None:
+        # vLLM 0.32.0 has no hook that hands connectors the model: our
+        # vllm.general_plugins entry point records the model as the loader
+        # builds it, in this same worker process, before the connector exists.
+        if self._model_delivered or hasattr(KVConnectorBase_V1, "initialize_worker_connector"):
+            return
+        from composer.vllm.handoff import loaded_model
+
+        model = loaded_model()
+        if model is None:
+            log.warning("model hand-off: no model recorded in this worker process")
+        self._model_delivered = True
+        self.chain.initialize_worker_connector(model, self._vllm_config, self._kv_cache_config)
+
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        return self.chain.get_mem_pool_context()  # type: ignore[no-any-return]
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from composer.vllm.canonical import build
+
+        canonical = build(kv_caches, self._kv_cache_config)
+        self.canonical_kv_caches = canonical
+        log.info(
+            "KV caches registered",
+            regions=len(canonical.regions),
+            groups=len(canonical.groups),
+            num_blocks=canonical.num_blocks,
+            bytes_per_block=canonical.bytes_per_block,
+        )
+        self.chain.register_kv_caches(canonical, kv_caches)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        self.chain.set_host_xfer_buffer_ops(copy_operation)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self.chain.get_handshake_metadata()  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ #
+    # worker: per step
+    # ------------------------------------------------------------------ #
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, ChainMetadata)
+        self.chain.handle_preemptions(kv_connector_metadata)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(connector_metadata, ChainMetadata)
+        self.chain.bind_connector_metadata(connector_metadata)
+        super().bind_connector_metadata(connector_metadata)
+
+    def has_connector_metadata(self) -> bool:
+        return self._connector_metadata is not None
+
+    def clear_connector_metadata(self) -> None:
+        self.chain.clear_connector_metadata()
+        super().clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.chain.start_load_kv(forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.chain.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        self.chain.save_kv_layer(layer_name, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        self.chain.wait_for_save()
+
+    def finish_forward(self) -> None:
+        self.chain.broadcast("finish_forward")
+
+    def reset_capture_state(self) -> None:
+        self.chain.broadcast("reset_capture_state")
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        r = self.chain.get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=r.finished_sending,
+            finished_recving=r.finished_recving,
+            failed_recving=r.failed_recving,
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.chain.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        meta = self.chain.build_connector_worker_meta()
+        return ComposedWorkerMetadata(meta.per_node) if meta is not None else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self.chain.take_stats()
+        return ComposedStats(data=data) if data else None
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        return self.chain.get_kv_connector_kv_cache_events()  # type: ignore[no-any-return]
+
+    def shutdown(self) -> None:
+        self.chain.shutdown()
+
+    # ------------------------------------------------------------------ #
+    # scheduler
+    # ------------------------------------------------------------------ #
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+        self.chain.bind_kv_cache_manager(kv_cache_manager)
+        self.bind_gpu_block_pool(kv_cache_manager.block_pool)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self.chain.bind_gpu_block_pool(gpu_block_pool)
+
+    def on_new_request(self, request: Request) -> None:
+        self.chain.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.chain.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        groups = self.chain.ask_chosen("get_loaded_kv_cache_group_ids", request)
+        return groups if groups is not None else super().get_loaded_kv_cache_group_ids(request)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        sources = self.chain.ask_chosen("get_external_cache_hit_sources", request, num_external_tokens)
+        if sources is not None:
+            return sources  # type: ignore[no-any-return]
+        return super().get_external_cache_hit_sources(request, num_external_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.chain.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = self.chain.build_connector_meta(scheduler_output)
+        return ComposedMetadata(meta.per_node, meta.extra_async_saves, meta.loads)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        worker_meta = connector_output.kv_connector_worker_meta
+        try:
+            self.chain.update_connector_output(connector_output)
+        finally:
+            connector_output.kv_connector_worker_meta = worker_meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.chain.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.chain.request_finished_all_groups(request, block_ids)
+
+    def register_finished_partial_tail(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        partial_tail_offloads: list[tuple[int, int, int]],
+    ) -> bool:
+        return self.chain.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.chain.take_events()
+
+    def has_pending_block_frees(self) -> bool:
+        return self.chain.any_true("has_pending_block_frees")
+
+    def has_pending_push_work(self) -> bool:
+        return self.chain.any_true("has_pending_push_work")
+
+    def get_finished_count(self) -> int | None:
+        return self.chain.get_finished_count()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.chain.broadcast("set_xfer_handshake_metadata", metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        self.chain.broadcast("set_xfer_handshake_metadata_pp_aware", metadata)
+
+    def reset_cache(self) -> bool | None:
+        return self.chain.reset_cache()
+
+    # ------------------------------------------------------------------ #
+    # classmethods: asked before any instance exists
+    # ------------------------------------------------------------------ #
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        assert vllm_config.kv_transfer_config is not None
+        pipeline = pipeline_from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        layouts: dict[str, str] = {}
+        for node in pipeline.nodes:
+            if node.capabilities.kv_layout:
+                layouts[node.id] = node.capabilities.kv_layout
+        natives = [n for n in pipeline.nodes if n.plugin.name == "vllm"]
+        for node, (connector_cls, temp) in zip(natives, _native_classes(pipeline, vllm_config), strict=True):
+            layout = connector_cls.get_required_kvcache_layout(temp)
+            if layout is not None:
+                layouts[node.id] = layout
+        if len(set(layouts.values())) > 1:
+            raise ValueError(f"KV cache layout mismatch between nodes: {layouts}; all must agree")
+        return next(iter(layouts.values()), None)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        pipeline = pipeline_from_extra_config(extra_config)
+        from composer.export import native_child_config
+        from vllm.config.kv_transfer import KVTransferConfig
+
+        for node in pipeline.nodes:
+            if node.capabilities.requires_piecewise_cudagraph:
+                return True
+            if node.plugin.name == "vllm":
+                child = native_child_config(node.config, pipeline.kv_role)  # type: ignore[arg-type]
+                connector_cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**child))
+                if connector_cls.requires_piecewise_for_cudagraph(child.get("kv_connector_extra_config", {})):
+                    return True
+        return False
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return ComposedStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        assert vllm_config.kv_transfer_config is not None
+        pipeline = pipeline_from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        natives = [n for n in pipeline.nodes if n.plugin.name == "vllm"]
+        per_node: dict[str, KVConnectorPromMetrics] = {}
+        for node, (connector_cls, temp) in zip(natives, _native_classes(pipeline, vllm_config), strict=True):
+            prom = connector_cls.build_prom_metrics(temp, metric_types, labelnames, per_engine_labelvalues)
+            if prom is not None:
+                per_node[node.id] = prom
+        if not per_node:
+            return None
+        return ComposedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, per_node)
+
+
+class ComposedPromMetrics(KVConnectorPromMetrics):
+    """Forwards each native node's stats to that node's own Prometheus metrics."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        per_node: dict[str, KVConnectorPromMetrics],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.per_node = per_node
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for node_id, entry in transfer_stats_data.items():
+            prom = self.per_node.get(node_id)
+            own = entry.get("node") if isinstance(entry, dict) else None
+            if prom is not None and own is not None:
+                prom.observe(own.data if isinstance(own, KVConnectorStats) else own, engine_idx)
+
+
+def _deep_check(pipeline: ResolvedPipeline) -> None:
+    """At engine start, native connector names are checked against vLLM's registry."""
+    try:
+        from composer.deep_check import deep_check
+    except ImportError:  # pragma: no cover - the module ships with the core
+        return
+    problems = deep_check(pipeline)
+    if problems:
+        raise ValueError("invalid pipeline:\n" + "\n".join(str(p) for p in problems))

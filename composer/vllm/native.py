@@ -1,0 +1,211 @@
+"""The runtime half of the built-in ``vllm`` plugin: a vLLM connector as a node.
+
+The connector is created through vLLM's ``KVConnectorFactory`` (not by calling
+its class), so the factory's compatibility and HMA checks apply, and every
+hook forwards vLLM's raw objects to it unchanged, exactly as MultiConnector does.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
+
+from composer.builtin import VllmConnectorConfig
+from composer.export import native_child_config
+from composer.hookspecs import hookimpl
+from composer.plugin import NodeContext, Plugin
+
+
+def child_vllm_config(config: VllmConnectorConfig, vllm_config: Any) -> Any:
+    """A shallow copy of ``vllm_config`` whose kv_transfer_config is this node's."""
+    parent = vllm_config.kv_transfer_config
+    child = native_child_config(config, parent.kv_role)
+    child.setdefault("engine_id", parent.engine_id)
+    temp = copy.copy(vllm_config)
+    temp.kv_transfer_config = KVTransferConfig(**child)
+    return temp
+
+
+class NativeConnectorNode(Plugin):
+    def __init__(self, ctx: NodeContext) -> None:
+        super().__init__(ctx)
+        role = KVConnectorRole.SCHEDULER if ctx.vllm_role == "scheduler" else KVConnectorRole.WORKER
+        temp = child_vllm_config(ctx.config, ctx.vllm_config)  # type: ignore[arg-type]
+        connector_cls = KVConnectorFactory.get_connector_class(temp.kv_transfer_config)
+        groups = len(getattr(ctx.kv_cache_config, "kv_cache_groups", ()) or ())
+        if not supports_hma(connector_cls) and groups <= 1:
+            # vLLM keeps its hybrid manager on for the composed connector; with a
+            # single KV cache group the chain turns request_finished_all_groups
+            # into request_finished for this node, so the factory's HMA refusal
+            # does not apply. (Several groups without HMA fail at engine start.)
+            temp.scheduler_config = copy.copy(temp.scheduler_config)
+            temp.scheduler_config.disable_hybrid_kv_cache_manager = True
+        self.connector = KVConnectorFactory.create_connector(temp, role, ctx.kv_cache_config)
+
+    def direct_hooks(self) -> dict[str, Any]:
+        """Per-layer hooks bound straight to the connector: no wrapper on the hot path."""
+        return {
+            "wait_for_layer_load": self.connector.wait_for_layer_load,
+            "save_kv_layer": self.connector.save_kv_layer,
+        }
+
+    # initialize
+    @hookimpl
+    def get_mem_pool_context(self) -> Any:
+        return self.connector.get_mem_pool_context()
+
+    @hookimpl
+    def register_kv_caches(self, raw: dict[str, Any]) -> None:
+        self.connector.register_kv_caches(raw)
+
+    @hookimpl
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        self.connector.set_host_xfer_buffer_ops(copy_operation)
+
+    @hookimpl
+    def get_handshake_metadata(self) -> Any:
+        return self.connector.get_handshake_metadata()
+
+    # scheduler
+    @hookimpl
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self.connector.bind_kv_cache_manager(kv_cache_manager)
+
+    @hookimpl
+    def on_new_request(self, request: Any) -> None:
+        self.connector.on_new_request(request.raw)
+
+    @hookimpl
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        return self.connector.get_num_new_matched_tokens(request.raw, num_computed_tokens)
+
+    @hookimpl
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int, blocks: Any) -> None:
+        self.connector.update_state_after_alloc(request.raw, blocks, num_external_tokens)
+
+    @hookimpl
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> Any:
+        return self.connector.get_loaded_kv_cache_group_ids(request.raw)
+
+    @hookimpl
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
+        return self.connector.get_external_cache_hit_sources(request.raw, num_external_tokens)
+
+    @hookimpl
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        return self.connector.build_connector_meta(scheduler_output)
+
+    @hookimpl
+    def update_connector_output(self, connector_output: Any, worker_meta: Any) -> None:
+        connector_output.kv_connector_worker_meta = worker_meta
+        self.connector.update_connector_output(connector_output)
+
+    @hookimpl
+    def request_finished(self, request: Any, block_ids: list[int]) -> Any:
+        return self.connector.request_finished(request.raw, block_ids)
+
+    @hookimpl
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> Any:
+        if not supports_hma(self.connector):
+            raise TypeError(f"{type(self.connector).__name__} does not support HMA")
+        return self.connector.request_finished_all_groups(request.raw, block_ids)
+
+    @hookimpl
+    def register_finished_partial_tail(
+        self, request: Any, block_ids: Any, partial_tail_offloads: Any
+    ) -> bool:
+        return self.connector.register_finished_partial_tail(request.raw, block_ids, partial_tail_offloads)
+
+    @hookimpl
+    def take_events(self) -> Any:
+        return self.connector.take_events()
+
+    @hookimpl
+    def has_pending_block_frees(self) -> bool:
+        return self.connector.has_pending_block_frees()
+
+    @hookimpl
+    def has_pending_push_work(self) -> bool:
+        return self.connector.has_pending_push_work()
+
+    @hookimpl
+    def get_finished_count(self) -> int | None:
+        return self.connector.get_finished_count()
+
+    @hookimpl
+    def set_xfer_handshake_metadata(self, metadata: Any) -> None:
+        self.connector.set_xfer_handshake_metadata(metadata)
+
+    @hookimpl
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: Any) -> None:
+        self.connector.set_xfer_handshake_metadata_pp_aware(metadata)
+
+    @hookimpl
+    def reset_cache(self) -> bool | None:
+        return self.connector.reset_cache()
+
+    # worker, per step
+    @hookimpl
+    def handle_preemptions(self, metadata: Any) -> None:
+        self.connector.handle_preemptions(metadata)
+
+    @hookimpl
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        self.connector.bind_connector_metadata(metadata)
+
+    @hookimpl
+    def start_load_kv(self, forward_context: Any) -> None:
+        self.connector.start_load_kv(forward_context)
+
+    @hookimpl
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.connector.wait_for_layer_load(layer_name)
+
+    @hookimpl
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
+        self.connector.save_kv_layer(layer_name, kv_layer, attn_metadata)
+
+    @hookimpl
+    def wait_for_save(self) -> None:
+        self.connector.wait_for_save()
+
+    @hookimpl
+    def finish_forward(self) -> None:
+        self.connector.finish_forward()
+
+    @hookimpl
+    def reset_capture_state(self) -> None:
+        self.connector.reset_capture_state()
+
+    @hookimpl
+    def clear_connector_metadata(self) -> None:
+        self.connector.clear_connector_metadata()
+
+    @hookimpl
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        return self.connector.get_transfer_results(finished_req_ids)
+
+    @hookimpl
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.connector.get_block_ids_with_load_errors()
+
+    @hookimpl
+    def build_connector_worker_meta(self) -> Any:
+        return self.connector.build_connector_worker_meta()
+
+    # stats, shutdown
+    @hookimpl
+    def get_kv_connector_stats(self) -> Any:
+        return self.connector.get_kv_connector_stats()
+
+    @hookimpl
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        return self.connector.get_kv_connector_kv_cache_events()
+
+    @hookimpl
+    def shutdown(self) -> None:
+        self.connector.shutdown()
