@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -11,10 +13,20 @@ from composer.loader import Marks
 Path = tuple[str | int, ...]
 
 
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+
+
 def dotted(path: Path) -> str:
+    """``nodes.cpu.config.capacity``; list indexes and odd keys in brackets: ``save_to[0]``,
+    ``nodes["my cache"]``, so that the path reads unambiguously whatever the keys are."""
     out = ""
     for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _NAME.match(part):
+            out += f".{part}" if out else part
+        else:
+            out += f"[{json.dumps(part, ensure_ascii=False)}]"
     return out or "<root>"
 
 

@@ -215,9 +215,9 @@ def _check_capabilities(
                 writers[key] = node_id
 
     for node_id, c in caps.items():
-        if c.needs_model and not any(
-            dep in caps and caps[dep].provides_model for dep in nodes[node_id].get("needs") or []
-        ):
+        deps = nodes[node_id].get("needs")
+        deps = [d for d in deps if isinstance(d, str)] if isinstance(deps, list) else []
+        if c.needs_model and not any(dep in caps and caps[dep].provides_model for dep in deps):
             trackers = [n for n, cc in caps.items() if cc.provides_model]
             hint = f" (add needs: [{trackers[0]}])" if trackers else " (add a model-tracker node)"
             reporter.add(

@@ -19,7 +19,10 @@ import yaml
 Path = tuple[str | int, ...]
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}|\$\$")
 _BOOL_TAG = "tag:yaml.org,2002:bool"
-_PLAIN_TAGS = frozenset({"tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"})
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+_PLAIN_TAGS = frozenset(
+    f"tag:yaml.org,2002:{t}" for t in ("map", "seq", "str", "int", "float", "bool", "null")
+)
 
 
 class PipelineLoader(yaml.SafeLoader):
@@ -32,8 +35,10 @@ class PipelineLoader(yaml.SafeLoader):
     """
 
 
+# Timestamps go too: YAML 1.2 has none, and a date where a string is expected
+# (an engine id, a path) would fail as "not a string".
 PipelineLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != _BOOL_TAG]
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL_TAG, _TIMESTAMP_TAG)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 PipelineLoader.add_implicit_resolver(
@@ -84,6 +89,13 @@ class YAMLProblem(Exception):
 
 def syntax_problem(exc: yaml.YAMLError, text: str = "") -> YAMLProblem:
     """One located problem from PyYAML's error, without its multi-line rendering."""
+    if isinstance(exc, yaml.reader.ReaderError):
+        before = text[: exc.position]
+        line, col = before.count("\n") + 1, exc.position - (before.rfind("\n") + 1) + 1
+        char = exc.character if isinstance(exc.character, str) else chr(exc.character)
+        return YAMLProblem(
+            (), f"YAML syntax error: character {char!r} (#x{ord(char):04x}) is not allowed", line, col
+        )
     if not isinstance(exc, yaml.MarkedYAMLError):
         return YAMLProblem((), f"YAML error: {exc}", None, None)
     mark = exc.problem_mark or exc.context_mark
@@ -134,9 +146,9 @@ class _Builder:
 
     def build(self, node: yaml.Node, path: Path) -> Any:
         self.marks.values.setdefault(path, _pos(node))
-        if isinstance(node, yaml.MappingNode | yaml.SequenceNode) and node.tag not in _PLAIN_TAGS:
-            # The safe constructors would build sets, pairs or refuse; a pipeline
-            # is plain mappings, lists and scalars.
+        if node.tag not in _PLAIN_TAGS:
+            # The safe constructors would build bytes, dates, sets or pairs, or refuse;
+            # a pipeline is plain mappings, lists and JSON-like scalars.
             self.problems.append(
                 YAMLProblem(
                     path,
@@ -233,12 +245,22 @@ def load_yaml(
     text: str, *, env: Mapping[str, str] | None = None
 ) -> tuple[Any, Marks, list[YAMLProblem]]:
     """Parse one YAML document safely; returns (data, marks, problems)."""
-    loader = PipelineLoader(text)
+    try:
+        loader = PipelineLoader(text)
+    except yaml.YAMLError as exc:  # the reader checks every character up front
+        return None, Marks(), [syntax_problem(exc, text)]
     try:
         try:
             root = loader.get_single_node()
         except yaml.YAMLError as exc:
             return None, Marks(), [syntax_problem(exc, text)]
+        except RecursionError:  # PyYAML's composer recurses once per nesting level
+            return None, Marks(), [YAMLProblem((), "YAML nesting is too deep", None, None)]
+        except ValueError as exc:  # PyYAML lets chr() fail on escapes past U+10FFFF
+            mark = loader.get_mark()
+            return None, Marks(), [
+                YAMLProblem((), f"YAML syntax error: {exc}", mark.line + 1, mark.column + 1)
+            ]
         if root is None:
             return None, Marks(), []
         builder = _Builder(loader, os.environ if env is None else env)

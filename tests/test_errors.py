@@ -344,7 +344,7 @@ def test_bad_size_unit(problems: Check) -> None:
 
 def test_invalid_node_id(problems: Check) -> None:
     assert problems("version: 1\nnodes:\n  1st cache: {plugin: tracker}\n") == [
-        "p.yaml:3:3: nodes.1st cache: node ids start with a letter and use letters, digits, "
+        'p.yaml:3:3: nodes["1st cache"]: node ids start with a letter and use letters, digits, '
         "'-' and '_' only"
     ]
 

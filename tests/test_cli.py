@@ -1,0 +1,429 @@
+"""``kvc``: every command in-process, plus the installed console script as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from composer.cli import main
+from composer.pipeline import SCHEMA_ID
+
+NATIVE = """\
+version: 1
+nodes:
+  nixl:
+    plugin: vllm
+    config: {connector: NixlConnector}
+  disk:
+    plugin: vllm
+    config:
+      connector: ExampleConnector
+      extra_config: {shared_storage_path: /tmp/kv}
+"""
+
+COMPOSED = """\
+version: 1
+load_policy: longest_hit
+nodes:
+  disk:
+    plugin: vllm
+    on_error: recompute
+    config: {connector: ExampleConnector}
+  nixl:
+    plugin: vllm
+    role: transport
+    config: {connector: NixlConnector}
+  spare:
+    plugin: vllm
+    enabled: false
+    config: {connector: LMCacheConnectorV1}
+load_order: [nixl, disk]
+save_to: [disk]
+"""
+
+BAD = """\
+version: 1
+nodes:
+  nixl:
+    plugin: vlm
+  disk:
+    plugin: vllm
+    needs: [nixl, dsk]
+    config: {connector: ExampleConnector}
+"""
+
+
+@pytest.fixture
+def files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    for name, text in {"native.yaml": NATIVE, "composed.yaml": COMPOSED, "bad.yaml": BAD}.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+BAD_LINES = [
+    'bad.yaml:4:13: nodes.nixl.plugin: unknown plugin "vlm" (did you mean "vllm"?); '
+    'installed: "vllm"',
+    'bad.yaml:7:19: nodes.disk.needs[1]: node "dsk" does not exist (did you mean "disk"?); '
+    'nodes: "disk", "nixl"',
+]
+
+
+@pytest.fixture(autouse=True)
+def only_builtin_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Messages list the installed plugins: keep them independent of what this venv has.
+    monkeypatch.setenv("KV_COMPOSER_PLUGINS", "none-at-all")
+    monkeypatch.delenv("KV_COMPOSER_DISABLE_PLUGINS", raising=False)
+
+
+# --------------------------------------------------------------------------- #
+# validate
+# --------------------------------------------------------------------------- #
+
+
+def test_validate_ok(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "validate", "native.yaml", "composed.yaml") == (
+        0,
+        "native.yaml: ok (2 nodes: nixl, disk; runs as MultiConnector)\n"
+        "composed.yaml: ok (2 nodes: disk, nixl; runs as ComposedConnector)\n",
+        "",
+    )
+
+
+def test_validate_reports_every_problem_of_every_file(
+    files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (files / "syntax.yaml").write_text("version: 1\nnodes: [\n")
+    (files / "latin1.yaml").write_bytes(b"version: 1 # caf\xe9\n")
+    code, out, err = run(
+        capsys, "validate", "native.yaml", "bad.yaml", "syntax.yaml", "latin1.yaml", "nope.yaml"
+    )
+    assert code == 2
+    assert out.splitlines() == [
+        "native.yaml: ok (2 nodes: nixl, disk; runs as MultiConnector)",
+        *BAD_LINES,
+        "syntax.yaml:3:1: <root>: YAML syntax error: expected the node content, but found "
+        "'<stream end>' (while parsing a flow node)",
+        "latin1.yaml: <root>: pipeline file is not UTF-8 text",
+        "nope.yaml: <root>: cannot read pipeline file: No such file or directory",
+    ]
+    assert err == "5 problems in 4 files\n"
+
+
+def test_validate_json(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "validate", "--json", "native.yaml", "bad.yaml")
+    assert code == 2
+    assert json.loads(out) == {
+        "ok": False,
+        "files": [
+            {
+                "file": "native.yaml",
+                "ok": True,
+                "problems": [],
+                "nodes": ["nixl", "disk"],
+                "runs_as": "MultiConnector",
+            },
+            {
+                "file": "bad.yaml",
+                "ok": False,
+                "problems": [
+                    {
+                        "file": "bad.yaml",
+                        "line": 4,
+                        "column": 13,
+                        "path": "nodes.nixl.plugin",
+                        "message": BAD_LINES[0].split("nodes.nixl.plugin: ")[1],
+                    },
+                    {
+                        "file": "bad.yaml",
+                        "line": 7,
+                        "column": 19,
+                        "path": "nodes.disk.needs[1]",
+                        "message": BAD_LINES[1].split("nodes.disk.needs[1]: ")[1],
+                    },
+                ],
+                "nodes": [],
+                "runs_as": None,
+            },
+        ],
+    }
+    # The global flag means the same.
+    assert run(capsys, "--json", "validate", "native.yaml", "bad.yaml") == (code, out, "")
+
+
+def test_validate_reads_stdin(
+    files: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("version: 1\nnodes: {}\n"))
+    assert run(capsys, "validate", "-") == (
+        2,
+        "<stdin>:2:8: nodes: a pipeline needs at least one node\n",
+        "1 problem in 1 file\n",
+    )
+
+
+def test_usage_errors_exit_2(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "validate")
+    assert code == 2
+    assert "the following arguments are required: FILE" in err
+    code, _, err = run(capsys, "graph", "native.yaml", "--format", "svg")
+    assert code == 2
+    assert "argument --format: invalid choice: 'svg'" in err
+    assert run(capsys)[0] == 2
+
+
+# --------------------------------------------------------------------------- #
+# deep check (vLLM's connector registry)
+# --------------------------------------------------------------------------- #
+
+
+def test_deep_check_reports_unknown_connectors_located(files: Path) -> None:
+    from composer import load_pipeline
+    from composer.deep_check import deep_check
+    from composer.loader import load_yaml
+
+    text = NATIVE.replace("NixlConnector", "NixlConector") + (
+        "  mine:\n"
+        "    plugin: vllm\n"
+        "    config: {connector: MyConnector, module_path: my_pkg.connector}\n"
+    )
+    (files / "deep.yaml").write_text(text)
+    pipeline = load_pipeline("deep.yaml")
+    _, marks, _ = load_yaml(text)
+    problems = deep_check(
+        pipeline, marks=marks, registered=["NixlConnector", "ExampleConnector", "MultiConnector"]
+    )
+    # ExampleConnector is registered; MyConnector loads from its module path.
+    assert [str(p) for p in problems] == [
+        'deep.yaml:5:25: nodes.nixl.config.connector: vLLM has no KV connector "NixlConector" '
+        '(did you mean "NixlConnector"?); registered: "ExampleConnector", "MultiConnector", '
+        '"NixlConnector" (set module_path for an out-of-tree connector)'
+    ]
+    # Without marks the problem still names the file and the key.
+    assert str(deep_check(pipeline, registered=["ExampleConnector"])[0]).startswith(
+        'deep.yaml: nodes.nixl.config.connector: vLLM has no KV connector "NixlConector"'
+    )
+
+
+def test_validate_deep_against_the_installed_vllm(files: Path, kvc: str) -> None:
+    """One real run: imports vLLM, so it is the slowest test here."""
+    (files / "typo.yaml").write_text(NATIVE.replace("ExampleConnector", "ExampleConector"))
+    proc = subprocess.run(
+        [kvc, "validate", "--deep", "native.yaml", "typo.yaml"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KV_COMPOSER_PLUGINS": "none-at-all"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "native.yaml: ok (2 nodes: nixl, disk; runs as MultiConnector)"
+    assert lines[1].startswith(
+        'typo.yaml:9:18: nodes.disk.config.connector: vLLM has no KV connector "ExampleConector" '
+        '(did you mean "ExampleConnector"?); registered: '
+    )
+    assert '"NixlConnector"' in lines[1]
+    assert len(lines) == 2
+    assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- #
+# graph, plugins, schema, export
+# --------------------------------------------------------------------------- #
+
+
+def test_graph_text(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "graph", "composed.yaml")
+    assert code == 0
+    assert out == textwrap.dedent(
+        """\
+        pipeline composed.yaml
+          kv_role kv_both, hma off, runs as ComposedConnector
+
+        nodes (dependency order):
+          disk  vllm (ExampleConnector)  role both, on_error recompute
+          nixl  vllm (NixlConnector)     role transport
+          disabled: spare
+
+        load order (longest_hit): nixl -> disk
+        save to: disk
+        """
+    )
+
+
+def test_graph_mermaid_with_needs(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (files / "needs.yaml").write_text(
+        NATIVE + "    needs: [nixl]\n" + "load_order: [disk, nixl]\n"
+    )
+    code, out, _ = run(capsys, "graph", "--format", "mermaid", "needs.yaml")
+    assert code == 0
+    assert out == textwrap.dedent(
+        """\
+        flowchart LR
+          n0["nixl<br/>vllm (NixlConnector)<br/>role: both"]
+          n1["disk<br/>vllm (ExampleConnector)<br/>role: both"]
+          n1 -. needs .-> n0
+          load(["load: first_hit"])
+          load -->|1| n1
+          load -->|2| n0
+          save(["save"])
+          save --> n0
+          save --> n1
+        """
+    )
+
+
+def test_graph_json(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--json", "graph", "composed.yaml")
+    assert code == 0
+    data = json.loads(out)
+    assert data["nodes"][1] == {
+        "id": "nixl",
+        "plugin": "vllm",
+        "connector": "NixlConnector",
+        "role": "transport",
+        "needs": [],
+        "on_error": "fail",
+    }
+    assert (data["load_order"], data["save_to"], data["disabled"]) == (["nixl", "disk"], ["disk"], ["spare"])
+
+
+def test_graph_of_an_invalid_file_exits_2_with_problems_on_stderr(
+    files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(capsys, "graph", "bad.yaml") == (2, "", "\n".join(BAD_LINES) + "\n")
+
+
+def test_plugins(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plugins")
+    assert code == 0
+    assert out.startswith("vllm  (kv-composer ")
+    assert "  roles: both, load, save, transport (default both)\n" in out
+    assert "  capabilities: depends on the node's config\n" in out
+    assert (
+        "    connector         str, required  Name in vLLM's KVConnectorFactory, e.g. "
+        "NixlConnector.\n" in out
+    )
+    assert "    kv_port           int | None, default null\n" in out
+
+    code, out, _ = run(capsys, "plugins", "--json")
+    (vllm,) = json.loads(out)
+    assert vllm["name"] == "vllm"
+    assert vllm["package"] == "kv-composer"
+    assert vllm["node"] == "composer.vllm.native:NativeConnectorNode"
+    assert vllm["config"]["kv_role"] == {
+        "type": "'kv_producer' | 'kv_consumer' | 'kv_both' | None",
+        "default": None,
+        "required": False,
+        "description": "Defaults to the composed connector's kv_role.",
+    }
+
+
+def test_schema_prints_and_writes(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, printed, _ = run(capsys, "schema")
+    assert code == 0
+    schema = json.loads(printed)
+    assert schema["$id"] == SCHEMA_ID
+    assert schema["properties"]["nodes"]["minProperties"] == 1
+    assert printed == json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+    code, _, err = run(capsys, "schema", "--output", "out/schemas")
+    assert (code, err) == (0, "wrote out/schemas/pipeline.schema.json\n")
+    assert (files / "out/schemas/pipeline.schema.json").read_text() == printed
+
+
+def test_export_plain_multiconnector(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "export", "native.yaml")
+    assert code == 0
+    assert json.loads(out) == {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"},
+                },
+            ]
+        },
+    }
+    # One line, so that "$(kvc export ...)" is one shell word.
+    assert out.count("\n") == 1
+
+
+def test_export_composed_inline_and_by_reference(
+    files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, "export", "composed.yaml")
+    assert code == 0
+    config = json.loads(out)
+    assert config["kv_connector"] == "ComposedConnector"
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert config["kv_connector_extra_config"]["pipeline"]["load_order"] == ["nixl", "disk"]
+
+    code, out, _ = run(capsys, "export", "--reference", "composed.yaml")
+    assert json.loads(out)["kv_connector_extra_config"] == {
+        "pipeline": str(files / "composed.yaml")
+    }
+
+
+def test_serve_and_demo_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "serve", "--help")
+    assert code == 0
+    assert out.startswith("usage: kvc serve [-h] FILE ...")
+    code, out, _ = run(capsys, "demo", "--help")
+    assert code == 0
+    assert out.startswith("usage: kvc demo [-h] [FILE]")
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for command in ("validate", "graph", "plugins", "schema", "export", "serve", "demo"):
+        assert f"\n    {command} " in out
+
+
+# --------------------------------------------------------------------------- #
+# the installed console script
+# --------------------------------------------------------------------------- #
+
+
+def test_console_script_exit_codes_and_no_tracebacks(files: Path, kvc: str) -> None:
+    def kv(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([kvc, *argv], capture_output=True, text=True, cwd=files)
+
+    ok = kv("validate", "native.yaml")
+    assert (ok.returncode, ok.stdout) == (
+        0,
+        "native.yaml: ok (2 nodes: nixl, disk; runs as MultiConnector)\n",
+    )
+    bad = kv("validate", "native.yaml", "bad.yaml", "missing.yaml")
+    assert bad.returncode == 2
+    assert bad.stdout.splitlines()[1:] == [
+        *BAD_LINES,
+        "missing.yaml: <root>: cannot read pipeline file: No such file or directory",
+    ]
+    assert "Traceback" not in bad.stderr
+    as_json = kv("validate", "--json", "bad.yaml")
+    assert as_json.returncode == 2
+    assert [p["path"] for p in json.loads(as_json.stdout)["files"][0]["problems"]] == [
+        "nodes.nixl.plugin",
+        "nodes.disk.needs[1]",
+    ]
+    exported = kv("export", "bad.yaml")
+    assert (exported.returncode, exported.stdout) == (2, "")
+    assert exported.stderr.splitlines() == BAD_LINES
