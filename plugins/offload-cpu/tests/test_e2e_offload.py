@@ -1,0 +1,105 @@
+"""offload-cpu inside real vLLM (CPU build, tiny local model, prefix cache off).
+
+One module-scoped set of engine runs: a plain engine (no connector) as the
+reference, the pipeline ``{cpu: offload-cpu}``, and the same with checksums
+while a test node corrupts every stored block. All runs use the same
+VLLM_CPU_OMP_THREADS_BIND, so token comparisons are not thread-count noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from composer import kv_transfer_config, load_pipeline  # noqa: E402
+from composer.testing.engine import EngineResult, EngineSpec, run_engine  # noqa: E402
+from composer.testing.tiny_model import build_tiny_model, make_prompts  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+HERE = Path(__file__).parent
+BLOCK = 32
+BASE = make_prompts(3, words=60, seed=21)
+SHARED = [p + " " + tail for p, tail in zip(BASE[:2], make_prompts(2, words=25, seed=22), strict=True)]
+NEW = make_prompts(1, words=60, seed=23)
+# Round 1 fills the tier; round 2 repeats, extends and adds prompts.
+ROUNDS = [BASE, [BASE[0], SHARED[0], NEW[0], BASE[2], SHARED[1]]]
+
+
+def _pipeline(config: dict[str, Any], extra_nodes: dict[str, Any] | None = None) -> dict[str, Any]:
+    nodes = {"cpu": {"plugin": "offload-cpu", "on_error": "recompute", "config": config}}
+    nodes.update(extra_nodes or {})
+    return kv_transfer_config(load_pipeline({"version": 1, "nodes": nodes}))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("offload-cpu")
+    model = str(build_tiny_model())
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path, "KV_COMPOSER_PLUGIN_MODULES": "offload_cpu_e2e_plugins"}
+    os.environ["KV_COMPOSER_PLUGIN_MODULES"] = "offload_cpu_e2e_plugins"  # for load_pipeline here
+    import sys
+
+    sys.path.insert(0, str(HERE))
+
+    def spec(kv: dict[str, Any] | None) -> EngineSpec:
+        return EngineSpec(model=model, rounds=ROUNDS, kv_transfer_config=kv, env=env, max_tokens=8)
+
+    report = tmp / "corrupt.json"
+    out: dict[str, Any] = {"report": report}
+    out["plain"] = run_engine(spec(None))
+    out["cpu"] = run_engine(spec(_pipeline({"capacity": "256MiB"})))
+    out["corrupt"] = run_engine(
+        spec(
+            _pipeline(
+                {"capacity": "256MiB", "checksums": True},
+                {"bad": {"plugin": "offload-cpu-corruptor", "needs": ["cpu"],
+                         "config": {"target": "cpu", "report": str(report)}}},
+            )
+        )
+    )
+    return out
+
+
+def _cached(result: EngineResult, r: int) -> list[int]:
+    return [x.cached_tokens for x in result.rounds[r]]
+
+
+def test_first_round_computes_everything(runs: dict[str, Any]) -> None:
+    assert _cached(runs["cpu"], 0) == [0, 0, 0]
+
+
+def test_repeats_and_shared_prefixes_are_served_from_the_tier(runs: dict[str, Any]) -> None:
+    rnd = runs["cpu"].rounds[1]
+    repeat, shared, new, repeat2, shared2 = rnd
+    for r in (repeat, repeat2):
+        # Every full block but the one holding the last prompt token.
+        assert r.cached_tokens == (r.prompt_tokens - 1) // BLOCK * BLOCK > 0
+    first = runs["cpu"].rounds[0]
+    for r, base in ((shared, first[0]), (shared2, first[1])):
+        assert 0 < r.cached_tokens <= base.prompt_tokens // BLOCK * BLOCK
+        assert r.cached_tokens % BLOCK == 0
+    assert new.cached_tokens == 0
+
+
+def test_tokens_equal_a_run_without_the_pipeline(runs: dict[str, Any]) -> None:
+    plain, cpu = runs["plain"], runs["cpu"]
+    assert _cached(plain, 1) == [0, 0, 0, 0, 0]
+    for r in range(len(ROUNDS)):
+        assert cpu.tokens(r) == plain.tokens(r), f"round {r}"
+
+
+def test_corrupt_blocks_are_recomputed_not_served(runs: dict[str, Any]) -> None:
+    report = json.loads(Path(runs["report"]).read_text())
+    assert report["corrupted"] > 0
+    assert report["load_failures"] > 0 and report["loads_ok"] == 0
+    corrupt, plain = runs["corrupt"], runs["plain"]
+    for r in range(len(ROUNDS)):
+        assert corrupt.tokens(r) == plain.tokens(r), f"round {r}"
