@@ -14,11 +14,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import pluggy
 import structlog
+from pydantic import ByteSize
 from pydantic_core import to_jsonable_python
 
 from composer.discovery import PluginConflict, Registry, discover
@@ -95,57 +97,56 @@ def _dump(data: Any) -> str:
 # --------------------------------------------------------------------------- #
 
 
+@dataclass
+class _Checked:
+    file: str
+    pipeline: ResolvedPipeline | None
+    problems: list[Problem]
+
+    def as_dict(self) -> dict[str, Any]:
+        ok = self.pipeline is not None and not self.problems
+        return {
+            "file": self.file,
+            "ok": ok,
+            "problems": [p.as_dict() for p in self.problems],
+            "nodes": [n.id for n in self.pipeline.nodes] if self.pipeline and ok else [],
+            "runs_as": _runs_as(self.pipeline) if self.pipeline and ok else None,
+        }
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     registry = discover()
-    results: list[dict[str, Any]] = []
+    results: list[_Checked] = []
     for file in args.files:
         try:
             pipeline = _load(file, registry)
-            problems: list[Problem] = []
-            if args.deep:
-                problems = _deep_problems(pipeline, file)
+            deep = _deep_problems(pipeline, file) if args.deep else []
+            results.append(_Checked(file, pipeline, deep))
         except PipelineInvalid as exc:
-            pipeline, problems = None, list(exc.problems)
-        results.append({"file": file, "pipeline": pipeline, "problems": problems})
+            results.append(_Checked(file, None, list(exc.problems)))
 
-    invalid = [r for r in results if r["problems"]]
+    invalid = [r for r in results if r.problems]
     if args.json:
+        print(_dump({"ok": not invalid, "files": [r.as_dict() for r in results]}))
+        return EXIT_INVALID if invalid else EXIT_OK
+    for r in results:
+        if r.problems or r.pipeline is None:
+            _print_problems(r.problems, sys.stdout)
+            continue
+        names = ", ".join(n.id for n in r.pipeline.nodes)
         print(
-            _dump(
-                {
-                    "ok": not invalid,
-                    "files": [
-                        {
-                            "file": r["file"],
-                            "ok": not r["problems"],
-                            "problems": [p.as_dict() for p in r["problems"]],
-                            "nodes": [n.id for n in r["pipeline"].nodes]
-                            if r["pipeline"] and not r["problems"]
-                            else [],
-                            "runs_as": _runs_as(r["pipeline"])
-                            if r["pipeline"] and not r["problems"]
-                            else None,
-                        }
-                        for r in results
-                    ],
-                }
-            )
+            f"{r.file}: ok ({_plural(len(r.pipeline.nodes), 'node')}: {names}; "
+            f"runs as {_runs_as(r.pipeline)})"
         )
-    else:
-        for r in results:
-            if r["problems"]:
-                _print_problems(r["problems"], sys.stdout)
-            else:
-                p: ResolvedPipeline = r["pipeline"]
-                names = ", ".join(n.id for n in p.nodes)
-                print(f"{r['file']}: ok ({len(p.nodes)} nodes: {names}; runs as {_runs_as(p)})")
-        if invalid:
-            count = sum(len(r["problems"]) for r in invalid)
-            print(
-                f"{count} problem{'s' * (count != 1)} in {len(invalid)} "
-                f"file{'s' * (len(invalid) != 1)}",
-                file=sys.stderr,
-            )
+    if invalid:
+        count = sum(len(r.problems) for r in invalid)
+        print(
+            f"{_plural(count, 'problem')} in {_plural(len(invalid), 'file')}", file=sys.stderr
+        )
     return EXIT_INVALID if invalid else EXIT_OK
 
 
@@ -254,7 +255,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(_dump(data))
         return EXIT_OK
-    for i, info in enumerate(data):
+    for i, (ptype, info) in enumerate(zip(registry.types.values(), data, strict=True)):
         if i:
             print()
         origin = " ".join(x for x in (info["package"], info["version"]) if x) or "unknown package"
@@ -269,7 +270,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         else:
             shown = [k if v is True else f"{k}={_show(v)}" for k, v in caps.items() if v]
             print(f"  capabilities: {', '.join(shown) or '(none)'}")
-        fields = info["config"]
+        fields = ptype.config_fields()
         if not fields:
             print("  config: (no options)")
             continue
@@ -283,6 +284,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, ByteSize):
+        return value.human_readable()
     if isinstance(value, list | tuple | set | frozenset):
         return "[" + ", ".join(str(v) for v in sorted(value, key=str)) + "]"
     return json.dumps(to_jsonable_python(value, fallback=str))

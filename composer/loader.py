@@ -91,15 +91,18 @@ def syntax_problem(exc: yaml.YAMLError, text: str = "") -> YAMLProblem:
     """One located problem from PyYAML's error, without its multi-line rendering."""
     if isinstance(exc, yaml.reader.ReaderError):
         before = text[: exc.position]
-        line, col = before.count("\n") + 1, exc.position - (before.rfind("\n") + 1) + 1
         char = exc.character if isinstance(exc.character, str) else chr(exc.character)
         return YAMLProblem(
-            (), f"YAML syntax error: character {char!r} (#x{ord(char):04x}) is not allowed", line, col
+            (),
+            f"YAML syntax error: character {char!r} (#x{ord(char):04x}) is not allowed",
+            before.count("\n") + 1,
+            exc.position - (before.rfind("\n") + 1) + 1,
         )
     if not isinstance(exc, yaml.MarkedYAMLError):
         return YAMLProblem((), f"YAML error: {exc}", None, None)
     mark = exc.problem_mark or exc.context_mark
-    line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
+    line: int | None = mark.line + 1 if mark else None
+    col: int | None = mark.column + 1 if mark else None
     message = str(exc.problem or exc.context or "invalid YAML")
     if exc.context and exc.problem:
         where = ""

@@ -13,10 +13,15 @@ from pydantic import (
     StringConstraints,
     create_model,
 )
+from pydantic.json_schema import JsonDict
 
 from composer.plugin_types import Capabilities, NodeRole, PluginType
 
-NodeId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_-]*$", max_length=64)]
+NODE_ID_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]*$"
+NodeId = Annotated[str, StringConstraints(pattern=NODE_ID_PATTERN, max_length=64)]
+# pydantic puts a dict key's pattern in patternProperties, which lets any other key
+# through; JSON Schema checks keys with propertyNames.
+_NODES_SCHEMA: JsonDict = {"propertyNames": {"pattern": NODE_ID_PATTERN, "maxLength": 64}}
 ErrorPolicy = Literal["fail", "disable", "recompute"]
 LoadPolicy = Literal["first_hit", "longest_hit"]
 KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]
@@ -63,7 +68,9 @@ class Pipeline(BaseModel):
 
     version: Literal[1] = Field(description="Pipeline file format version.")
     kv_role: KVRole = Field("kv_both", description="vLLM kv_role of the composed connector.")
-    nodes: dict[NodeId, Node] = Field(min_length=1, description="Nodes by id.")
+    nodes: dict[NodeId, Node] = Field(
+        min_length=1, description="Nodes by id.", json_schema_extra=_NODES_SCHEMA
+    )
     load_order: list[NodeId] | None = Field(
         None, description="Order in which nodes are asked for hits; default: file order."
     )
@@ -149,7 +156,10 @@ def typed_pipeline_model(types: dict[str, PluginType]) -> type[BaseModel]:
         "Pipeline",
         __base__=Pipeline,
         __doc__=Pipeline.__doc__,
-        nodes=(dict[NodeId, union], Field(min_length=1, description="Nodes by id.")),
+        nodes=(
+            dict[NodeId, union],
+            Field(min_length=1, description="Nodes by id.", json_schema_extra=_NODES_SCHEMA),
+        ),
     )
 
 
