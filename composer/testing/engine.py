@@ -89,9 +89,16 @@ def run_engine(spec: EngineSpec) -> EngineResult:
                 pass
             finally:
                 _kill_group(proc)
-        tail = log_file.read_text(errors="replace")[-6000:]
+        text = log_file.read_text(errors="replace")
+        tail = text[-6000:]
         if proc.returncode != 0 or not out_file.exists():
-            raise EngineFailed(f"vLLM engine exited with {proc.returncode}:\n{tail}")
+            # The root cause is usually the first error line, far above the tail.
+            errors = [line for line in text.splitlines() if "Error" in line][:8]
+            raise EngineFailed(
+                f"vLLM engine exited with {proc.returncode}; first errors:\n"
+                + "\n".join(errors)
+                + f"\n--- log tail ---\n{tail}"
+            )
         data = json.loads(out_file.read_text())
         return EngineResult(
             rounds=[[RequestResult(**r) for r in rnd] for rnd in data["rounds"]],

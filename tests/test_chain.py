@@ -1,0 +1,208 @@
+"""The chain's MultiConnector semantics, on plugin fakes (no vLLM needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pluggy
+import pytest
+from pydantic import BaseModel, ConfigDict
+
+from composer import Capabilities, Plugin, PluginType, discover, hookimpl, load_pipeline
+from composer.chain import Chain, TransferParamsClash
+
+CALLS: list[tuple[str, str, Any]] = []
+
+
+class FakeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hit: int | None = 0
+    hold: bool = False
+    params: dict[str, Any] | None = None
+    fail_in: str | None = None
+
+
+class Tier(Plugin):
+    """Records calls; answers from its config."""
+
+    def _rec(self, hook: str, arg: Any = None) -> None:
+        CALLS.append((self.node_id, hook, arg))
+        if self.config.fail_in == hook:
+            raise RuntimeError(f"{self.node_id} fails in {hook}")
+
+    @hookimpl
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._rec("get_num_new_matched_tokens")
+        return self.config.hit, False
+
+    @hookimpl
+    def update_state_after_alloc(self, request: Any, block_ids: Any, num_external_tokens: int) -> None:
+        self._rec("update_state_after_alloc", num_external_tokens)
+
+    @hookimpl
+    def build_connector_meta(self, step: Any) -> str:
+        return f"meta-{self.node_id}"
+
+    @hookimpl
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        self._rec("bind_connector_metadata", metadata)
+
+    @hookimpl
+    def start_load_kv(self, forward_context: Any) -> None:
+        self._rec("start_load_kv")
+
+    @hookimpl
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._rec("request_finished")
+        return self.config.hold, self.config.params
+
+    @hookimpl
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return ({"r1"} if self.config.hold else None), None
+
+
+class Saver(Tier):
+    @hookimpl
+    def save_kv_layer(self, layer_name: str) -> None:
+        self._rec("save_kv_layer", layer_name)
+
+
+class Misspelled(Plugin):
+    @hookimpl
+    def start_lod_kv(self) -> None:  # a typo: must not be silently ignored
+        pass
+
+
+@hookimpl
+def register_plugin_types(register: Any) -> None:
+    register(PluginType(name="tier", node=Tier, config=FakeConfig))
+    register(PluginType(name="saver", node=Saver, config=FakeConfig))
+    register(PluginType(name="misspelled", node=Misspelled, capabilities=Capabilities()))
+
+
+class _Module:
+    register_plugin_types = staticmethod(register_plugin_types)
+    __name__ = "fakes"
+
+
+REGISTRY = discover(extra=[_Module()], entry_points=False)
+KV_CACHE_CONFIG = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4))])
+
+
+def chain(nodes: dict[str, Any], role: str = "scheduler", **pipeline: Any) -> Chain:
+    CALLS.clear()
+    resolved = load_pipeline({"version": 1, "nodes": nodes, **pipeline}, registry=REGISTRY)
+    return Chain(resolved, role, kv_cache_config=KV_CACHE_CONFIG)  # type: ignore[arg-type]
+
+
+def request(rid: str = "r1") -> Any:
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(20)))
+
+
+class Blocks:
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return ([10, 11, 12, 13, 14],)
+
+
+def test_first_hit_serves_and_others_get_zero_tokens() -> None:
+    c = chain({
+        "a": {"plugin": "tier", "config": {"hit": 0}},
+        "b": {"plugin": "tier", "config": {"hit": 8}},
+        "c": {"plugin": "tier", "config": {"hit": 12}},
+    })
+    assert c.get_num_new_matched_tokens(request(), 0) == (8, False)
+    c.update_state_after_alloc(request(), Blocks(), 8)
+    assert [(n, a) for n, h, a in CALLS if h == "update_state_after_alloc"] == [("a", 0), ("b", 8), ("c", 0)]
+    assert c.stats["b"].hits == 1 and c.stats["a"].lookups == 1
+
+
+def test_longest_hit_policy_and_load_order() -> None:
+    c = chain(
+        {
+            "a": {"plugin": "tier", "config": {"hit": 8}},
+            "b": {"plugin": "tier", "config": {"hit": 12}},
+            "c": {"plugin": "tier", "config": {"hit": 12}},
+        },
+        load_policy="longest_hit",
+        load_order=["c", "b", "a"],
+    )
+    assert c.get_num_new_matched_tokens(request(), 0) == (12, False)
+    assert [n for n, h, _ in CALLS if h == "get_num_new_matched_tokens"] == ["c", "b", "a"]
+    assert c.chosen_node("r1") == "c"  # ties go to the earlier node in load order
+
+
+def test_none_means_still_looking_up_and_stops_the_round() -> None:
+    c = chain({"a": {"plugin": "tier", "config": {"hit": None}}, "b": {"plugin": "tier", "config": {"hit": 4}}})
+    assert c.get_num_new_matched_tokens(request(), 0) == (None, False)
+    assert [n for n, h, _ in CALLS if h == "get_num_new_matched_tokens"] == ["a"]
+
+
+def test_blocks_held_until_every_async_saver_is_done() -> None:
+    sched = chain({"a": {"plugin": "tier", "config": {"hold": True}}, "b": {"plugin": "tier", "config": {"hold": True}}})
+    assert sched.request_finished(request(), [1, 2]) == (True, None)
+    meta = sched.build_connector_meta(SimpleNamespace())
+    assert meta.extra_async_saves == {"r1": 1}
+    assert meta.per_node == {"a": "meta-a", "b": "meta-b"}
+    worker = chain({"a": {"plugin": "tier", "config": {"hold": True}}, "b": {"plugin": "tier", "config": {"hold": True}}}, role="worker")
+    worker.bind_connector_metadata(meta)
+    assert [(n, a) for n, h, a in CALLS if h == "bind_connector_metadata"] == [("a", "meta-a"), ("b", "meta-b")]
+    # Both nodes report r1 done in the same step: only then is it finished.
+    assert worker.get_transfer_results({"r1"}).finished_sending == {"r1"}
+
+
+def test_transfer_params_merge_and_clash_names_both_nodes() -> None:
+    ok = chain({"a": {"plugin": "tier", "config": {"params": {"x": 1}}}, "b": {"plugin": "tier", "config": {"params": {"y": 2}}}})
+    assert ok.request_finished(request(), []) == (False, {"x": 1, "y": 2})
+    clash = chain({"a": {"plugin": "tier", "config": {"params": {"x": 1}}}, "b": {"plugin": "tier", "config": {"params": {"x": 2}}}})
+    with pytest.raises(TransferParamsClash, match='node "a" and node "b"'):
+        clash.request_finished(request(), [])
+
+
+def _load_through(policy: str) -> Chain:
+    nodes = {"a": {"plugin": "tier", "on_error": policy, "config": {"hit": 8, "fail_in": "start_load_kv"}}}
+    sched = chain(nodes)
+    sched.get_num_new_matched_tokens(request(), 0)
+    sched.update_state_after_alloc(request(), Blocks(), 8)
+    meta = sched.build_connector_meta(SimpleNamespace())
+    assert meta.loads == {"a": {10, 11}}  # 8 tokens = the first two 4-token blocks
+    worker = chain(nodes, role="worker")
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    return worker
+
+
+def test_failed_load_becomes_load_errors_and_node_stays_with_recompute() -> None:
+    worker = _load_through("recompute")
+    assert worker.get_block_ids_with_load_errors() == {10, 11}
+    assert worker.get_block_ids_with_load_errors() == set()  # reported once
+    assert "a" not in worker.disabled and worker.stats["a"].errors == 1
+
+
+def test_disable_policy_switches_the_node_off() -> None:
+    worker = _load_through("disable")
+    assert worker.get_block_ids_with_load_errors() == {10, 11}
+    assert worker.disabled == {"a"} and worker.implemented("start_load_kv") == []
+
+
+def test_fail_policy_raises() -> None:
+    with pytest.raises(RuntimeError, match="fails in start_load_kv"):
+        _load_through("fail")
+
+
+def test_per_layer_hooks_call_only_implementing_saving_nodes() -> None:
+    c = chain(
+        {"a": {"plugin": "tier"}, "s": {"plugin": "saver"}, "t": {"plugin": "saver", "role": "load"}},
+        role="worker",
+    )
+    assert c.implemented("save_kv_layer") == ["s"]  # t loads only; a has no hook
+    c.save_kv_layer("layer0", None, None)
+    assert [(n, h) for n, h, _ in CALLS] == [("s", "save_kv_layer")]
+    empty = chain({"a": {"plugin": "tier"}}, role="worker")
+    assert empty.implemented("save_kv_layer") == []
+    assert empty.save_kv_layer("layer0", None, None) is None
+
+
+def test_misspelled_hookimpl_is_an_error() -> None:
+    with pytest.raises(pluggy.PluginValidationError, match="start_lod_kv"):
+        chain({"m": {"plugin": "misspelled"}})
