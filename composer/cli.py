@@ -23,7 +23,7 @@ import structlog
 from pydantic import ByteSize
 from pydantic_core import to_jsonable_python
 
-from composer.discovery import PluginConflict, Registry, discover
+from composer.discovery import PluginConflict, PluginLoadError, Registry, discover
 from composer.errors import PipelineInvalid, Problem
 from composer.export import CONNECTOR_NAME, as_multiconnector, kv_transfer_config
 from composer.logs import configure
@@ -459,7 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"kvc: error: {exc}", file=sys.stderr)
         return EXIT_INVALID
-    except (MissingRuntime, PluginConflict, pluggy.PluginValidationError) as exc:
+    except (
+        MissingRuntime, PluginConflict, PluginLoadError, pluggy.PluginValidationError
+    ) as exc:
         print(f"kvc: error: {exc}", file=sys.stderr)
         return EXIT_ENVIRONMENT
     except BrokenPipeError:

@@ -27,6 +27,10 @@ class PluginConflict(RuntimeError):
     pass
 
 
+class PluginLoadError(RuntimeError):
+    """A plugin package failed to import or to register its types."""
+
+
 @dataclass(frozen=True)
 class Registry:
     """The plugin types available to a pipeline, by name."""
@@ -80,9 +84,25 @@ def discover(
                 continue
             if pm.has_plugin(ep.name):
                 continue
-            pm.register(ep.load(), name=ep.name)
+            try:
+                module = ep.load()
+            except Exception as exc:
+                raise PluginLoadError(
+                    f'plugin entry point "{ep.name}" ({ep.value}, from {dist or "unknown"}) '
+                    f"failed to import: {type(exc).__name__}: {exc}; disable it with "
+                    f"{DENY_ENV}={ep.name}"
+                ) from exc
+            pm.register(module, name=ep.name)
             sources[ep.name] = (dist, ep.dist.version if ep.dist else "")
-    modules = [importlib.import_module(m) for m in sorted(_split(os.environ.get(MODULES_ENV)) or ())]
+    modules = []
+    for name in sorted(_split(os.environ.get(MODULES_ENV)) or ()):
+        try:
+            modules.append(importlib.import_module(name))
+        except Exception as exc:
+            raise PluginLoadError(
+                f'plugin module "{name}" (from {MODULES_ENV}) failed to import: '
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
     for i, obj in enumerate([*modules, *extra]):
         name = getattr(obj, "__name__", f"extra-{i}")
         pm.register(obj, name=name)
@@ -101,7 +121,15 @@ def discover(
                 )
             types[ptype.name] = replace(ptype, package=_pkg, version=_ver)
 
-        impl.function(register=register)
+        try:
+            impl.function(register=register)
+        except PluginConflict:
+            raise
+        except Exception as exc:
+            raise PluginLoadError(
+                f'plugin "{impl.plugin_name}" failed in register_plugin_types: '
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
     return Registry(dict(sorted(types.items())))
 
 

@@ -1,0 +1,99 @@
+"""The hook specification: pluggy validates implementations, the README documents every hook."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pluggy
+import pytest
+from pluggy._hooks import varnames
+
+from composer import EmptyConfig, NodeContext, Plugin, hookimpl
+from composer.hookspecs import PROJECT, DiscoverySpec, NodeSpec
+
+
+def _hooks(spec: type) -> dict[str, str]:
+    """``name -> "name(arg, ...)"`` for every hookspec of a spec class, self left out."""
+    out = {}
+    for name, func in inspect.getmembers(spec, inspect.isfunction):
+        if getattr(func, f"{PROJECT}_spec", None) is None:
+            continue
+        args, _ = varnames(func)
+        out[name] = f"{name}({', '.join(args)})"
+    return out
+
+
+def _node(cls: type[Plugin]) -> Plugin:
+    return cls(NodeContext(node_id="n", config=EmptyConfig(), role="both", vllm_role="worker"))
+
+
+NODE_HOOKS = _hooks(NodeSpec)
+DISCOVERY_HOOKS = _hooks(DiscoverySpec)
+
+
+def test_spec_classes_are_what_we_think() -> None:
+    # Guards the helper above: a change in pluggy's marker attribute would empty both.
+    assert "start_load_kv" in NODE_HOOKS
+    assert NODE_HOOKS["save_kv_layer"] == "save_kv_layer(layer_name, kv_layer, attn_metadata)"
+    assert DISCOVERY_HOOKS == {"register_plugin_types": "register_plugin_types(register)"}
+
+
+def test_check_pending_catches_a_misspelled_hookimpl() -> None:
+    class Typo(Plugin):
+        @hookimpl
+        def start_lod_kv(self, forward_context: object) -> None:
+            pass
+
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(NodeSpec)
+    pm.register(_node(Typo), name="typo")
+    with pytest.raises(pluggy.PluginValidationError, match="unknown hook 'start_lod_kv'"):
+        pm.check_pending()
+
+
+def test_register_rejects_an_argument_the_hook_does_not_have() -> None:
+    class Extra(Plugin):
+        @hookimpl
+        def start_load_kv(self, forward_context: object, layer: int) -> None:
+            pass
+
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(NodeSpec)
+    with pytest.raises(pluggy.PluginValidationError, match="layer"):
+        pm.register(_node(Extra), name="extra")
+
+
+def test_every_hookspec_has_a_docstring() -> None:
+    for spec in (NodeSpec, DiscoverySpec):
+        for name in _hooks(spec):
+            doc = inspect.getdoc(getattr(spec, name))
+            assert doc and doc.strip(), f"{spec.__name__}.{name} has no docstring"
+
+
+# A documented hook is a list item or heading that starts with its backticked signature.
+_DOCUMENTED = re.compile(r"^\s*(?:[-*]|#{3,})\s+`(\w+)\(([^)`]*)\)`", re.MULTILINE)
+
+
+def _hooks_section(readme: str) -> str:
+    match = re.search(r"^## Hooks\n(.*?)(?=^## |\Z)", readme, re.MULTILINE | re.DOTALL)
+    assert match, 'README.md has no "## Hooks" section'
+    return match.group(1)
+
+
+def test_readme_documents_every_hook_with_its_signature(root: Path) -> None:
+    section = _hooks_section((root / "README.md").read_text())
+    documented = {f"{m.group(1)}({m.group(2).strip()})" for m in _DOCUMENTED.finditer(section)}
+    expected = set(NODE_HOOKS.values()) | set(DISCOVERY_HOOKS.values())
+    missing = sorted(expected - documented)
+    stale = sorted(documented - expected)
+    assert not missing and not stale, (
+        f"README.md ## Hooks is out of date.\n  missing: {missing}\n  stale: {stale}"
+    )
+
+
+def test_readme_documents_each_hook_once(root: Path) -> None:
+    section = _hooks_section((root / "README.md").read_text())
+    names = [m.group(1) for m in _DOCUMENTED.finditer(section)]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
