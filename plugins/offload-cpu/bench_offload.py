@@ -1,4 +1,7 @@
-"""Save+load throughput of the offload-cpu data path vs plain torch ops (see kvc_offload_cpu.bench)."""
+"""Save+load throughput of the offload-cpu data path vs plain torch ops.
+
+See :mod:`kvc_offload_cpu.bench`; ``make bench`` runs :func:`main`.
+"""
 
 from __future__ import annotations
 

@@ -58,8 +58,8 @@ def run(
 
     pool = HostPool([RegionPlan(0, region, 0, bytes_per_block)], num_slots, pin=False)
     pool_ck = HostPool([RegionPlan(0, region, 0, bytes_per_block)], num_slots, pin=False)
-    plain_pool = torch.empty_like(pool.pool)
-    for p in (pool.pool, pool_ck.pool, plain_pool):
+    plain_pool = torch.empty_like(pool.pools[0])
+    for p in (*pool.pools, *pool_ck.pools, plain_pool):
         p.zero_()  # fault the pages in outside the timing
 
     def ours(pool: HostPool, checks: bool, where: list[int] = slots_list) -> Callable[[], object]:
@@ -108,8 +108,8 @@ def run(
     out["ratio_scattered_vs_plain"] = out["ours_scattered_gib_s"] / out["plain_scattered_gib_s"]
     out["batch_mib"] = batch * bytes_per_block / 2**20
     # Correctness of what was timed: the blocks went through the pool and back intact.
-    assert torch.equal(pool.pool[scattered_list[0]], region[ids_list[0]])
-    assert torch.equal(pool_ck.pool[slots_list[-1]], region[ids_list[-1]])
+    assert torch.equal(pool.slot(scattered_list[0]), region[ids_list[0]])
+    assert torch.equal(pool_ck.slot(slots_list[-1]), region[ids_list[-1]])
     return out
 
 

@@ -13,27 +13,29 @@ class OffloadCPUConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     capacity: ByteSize = Field(
-        ByteSize(4 * 1024**3),
+        default=ByteSize(4 * 1024**3),
         description=(
             "Host memory of the block pool per worker, e.g. 8GiB. Slots = capacity // bytes "
             "of one KV block (all layers); the pool is preallocated and never grows."
         ),
     )
     eviction: Literal["lru"] = Field(
-        "lru", description="What to drop when the pool is full: least recently used block."
+        default="lru", description="What to drop when the pool is full: least recently used block."
     )
     save: Literal["prompt", "all"] = Field(
-        "prompt",
+        default="prompt",
         description=(
             '"prompt": store the full blocks of the prompt only; '
             '"all": also the full blocks produced while decoding.'
         ),
     )
     min_blocks: int = Field(
-        1, ge=1, description="Serve a hit only when at least this many blocks can be loaded."
+        default=1,
+        ge=1,
+        description="Serve a hit only when at least this many blocks can be loaded.",
     )
     load_mode: Literal["sync", "async"] = Field(
-        "sync",
+        default="sync",
         description=(
             '"sync": blocks are copied into vLLM\'s cache before the forward that needs them; '
             '"async": vLLM\'s async-load protocol (the request waits while a background '
@@ -41,7 +43,7 @@ class OffloadCPUConfig(BaseModel):
         ),
     )
     save_mode: Literal["sync", "async"] = Field(
-        "async",
+        default="async",
         description=(
             '"async": saves run on a background thread and overlap the next forward '
             "(a finished request's blocks are held until saved); "
@@ -49,7 +51,7 @@ class OffloadCPUConfig(BaseModel):
         ),
     )
     checksums: bool = Field(
-        False,
+        default=False,
         description=(
             "Checksum every block at save and verify it at load; a mismatch becomes a load "
             "error and vLLM recomputes the block."

@@ -8,7 +8,8 @@ make it fast on CPU:
   ``index_copy_`` on int8 rows is ~10x slower than on int64 rows;
 * saves into a run of consecutive slots gather straight into the pool
   (``index_select(..., out=pool[s:s+n])``), one pass instead of two; the index
-  hands out free slots lowest first, so batches mostly land in a few runs.
+  hands out free slots lowest first, so batches mostly land in a few runs;
+  loads from one run read the pool in place (no gather).
 """
 
 from __future__ import annotations
@@ -62,24 +63,42 @@ class RegionPlan:
 
 
 class HostPool:
-    """``num_slots`` slots of ``slot_bytes`` in host memory, plus per-slot checksums."""
+    """``num_slots`` slots of ``slot_bytes`` in host memory, plus per-slot checksums.
+
+    A slot is logical: the pool keeps one contiguous ``[num_slots, width]``
+    tensor per canonical region, so every region's gather lands in contiguous
+    memory (one pass into a run of slots) whatever the number of regions.
+    """
 
     def __init__(self, plans: list[RegionPlan], num_slots: int, *, pin: bool) -> None:
         self.plans = plans
         self.slot_bytes = sum(p.width for p in plans)
         self.num_slots = num_slots
-        self.pool = torch.empty((num_slots, self.slot_bytes), dtype=torch.int8, pin_memory=pin)
+        self.pools = [
+            torch.empty((num_slots, p.width), dtype=torch.int8, pin_memory=pin) for p in plans
+        ]
         self.sums = torch.zeros(num_slots, dtype=torch.int64)
         self.device = plans[0].region.device if plans else torch.device("cpu")
-        self._single = len(plans) == 1 and plans[0].width == self.slot_bytes
-        self._cols = [self.pool[:, p.offset : p.offset + p.width] for p in plans]
         self._stream: Any = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
             self._stream = torch.cuda.Stream(device=self.device)
 
     @property
     def nbytes(self) -> int:
-        return self.pool.numel()
+        return sum(p.numel() for p in self.pools)
+
+    def slot(self, slot: int) -> torch.Tensor:
+        """A copy of one slot's bytes (all regions, in plan order)."""
+        return torch.cat([p[slot] for p in self.pools])
+
+    def corrupt(self, slot: int, offset: int = 0) -> None:
+        """Flip bits of one byte of a slot (tests, fault drills)."""
+        for pool in self.pools:
+            if offset < pool.shape[1]:
+                pool[slot, offset] ^= 0x5A
+                return
+            offset -= pool.shape[1]
+        raise IndexError(offset)
 
     # -- save: vLLM blocks -> slots ----------------------------------------- #
 
@@ -95,25 +114,28 @@ class HostPool:
         t0 = time.perf_counter()
         slot_t = torch.tensor(slots, dtype=torch.int64)
         slot_runs = runs(slots)
-        for plan, cols in zip(self.plans, self._cols, strict=True):
+        sums = torch.zeros(len(slots), dtype=torch.int64) if with_checksums else None
+        for plan, pool in zip(self.plans, self.pools, strict=True):
             ids = torch.tensor(block_ids[plan.group], dtype=torch.int64)
             if self.device.type != "cpu":
-                self._save_from_device(plan, cols, ids, slot_t, ready_event)
-            elif self._single and len(slot_runs) <= MAX_RUNS:
+                self._save_from_device(plan, pool, ids, slot_t, ready_event)
+            elif len(slot_runs) <= MAX_RUNS:
                 for i0, i1, s0 in slot_runs:
-                    torch.index_select(plan.region, 0, ids[i0:i1], out=self.pool[s0 : s0 + i1 - i0])
+                    torch.index_select(plan.region, 0, ids[i0:i1], out=pool[s0 : s0 + i1 - i0])
             else:
-                wide(cols).index_copy_(0, slot_t, wide(plan.region).index_select(0, ids))
-        if with_checksums:
-            if len(slot_runs) == 1:
-                rows = self.pool[slots[0] : slots[0] + len(slots)]
-            else:
-                rows = self.pool.index_select(0, slot_t)
-            self.sums.index_copy_(0, slot_t, checksum(rows))
+                wide(pool).index_copy_(0, slot_t, wide(plan.region).index_select(0, ids))
+            if sums is not None:
+                if len(slot_runs) == 1:
+                    rows = pool[slots[0] : slots[0] + len(slots)]
+                else:
+                    rows = pool.index_select(0, slot_t)
+                sums += checksum(rows)
+        if sums is not None:
+            self.sums.index_copy_(0, slot_t, sums)
         return time.perf_counter() - t0
 
     def _save_from_device(
-        self, plan: RegionPlan, cols: torch.Tensor, ids: torch.Tensor, slot_t: torch.Tensor,
+        self, plan: RegionPlan, pool: torch.Tensor, ids: torch.Tensor, slot_t: torch.Tensor,
         ready_event: Any,
     ) -> None:  # pragma: no cover - needs a GPU
         stream = self._stream
@@ -124,7 +146,7 @@ class HostPool:
             staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
             staging.copy_(src, non_blocking=True)
         stream.synchronize()
-        wide(cols).index_copy_(0, slot_t, wide(staging))
+        wide(pool).index_copy_(0, slot_t, wide(staging))
 
     # -- load: slots -> vLLM blocks ----------------------------------------- #
 
@@ -137,31 +159,34 @@ class HostPool:
     ) -> tuple[list[bool], float]:
         """Copy slot ``slots[i]`` into block ``block_ids[g][i]`` of every group.
 
-        With ``verify``, rows whose checksum differs from the one stored at save
-        are not copied; returns (ok per block, seconds).
+        With ``verify``, blocks whose checksum differs from the one stored at
+        save are not copied; returns (ok per block, seconds).
         """
         t0 = time.perf_counter()
         n = len(slots)
         slot_runs = runs(slots)
         slot_t = torch.tensor(slots, dtype=torch.int64)
-        if len(slot_runs) == 1:
-            rows = self.pool[slots[0] : slots[0] + n]
-        else:
-            rows = self.pool.index_select(0, slot_t)
+        contiguous = len(slot_runs) == 1
+        rows = [
+            pool[slots[0] : slots[0] + n] if contiguous else pool.index_select(0, slot_t)
+            for pool in self.pools
+        ]
         ok = [True] * n
         id_lists = block_ids
         if verify:
-            good = checksum(rows) == self.sums.index_select(0, slot_t)
+            sums = torch.zeros(n, dtype=torch.int64)
+            for r in rows:
+                sums += checksum(r)
+            good = sums == self.sums.index_select(0, slot_t)
             if not bool(good.all()):
                 ok = good.tolist()
                 keep = [i for i in range(n) if ok[i]]
                 keep_t = torch.tensor(keep, dtype=torch.int64)
-                rows = rows.index_select(0, keep_t)
+                rows = [r.index_select(0, keep_t) for r in rows]
                 id_lists = [[ids[i] for i in keep] for ids in block_ids]
-        if rows.shape[0]:
-            for plan in self.plans:
+        if rows and rows[0].shape[0]:
+            for plan, src in zip(self.plans, rows, strict=True):
                 ids = torch.tensor(id_lists[plan.group], dtype=torch.int64)
-                src = rows[:, plan.offset : plan.offset + plan.width]
                 if self.device.type != "cpu":  # pragma: no cover - needs a GPU
                     src = src.to(self.device, non_blocking=True)
                     ids = ids.to(self.device, non_blocking=True)

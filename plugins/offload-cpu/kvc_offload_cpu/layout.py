@@ -42,7 +42,8 @@ def layout_from_kv_cache_config(kv_cache_config: Any) -> BlockLayout:
     total = 0
     seen: set[str] = set()
     for tensor in kv_cache_config.kv_cache_tensors:
-        for name in getattr(tensor, "layers", None) or getattr(tensor, "shared_by", ()):
+        names = getattr(tensor, "layers", None) or getattr(tensor, "shared_by", None) or ()
+        for name in names:
             if name in page_of and name not in seen:
                 seen.add(name)
                 total += page_of[name]

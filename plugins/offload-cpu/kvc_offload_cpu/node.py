@@ -138,19 +138,19 @@ class CPUOffloadNode(Plugin):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
             return None, None
-        return self.worker.get_finished(finished_req_ids)  # type: ignore[no-any-return]
+        return self.worker.get_finished(finished_req_ids)
 
     @hookimpl
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker is None:
             return set()
-        return self.worker.get_block_ids_with_load_errors()  # type: ignore[no-any-return]
+        return self.worker.get_block_ids_with_load_errors()
 
     @hookimpl
     def build_connector_worker_meta(self) -> OffloadWorkerMeta | None:
         if self.worker is None:
             return None
-        return self.worker.build_connector_worker_meta()  # type: ignore[no-any-return]
+        return self.worker.build_connector_worker_meta()
 
     @hookimpl
     def shutdown(self) -> None:

@@ -233,9 +233,9 @@ class SchedulerHalf:
         k = st.next_save
         while k < available:
             key = st.keys.keys[k]
-            entry = self.index.get(key)
-            if entry is not None:  # stored or being stored (maybe by another request)
-                self.index.touch(entry)
+            known = self.index.get(key)
+            if known is not None:  # stored or being stored (maybe by another request)
+                self.index.touch(known)
                 k += 1
                 continue
             entry = self.index.allocate(key)
@@ -282,14 +282,14 @@ class SchedulerHalf:
                 queue[0].confirmations += take
                 n -= take
                 if queue[0].confirmations >= self.num_workers:
-                    for entry in queue.popleft().entries:
-                        self.index.unpin(entry)
+                    for pinned in queue.popleft().entries:
+                        self.index.unpin(pinned)
             if queue is not None and not queue:
                 del self._loading[rid]
         for slot, gen in worker_meta.load_failed:
-            entry = self.index.current(slot, gen)
-            if entry is not None:
-                self.index.drop(entry)
+            bad = self.index.current(slot, gen)
+            if bad is not None:
+                self.index.drop(bad)
                 self.stats.extra["dropped_bad_blocks"] = (
                     self.stats.extra.get("dropped_bad_blocks", 0) + 1
                 )

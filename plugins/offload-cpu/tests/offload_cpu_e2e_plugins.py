@@ -42,7 +42,7 @@ class Corruptor(Plugin):
         changed = False
         for slot, gen in enumerate(half._slot_gen):
             if gen > 0 and (slot, gen) not in self.done:
-                half.pool.pool[slot, 7] ^= 0x5A
+                half.pool.corrupt(slot, 7)
                 self.done.add((slot, gen))
                 self.report["corrupted"] += 1
                 changed = True

@@ -14,12 +14,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from kvc_offload_cpu.config import OffloadCPUConfig
+from kvc_offload_cpu.node import CPUOffloadNode
 
 from composer.kv_caches import CanonicalKVCaches, KVGroup, KVRegion
 from composer.plugin import NodeContext
 from composer.views import RequestView, StepView
-from kvc_offload_cpu.config import OffloadCPUConfig
-from kvc_offload_cpu.node import CPUOffloadNode
 
 BLOCK = 32
 LAYERS = 2
@@ -62,18 +62,55 @@ def kv_cache_config(num_blocks: int) -> Any:
     )
 
 
-def canonical(num_blocks: int) -> tuple[CanonicalKVCaches, dict[str, torch.Tensor]]:
-    """vLLM CPU layout: [num_blocks, layers, kv_heads, block_size, 2*head] bf16, one allocation."""
-    alloc = torch.zeros(num_blocks, LAYERS, KV_HEADS, BLOCK, 2 * HEAD, dtype=torch.bfloat16)
+def canonical(
+    num_blocks: int, layout: str = "block"
+) -> tuple[CanonicalKVCaches, dict[str, torch.Tensor]]:
+    """A real bf16 KV cache shaped like vLLM's CPU backend and its canonical view.
+
+    ``block``: one allocation ``[num_blocks, layers, kv_heads, block_size, 2*head]``
+    (block-outermost), one region whose row holds every layer's page.
+    ``layer``: ``[layers, num_blocks, ...]`` (layer-outermost), one region per layer.
+    """
     layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
-    raw = {name: alloc[:, i] for i, name in enumerate(layers)}
-    region = alloc.view(torch.int8).reshape(num_blocks, SLOT)
+    if layout == "block":
+        alloc = torch.zeros(num_blocks, LAYERS, KV_HEADS, BLOCK, 2 * HEAD, dtype=torch.bfloat16)
+        raw = {name: alloc[:, i] for i, name in enumerate(layers)}
+        regions: tuple[KVRegion, ...] = (
+            KVRegion(alloc.view(torch.int8).reshape(num_blocks, SLOT), layers),
+        )
+    else:
+        alloc = torch.zeros(LAYERS, num_blocks, KV_HEADS, BLOCK, 2 * HEAD, dtype=torch.bfloat16)
+        raw = {name: alloc[i] for i, name in enumerate(layers)}
+        regions = tuple(
+            KVRegion(alloc[i].view(torch.int8).reshape(num_blocks, PAGE), (name,))
+            for i, name in enumerate(layers)
+        )
     caches = CanonicalKVCaches(
         num_blocks=num_blocks,
-        regions=(KVRegion(region, layers),),
-        groups=(KVGroup(0, "attention", BLOCK, layers, (0,)),),
+        regions=regions,
+        groups=(KVGroup(0, "attention", BLOCK, layers, tuple(range(len(regions)))),),
     )
     return caches, raw
+
+
+class Blocks:
+    """Whole blocks across every region: ``blocks[i]`` reads, ``blocks[i] = row`` writes."""
+
+    def __init__(self, caches: CanonicalKVCaches) -> None:
+        self.regions = [r.tensor for r in caches.regions]
+
+    def __getitem__(self, ids: Any) -> torch.Tensor:
+        return torch.cat([r[ids] for r in self.regions], dim=-1)
+
+    def __setitem__(self, ids: Any, value: Any) -> None:
+        offset = 0
+        for r in self.regions:
+            w = r.shape[1]
+            if isinstance(value, torch.Tensor):
+                r[ids] = value[..., offset : offset + w]
+            else:
+                r[ids] = value
+            offset += w
 
 
 def content(tokens: list[int], block: int) -> torch.Tensor:
@@ -154,7 +191,9 @@ class Engine:
     can tell loaded bytes from computed ones.
     """
 
-    def __init__(self, num_blocks: int = 64, role: str = "both", **config: Any) -> None:
+    def __init__(
+        self, num_blocks: int = 64, role: str = "both", layout: str = "block", **config: Any
+    ) -> None:
         config.setdefault("capacity", 64 * SLOT)
         self.config = OffloadCPUConfig(**config)
         kvc = kv_cache_config(num_blocks)
@@ -164,8 +203,8 @@ class Engine:
         self.worker = CPUOffloadNode(
             NodeContext("cpu", self.config, role, "worker", kv_cache_config=kvc)  # type: ignore[arg-type]
         )
-        self.caches, raw = canonical(num_blocks)
-        self.region = self.caches.regions[0].tensor
+        self.caches, raw = canonical(num_blocks, layout)
+        self.region = Blocks(self.caches)
         self.worker.register_kv_caches(self.caches, raw)
         self.free = list(range(1, num_blocks))  # block 0 is vLLM's null block
         self.running: dict[str, Running] = {}

@@ -25,9 +25,10 @@ pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).parent
 BLOCK = 32
-BASE = make_prompts(3, words=60, seed=21)
-SHARED = [p + " " + tail for p, tail in zip(BASE[:2], make_prompts(2, words=25, seed=22), strict=True)]
-NEW = make_prompts(1, words=60, seed=23)
+BASE = make_prompts(3, words=120, seed=21)
+TAILS = make_prompts(2, words=40, seed=22)
+SHARED = [p + " " + tail for p, tail in zip(BASE[:2], TAILS, strict=True)]
+NEW = make_prompts(1, words=120, seed=23)
 # Round 1 fills the tier; round 2 repeats, extends and adds prompts.
 ROUNDS = [BASE, [BASE[0], SHARED[0], NEW[0], BASE[2], SHARED[1]]]
 

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvc_offload_cpu.metadata import OffloadMetadata, Transfer
 from offload_cpu_fakes import BLOCK, SLOT, Engine, content, prompt
 
-from kvc_offload_cpu.metadata import OffloadMetadata, Transfer
 
-
-def test_save_then_load_restores_identical_bytes() -> None:
-    eng = Engine(save_mode="sync")
+@pytest.mark.parametrize("layout", ["block", "layer"])
+@pytest.mark.parametrize("save_mode", ["sync", "async"])
+def test_save_then_load_restores_identical_bytes(layout: str, save_mode: str) -> None:
+    eng = Engine(save_mode=save_mode, layout=layout)
     p = prompt(1, 100)  # 3 full blocks + 4 tokens
     assert eng.add("a", p) == (0, False)
     eng.prefill("a")
     saved = [eng.block_bytes("a", b) for b in range(3)]
+    eng.settle(1)
     assert len(eng.index) == 3
     assert eng.worker.stats.tokens_saved == 3 * BLOCK
     assert eng.worker.stats.bytes_saved == 3 * SLOT
@@ -94,8 +96,9 @@ def test_lookup_is_side_effect_free_and_respects_min_blocks() -> None:
     eng.add("a", p)
     eng.prefill("a")
     eng.finish("a")
-    from composer.views import RequestView
     from offload_cpu_fakes import FakeRequest
+
+    from composer.views import RequestView
 
     view = RequestView(FakeRequest("q", p))
     s = eng.sched
@@ -182,14 +185,15 @@ def test_slot_overwritten_while_load_pending_is_a_load_error() -> None:
     assert w.stats.extra["stale_slot_loads"] == 1
 
 
-def test_checksum_mismatch_is_a_load_error_and_the_block_is_dropped() -> None:
-    eng = Engine(save_mode="sync", checksums=True)
+@pytest.mark.parametrize("layout", ["block", "layer"])
+def test_checksum_mismatch_is_a_load_error_and_the_block_is_dropped(layout: str) -> None:
+    eng = Engine(save_mode="sync", checksums=True, layout=layout)
     a = prompt(17, 100)
     eng.add("a", a)
     eng.prefill("a")
     eng.finish("a")
     slot = _slot_of(eng, a, 1)
-    eng.pool.pool[slot, 1000] += 1  # one flipped byte in host memory
+    eng.pool.corrupt(slot, SLOT - 1000)  # one flipped byte in host memory
     eng.add("b", a)
     eng.prefill("b")
     bid = eng.running["b"].block_ids
@@ -210,7 +214,7 @@ def test_corruption_without_checksums_serves_wrong_bytes() -> None:
     eng.prefill("a")
     eng.finish("a")
     slot = _slot_of(eng, a, 1)
-    eng.pool.pool[slot, 1000] += 1
+    eng.pool.corrupt(slot, 1000)
     eng.add("b", a)
     eng.prefill("b")
     bid = eng.running["b"].block_ids
@@ -224,7 +228,7 @@ def test_blocks_computed_over_a_failed_load_are_not_saved() -> None:
     eng.add("a", a)
     eng.prefill("a")
     eng.finish("a")
-    eng.pool.pool[_slot_of(eng, a, 0), 0] += 1
+    eng.pool.corrupt(_slot_of(eng, a, 0), 0)
     longer = a[:96] + prompt(19, 64)  # loads blocks 0-2, computes and would save 3, 4
     eng.add("b", longer)
     eng.prefill("b")
@@ -264,8 +268,9 @@ def test_saving_blocks_are_not_hits_until_confirmed() -> None:
         __import__("composer.views").views.StepView(_prefill_out(eng, "a"))
     )
     assert sum(len(t) for t in meta.saves) == 3
-    from composer.views import RequestView
     from offload_cpu_fakes import FakeRequest
+
+    from composer.views import RequestView
 
     assert eng.sched.get_num_new_matched_tokens(RequestView(FakeRequest("q", a)), 0)[0] == 0
 
@@ -345,8 +350,9 @@ def test_worker_meta_aggregates_and_needs_every_worker() -> None:
     eng._forward(out)
     w.wait_for_save()
     one = w.build_connector_worker_meta()
-    from composer.views import RequestView
     from offload_cpu_fakes import FakeRequest
+
+    from composer.views import RequestView
 
     view = RequestView(FakeRequest("q", a))
     eng.sched.update_connector_output(one)
