@@ -1,0 +1,152 @@
+"""Config, discovery, keys, layout, index and the benchmark of the offload-cpu plugin."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from kvc_offload_cpu.config import OffloadCPUConfig
+from kvc_offload_cpu.datapath import HostPool, RegionPlan, runs, wide
+from kvc_offload_cpu.index import BlockIndex
+from kvc_offload_cpu.keys import block_keys, chain_hash
+from kvc_offload_cpu.layout import layout_from_kv_cache_config
+from offload_cpu_fakes import BLOCK, PAGE, SLOT, canonical, kv_cache_config
+from pydantic import ValidationError
+
+from composer import load_pipeline
+from composer.discovery import discover
+
+
+def test_config_parses_sizes_and_forbids_unknown_keys() -> None:
+    c = OffloadCPUConfig(capacity="8GiB")
+    assert int(c.capacity) == 8 * 1024**3
+    assert (c.eviction, c.save, c.min_blocks, c.load_mode, c.checksums) == (
+        "lru", "prompt", 1, "sync", False,
+    )
+    with pytest.raises(ValidationError, match="extra"):
+        OffloadCPUConfig(capacty="1GiB")
+    with pytest.raises(ValidationError):
+        OffloadCPUConfig(eviction="fifo")
+    with pytest.raises(ValidationError):
+        OffloadCPUConfig(min_blocks=0)
+    assert all(f.description for f in OffloadCPUConfig.model_fields.values())
+
+
+def test_registered_through_the_entry_point_without_torch() -> None:
+    ptype = discover()["offload-cpu"]
+    assert ptype.node == "kvc_offload_cpu.node:CPUOffloadNode"
+    assert ptype.package == "kv-composer-offload-cpu"
+    caps = ptype.resolve_capabilities(OffloadCPUConfig(load_mode="async"))
+    assert caps.async_load and caps.async_save and not caps.hma
+    code = (
+        "import sys; from composer.discovery import discover; "
+        "from composer import load_pipeline; discover()['offload-cpu']; "
+        "load_pipeline({'version': 1, 'nodes': {'cpu': {'plugin': 'offload-cpu', "
+        "'config': {'capacity': '1GiB'}}}}); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pipeline_validation_points_at_bad_plugin_options() -> None:
+    from composer.errors import PipelineInvalid
+
+    with pytest.raises(PipelineInvalid, match="capacity"):
+        load_pipeline({"version": 1, "nodes": {"cpu": {
+            "plugin": "offload-cpu", "config": {"capacity": "lots"}}}})
+    p = load_pipeline({"version": 1, "nodes": {"cpu": {
+        "plugin": "offload-cpu", "config": {"capacity": "2GiB", "save": "all"}}}})
+    assert p.nodes[0].config.save == "all"
+
+
+def test_keys_are_chained_deterministic_and_the_same_in_another_process() -> None:
+    tokens = list(range(100))
+    keys = block_keys(tokens, BLOCK)
+    assert len(keys) == 3  # the 4 trailing tokens make no key
+    assert block_keys(tokens[:64] + [7] * 36, BLOCK)[:2] == keys[:2]
+    assert block_keys([1] + tokens[1:], BLOCK)[2] != keys[2]  # a change anywhere before
+    assert keys[1] == chain_hash(keys[0], tokens[32:64])
+    code = (
+        "from kvc_offload_cpu.keys import block_keys; "
+        "print(block_keys(list(range(100)), 32)[2].hex())"
+    )
+    for seed in ("0", "12345"):
+        out = subprocess.run(
+            [sys.executable, "-c", code], check=True, capture_output=True, text=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+        )
+        assert out.stdout.strip() == keys[2].hex()
+
+
+def test_layout_from_vllm_kv_cache_config_matches_the_canonical_view() -> None:
+    layout = layout_from_kv_cache_config(kv_cache_config(16))
+    for kind in ("block", "layer"):
+        caches, _ = canonical(16, kind)
+        assert layout.slot_bytes == caches.bytes_per_block == SLOT
+    assert layout.block_size == BLOCK and layout.num_groups == 1
+    assert layout.group_kinds == ("attention",)
+    assert SLOT == 2 * PAGE
+
+
+def test_index_lru_pins_and_generations() -> None:
+    idx = BlockIndex(2)
+    a = idx.allocate(b"a")
+    assert a is not None and idx.ready(b"a") is None  # saving: not a hit
+    idx.mark_ready(a)
+    b = idx.allocate(b"b")
+    assert b is not None
+    idx.mark_ready(b)
+    idx.pin(a)
+    c = idx.allocate(b"c")  # a is pinned: b goes
+    assert c is not None and c.slot == b.slot and c.gen == b.gen + 1
+    assert b"b" not in idx and idx.evictions == 1
+    assert idx.allocate(b"d") is None  # a pinned, c still saving
+    idx.drop(a)  # dropped while pinned: slot stays taken until unpinned
+    assert b"a" not in idx and idx.used_slots == 2
+    idx.unpin(a)
+    assert idx.used_slots == 1
+    assert idx.current(c.slot, c.gen) is c and idx.current(c.slot, c.gen - 1) is None
+
+
+def test_data_path_helpers() -> None:
+    assert runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 5, 9), (5, 6, 2)]
+    assert wide(torch.zeros(4, 16, dtype=torch.int8)).dtype == torch.int64
+    assert wide(torch.zeros(4, 6, dtype=torch.int8)).dtype == torch.int16
+    assert wide(torch.zeros(4, 16, dtype=torch.int8)[:, 1:9]).dtype == torch.int8
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3], [5, 1, 7, 3], list(range(0, 40, 2))])
+@pytest.mark.parametrize("kind", ["block", "layer"])
+def test_host_pool_round_trip(slots: list[int], kind: str) -> None:
+    caches, _ = canonical(64, kind)
+    plans, off = [], 0
+    for rid in caches.groups[0].region_ids:
+        t = caches.regions[rid].tensor
+        plans.append(RegionPlan(0, t, off, t.shape[1]))
+        off += t.shape[1]
+    for r in caches.regions:
+        r.tensor.copy_(torch.randint(-128, 128, r.tensor.shape, dtype=torch.int8))
+    pool = HostPool(plans, 48, pin=False)
+    src = list(range(10, 10 + len(slots)))
+    expect = torch.cat([r.tensor[src] for r in caches.regions], dim=1)
+    pool.save(slots, [src], with_checksums=True)
+    dst = list(range(40, 40 + len(slots)))[: len(slots)]
+    dst = [d % 64 for d in dst]
+    ok, _ = pool.load(slots, [dst], verify=True)
+    assert all(ok)
+    got = torch.cat([r.tensor[dst] for r in caches.regions], dim=1)
+    assert torch.equal(got, expect)
+    pool.corrupt(slots[-1], SLOT - 1)
+    ok, _ = pool.load(slots, [dst], verify=True)
+    assert ok == [True] * (len(slots) - 1) + [False]
+
+
+def test_bench_runs_and_reports_ratios() -> None:
+    from kvc_offload_cpu.bench import main, run
+
+    r = run(num_blocks=64, bytes_per_block=4096, batch=16, reps=2)
+    for key in ("ratio_vs_plain", "ratio_vs_plain_wide", "ratio_checksums_vs_plain"):
+        assert r[key] > 0
+    assert main(["--blocks", "64", "--block-kib", "4", "--batch", "16", "--reps", "2"]) == 0
