@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -25,8 +25,17 @@ _PLAIN_TAGS = frozenset(
 )
 
 
-class PipelineLoader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 booleans: only true/false are booleans.
+# libyaml parses ~30x faster than PyYAML's pure-Python parser (5 ms instead of
+# 150 ms for a 100-node file); its nodes carry the same marks.
+_LIBYAML = bool(getattr(yaml, "__with_libyaml__", False))
+if TYPE_CHECKING or not _LIBYAML:  # noqa: SIM108 - mypy needs a plain class for a base
+    _SafeLoader = yaml.SafeLoader
+else:
+    _SafeLoader = yaml.CSafeLoader
+
+
+class PipelineLoader(_SafeLoader):
+    """Safe loader with YAML 1.2 booleans: only true/false are booleans.
 
     YAML 1.1 also reads on/off/yes/no as booleans, so ``hma: on`` would arrive as
     ``True`` and fail as "not one of auto, on, off", while editors (YAML 1.2, the
@@ -90,13 +99,19 @@ class YAMLProblem(Exception):
 def syntax_problem(exc: yaml.YAMLError, text: str = "") -> YAMLProblem:
     """One located problem from PyYAML's error, without its multi-line rendering."""
     if isinstance(exc, yaml.reader.ReaderError):
-        before = text[: exc.position]
+        # libyaml counts bytes of UTF-8, PyYAML characters.
+        position = (
+            len(text.encode("utf-8")[: exc.position].decode("utf-8", errors="ignore"))
+            if _LIBYAML
+            else exc.position
+        )
+        before = text[:position]
         char = exc.character if isinstance(exc.character, str) else chr(exc.character)
         return YAMLProblem(
             (),
             f"YAML syntax error: character {char!r} (#x{ord(char):04x}) is not allowed",
             before.count("\n") + 1,
-            exc.position - (before.rfind("\n") + 1) + 1,
+            position - (before.rfind("\n") + 1) + 1,
         )
     if not isinstance(exc, yaml.MarkedYAMLError):
         return YAMLProblem((), f"YAML error: {exc}", None, None)
@@ -106,10 +121,12 @@ def syntax_problem(exc: yaml.YAMLError, text: str = "") -> YAMLProblem:
     message = str(exc.problem or exc.context or "invalid YAML")
     if exc.context and exc.problem:
         where = ""
-        if exc.context_mark is not None and exc.context_mark is not mark:
+        if exc.context_mark is not None and mark is not None and (
+            (exc.context_mark.line, exc.context_mark.column) != (mark.line, mark.column)
+        ):
             where = f" at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}"
         message += f" ({exc.context}{where})"
-    if "'\\t'" in message:
+    if line is not None and col is not None and _line(text, line)[col - 1 : col] == "\t":
         message += "; indent with spaces, YAML does not allow tabs"
     elif line is not None and "flow" in str(exc.context) and "${" in _line(text, line):
         message += "; quote ${...} values inside {...} and [...]"
@@ -118,7 +135,7 @@ def syntax_problem(exc: yaml.YAMLError, text: str = "") -> YAMLProblem:
 
 
 def _line(text: str, line: int) -> str:
-    lines = text.splitlines()
+    lines = text.split("\n")
     return lines[line - 1] if 0 < line <= len(lines) else ""
 
 
@@ -206,7 +223,8 @@ class _Builder:
                     )
                 )
                 return value
-            if expanded != value and getattr(node, "style", None) is None:
+            # Plain (unquoted) style is None in PyYAML's nodes and "" in libyaml's.
+            if expanded != value and not getattr(node, "style", None):
                 # An unquoted scalar becomes what YAML would have read: 8 -> int.
                 value = _plain_scalar(expanded)
             else:
@@ -259,7 +277,7 @@ def load_yaml(
             return None, Marks(), [syntax_problem(exc, text)]
         except RecursionError:  # PyYAML's composer recurses once per nesting level
             return None, Marks(), [YAMLProblem((), "YAML nesting is too deep", None, None)]
-        except ValueError as exc:  # PyYAML lets chr() fail on escapes past U+10FFFF
+        except ValueError as exc:  # pure-Python PyYAML lets chr() fail on escapes past U+10FFFF
             mark = loader.get_mark()
             return None, Marks(), [
                 YAMLProblem((), f"YAML syntax error: {exc}", mark.line + 1, mark.column + 1)

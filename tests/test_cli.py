@@ -113,8 +113,8 @@ def test_validate_reports_every_problem_of_every_file(
     assert out.splitlines() == [
         "native.yaml: ok (2 nodes: nixl, disk; runs as MultiConnector)",
         *BAD_LINES,
-        "syntax.yaml:3:1: <root>: YAML syntax error: expected the node content, but found "
-        "'<stream end>' (while parsing a flow node)",
+        "syntax.yaml:3:1: <root>: YAML syntax error: did not find expected node content "
+        "(while parsing a flow node)",
         "latin1.yaml: <root>: pipeline file is not UTF-8 text",
         "nope.yaml: <root>: cannot read pipeline file: No such file or directory",
     ]
