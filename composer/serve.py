@@ -1,0 +1,51 @@
+"""``kvc serve FILE -- <vllm serve args>``: ``vllm serve`` with the pipeline as its connector."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from composer.errors import PipelineInvalid
+from composer.export import kv_transfer_config
+from composer.validation import load_pipeline
+
+
+def vllm_command() -> list[str]:
+    exe = Path(sys.executable).with_name("vllm")
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("vllm")
+    if found:
+        return [found]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def serve_command(file: str, vllm_args: list[str]) -> list[str]:
+    """The ``vllm serve`` command line for ``file`` (validated first; raises PipelineInvalid)."""
+    pipeline = load_pipeline(file)
+    # Pass the file by absolute path: vLLM's processes re-read and re-validate it.
+    config = kv_transfer_config(pipeline, reference=Path(file).resolve())
+    return [*vllm_command(), "serve", *vllm_args, "--kv-transfer-config", json.dumps(config)]
+
+
+def serve(file: str, vllm_args: list[str]) -> int:
+    try:
+        command = serve_command(file, vllm_args)
+    except PipelineInvalid as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print("+ " + " ".join(command), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(command, env=os.environ.copy())
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            return proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
