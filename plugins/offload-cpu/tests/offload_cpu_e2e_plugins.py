@@ -1,8 +1,8 @@
 """A test-only plugin loaded into vLLM's processes via $KV_COMPOSER_PLUGIN_MODULES.
 
 ``offload-cpu-corruptor`` needs an ``offload-cpu`` node and, on the worker,
-flips one byte of every block that node has finished saving (host memory gone
-bad). It records how many loads the node then refused into a JSON file.
+flips one byte of every ``every``-th slot that node has finished saving (host
+memory gone bad). It records how many loads the node then refused into a JSON file.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ class CorruptorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     target: str
     report: str
+    every: int = 1
 
 
 class Corruptor(Plugin):
@@ -41,7 +42,7 @@ class Corruptor(Plugin):
             self._count_loads(half)
         changed = False
         for slot, gen in enumerate(half._slot_gen):
-            if gen > 0 and (slot, gen) not in self.done:
+            if gen > 0 and slot % self.config.every == 0 and (slot, gen) not in self.done:
                 half.pool.corrupt(slot, 7)
                 self.done.add((slot, gen))
                 self.report["corrupted"] += 1
