@@ -1,0 +1,79 @@
+"""`kvc serve`: a real `vllm serve` with a composed pipeline, on loopback, always stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(url: str, payload: dict | None = None, timeout: float = 60) -> dict:
+    data = json.dumps(payload).encode() if payload is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        body = resp.read()
+    return json.loads(body) if body else {}
+
+
+def test_kvc_serve_runs_vllm_with_the_pipeline(tiny_model: str, tmp_path: Path) -> None:
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(
+        "version: 1\n"
+        "annotate_outputs: true\n"
+        "nodes:\n"
+        "  ex:\n"
+        "    plugin: vllm\n"
+        f"    config: {{connector: ExampleConnector, extra_config: {{shared_storage_path: {tmp_path / 'store'}}}}}\n"
+    )
+    port = free_port()
+    kvc = Path(sys.executable).with_name("kvc")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen(
+        [str(kvc), "serve", str(pipeline), "--", tiny_model, "--host", "127.0.0.1",
+         "--port", str(port), "--block-size", "32", "--max-model-len", "1024",
+         "--no-enable-prefix-caching"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not become healthy"
+                time.sleep(1)
+        prompt = "the cache block token layer model vllm connector offload memory " * 6
+        body = {"model": tiny_model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        first = get(f"{base}/v1/completions", body)
+        second = get(f"{base}/v1/completions", body)
+        assert first["choices"][0]["text"] == second["choices"][0]["text"]
+        # The repeat was served by the pipeline's node, not recomputed.
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
