@@ -1,0 +1,326 @@
+"""A local ``lmcache server`` child process: loopback, free ports, health-checked, always stopped.
+
+vLLM creates the connector twice per engine, in different processes (the
+worker-side one first, while KV caches are set up; the scheduler-side one in
+EngineCore after that), and both must talk to the *same* server. So a started
+server is shared through a small state file keyed by the engine id and node
+id, under an ``flock``: the first process to arrive starts it, later ones
+attach, and each records itself as a user. The last user to leave stops it.
+As safety nets the server dies with the process that started it
+(``PR_SET_PDEATHSIG``) and a ``weakref.finalize`` (run at exit) releases it.
+
+Nothing here imports torch, vLLM or LMCache: the server is LMCache's own CLI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LOOPBACK = "127.0.0.1"
+PR_SET_PDEATHSIG = 1
+
+
+class ServerError(RuntimeError):
+    """The LMCache server could not be started, reached, or does not fit the engine."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What a started server is given on its command line."""
+
+    chunk_size: int
+    l1_size_gb: float = 1.0
+    eviction_policy: str = "LRU"
+    #: --supported-transfer-mode of the server.
+    transfer_mode: str = "lmcache_driven"
+    extra_args: tuple[str, ...] = ()
+    startup_timeout: float = 120.0
+
+
+@dataclass
+class ServerInfo:
+    host: str
+    port: int
+    http_port: int | None
+    pid: int | None = None
+    log_file: str | None = None
+    users: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str | None:
+        return None if self.http_port is None else f"http://{self.host}:{self.http_port}"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def lmcache_command() -> list[str]:
+    """The ``lmcache`` CLI of this environment (beside the running interpreter first)."""
+    beside = Path(sys.executable).parent / "lmcache"
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which("lmcache")
+    if found:
+        return [found]
+    raise ServerError("the `lmcache` command is not installed (pip install lmcache==0.5.6)")
+
+
+def server_argv(settings: ServerSettings, host: str, port: int, http_port: int) -> list[str]:
+    return [
+        *lmcache_command(), "server",
+        "--host", host, "--port", str(port),
+        "--http-host", host, "--http-port", str(http_port),
+        "--chunk-size", str(settings.chunk_size),
+        "--l1-size-gb", str(settings.l1_size_gb),
+        # Without an eviction policy the server refuses a legacy L1 size.
+        "--eviction-policy", settings.eviction_policy,
+        "--supported-transfer-mode", settings.transfer_mode,
+        *settings.extra_args,
+    ]  # fmt: skip
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    # If the process that started the server dies (even by SIGKILL), the server
+    # gets SIGTERM: a crashed engine never leaves a server behind.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def get_json(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - loopback/config URL
+        return json.loads(response.read().decode())
+
+
+def healthy(http_url: str, timeout: float = 2.0) -> bool:
+    try:
+        return bool(get_json(f"{http_url}/healthcheck", timeout).get("status") == "healthy")
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours counts as gone.
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return done == 0
+
+
+def start_server(settings: ServerSettings, log_file: Path, host: str = LOOPBACK) -> ServerInfo:
+    """Start ``lmcache server`` on free loopback ports; return once it is healthy.
+
+    Raises :class:`ServerError` with the tail of its log if it exits or is not
+    healthy within ``settings.startup_timeout`` (and then stops it).
+    """
+    port, http_port = free_port(host), free_port(host)
+    while http_port == port:
+        http_port = free_port(host)
+    argv = server_argv(settings, host, port, http_port)
+    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "PYTHONUNBUFFERED": "1"}
+    with log_file.open("ab") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - only a prctl call
+        )
+    info = ServerInfo(host, port, http_port, pid=proc.pid, log_file=str(log_file))
+    deadline = time.monotonic() + settings.startup_timeout
+    http_url = info.http_url
+    assert http_url is not None
+    while True:
+        if proc.poll() is not None:
+            raise ServerError(
+                f"`lmcache server` exited with {proc.returncode} while starting:\n"
+                f"{' '.join(argv)}\n{_tail(log_file)}"
+            )
+        if healthy(http_url, timeout=1.0):
+            return info
+        if time.monotonic() > deadline:
+            stop_pid(proc.pid)
+            raise ServerError(
+                f"`lmcache server` not healthy at {http_url}/healthcheck after "
+                f"{settings.startup_timeout:.0f} s (startup_timeout); log:\n{_tail(log_file)}"
+            )
+        time.sleep(0.25)
+
+
+def stop_pid(pid: int, grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds. Only for servers this module started."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return
+            time.sleep(0.05)
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def state_dir() -> Path:
+    path = Path(os.environ.get("KVC_LMCACHE_STATE_DIR") or Path(tempfile.gettempdir()) / "kvc-lmcache")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with path.open("a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class SharedServer:
+    """One started server per (engine, node), shared by that engine's processes.
+
+    :meth:`acquire` starts it or attaches to it; :meth:`release` leaves it, and
+    the last user stops it. Safe to release twice.
+    """
+
+    def __init__(self, key: str, settings: ServerSettings) -> None:
+        digest = hashlib.sha256(f"{key}|{settings!r}".encode()).hexdigest()[:16]
+        root = state_dir()
+        self.lock_file = root / f"{digest}.lock"
+        self.state_file = root / f"{digest}.json"
+        self.log_file = root / f"{digest}.log"
+        self.settings = settings
+        self.token = f"{os.getpid()}:{id(self)}"
+        self.info: ServerInfo | None = None
+        self.started = False
+        self._finalizer: weakref.finalize[Any, SharedServer] | None = None
+
+    def acquire(self) -> ServerInfo:
+        with _locked(self.lock_file):
+            info = self._read()
+            if info is not None and _alive(info.pid) and info.http_url and healthy(info.http_url):
+                info.users = [u for u in info.users if _alive(int(u.split(":")[0]))]
+            else:
+                if info is not None and info.pid is not None and _alive(info.pid):
+                    stop_pid(info.pid)  # ours, but no longer healthy
+                info = start_server(self.settings, self.log_file)
+                self.started = True
+            info.users.append(self.token)
+            self._write(info)
+        self.info = info
+        self._finalizer = weakref.finalize(self, _release, self.lock_file, self.state_file, self.token)
+        return info
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def _read(self) -> ServerInfo | None:
+        try:
+            return ServerInfo(**json.loads(self.state_file.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _write(self, info: ServerInfo) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info.__dict__))
+        tmp.replace(self.state_file)
+
+
+def _release(lock_file: Path, state_file: Path, token: str) -> None:
+    """Leave the server; stop it when no live user remains (also run at exit)."""
+    with _locked(lock_file):
+        try:
+            data = json.loads(state_file.read_text())
+        except (OSError, ValueError):
+            return
+        users = [u for u in data.get("users", []) if u != token and _alive(int(u.split(":")[0]))]
+        if users:
+            data["users"] = users
+            state_file.write_text(json.dumps(data))
+            return
+        if data.get("pid"):
+            stop_pid(int(data["pid"]))
+        with contextlib.suppress(OSError):
+            state_file.unlink()
+
+
+def check_server(
+    http_url: str,
+    *,
+    block_size: int | None,
+    transfer_mode: str,
+    timeout: float = 5.0,
+) -> dict[str, Any]:
+    """Check a server before vLLM's connector talks to it: healthy, chunk size, transfer mode.
+
+    A mismatch in transfer mode otherwise makes the worker wait the whole
+    mq_timeout and fail with "did not respond to register_kv_caches".
+    Returns the server's ``mp`` config.
+    """
+    if not healthy(http_url, timeout):
+        raise ServerError(f"LMCache server at {http_url} is not healthy (GET /healthcheck)")
+    try:
+        mp = get_json(f"{http_url}/config", timeout)["mp"]
+    except (OSError, ValueError, KeyError, urllib.error.URLError) as exc:
+        raise ServerError(f"cannot read the LMCache server's config at {http_url}/config: {exc}") from exc
+    chunk = int(mp.get("chunk_size", 0))
+    if block_size and chunk % block_size:
+        raise ServerError(
+            f"the LMCache server's chunk size {chunk} is not a multiple of vLLM's block size "
+            f"{block_size}: start the server with --chunk-size a multiple of {block_size}"
+        )
+    supported = str(mp.get("supported_transfer_mode", "lmcache_driven"))
+    if supported != "auto" and transfer_mode != "auto" and supported != transfer_mode:
+        raise ServerError(
+            f"the LMCache server supports transfer mode {supported}, but the connector uses "
+            f"{transfer_mode}: set server.transfer_mode: {supported}, or start the server with "
+            f"--supported-transfer-mode {transfer_mode} (or auto)"
+        )
+    if transfer_mode == "auto" and supported == "lmcache_driven":
+        # On CPU the worker's auto resolves to engine_driven, which this server refuses.
+        raise ServerError(
+            "server.transfer_mode: auto may resolve to engine_driven, but the LMCache server "
+            "supports only lmcache_driven: set server.transfer_mode: lmcache_driven, or start "
+            "the server with --supported-transfer-mode auto"
+        )
+    return dict(mp)

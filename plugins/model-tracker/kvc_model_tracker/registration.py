@@ -1,0 +1,27 @@
+"""Discovery: registers the ``model-tracker`` plugin type. Light on purpose (no torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from composer.hookspecs import hookimpl
+from composer.plugin_types import Capabilities, PluginType
+from kvc_model_tracker.config import ModelTrackerConfig
+
+MODEL_TRACKER = PluginType(
+    name="model-tracker",
+    node="kvc_model_tracker.node:ModelTrackerNode",
+    config=ModelTrackerConfig,
+    description="Receives vLLM's loaded model and offers it to nodes that need it (and LMCache).",
+    # The model exists only in worker processes; the scheduler (EngineCore) has none.
+    vllm_roles=frozenset({"worker"}),
+    default_role="service",
+    roles=frozenset({"service"}),
+    # It never touches KV blocks, so it is no obstacle to the hybrid allocator.
+    capabilities=Capabilities(provides_model=True, hma=True),
+)
+
+
+@hookimpl
+def register_plugin_types(register: Callable[[PluginType], None]) -> None:
+    register(MODEL_TRACKER)
