@@ -202,8 +202,8 @@ def _graph_data(p: ResolvedPipeline) -> dict[str, Any]:
 
 
 def _graph_text(p: ResolvedPipeline) -> str:
-    id_width = max(len(n.id) for n in p.nodes)
-    plugin_width = max(len(_plugin_label(n)) for n in p.nodes)
+    id_width = max((len(n.id) for n in p.nodes), default=0)
+    plugin_width = max((len(_plugin_label(n)) for n in p.nodes), default=0)
     lines = [
         f"pipeline {p.file}",
         f"  kv_role {p.kv_role}, hma {'on' if p.hma else 'off'}, runs as {_runs_as(p)}",

@@ -72,6 +72,10 @@ def check_graph(
     nodes = {k: v for k, v in raw_nodes.items() if isinstance(v, dict)}
     ids = list(nodes)
     needs: dict[str, list[str]] = {}
+    if nodes and len(nodes) == len(raw_nodes) and all(
+        n.get("enabled") is False for n in nodes.values()
+    ):
+        reporter.add(("nodes",), "every node is disabled; enable at least one")
 
     for node_id, node in nodes.items():
         deps = node.get("needs") or []

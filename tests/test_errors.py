@@ -390,6 +390,17 @@ def test_cycle_is_printed_as_its_full_path(problems: Check) -> None:
     ) == ["p.yaml:3:32: nodes.a.needs[0]: dependency cycle: a -> b -> c -> a"]
 
 
+def test_a_pipeline_with_every_node_disabled(problems: Check) -> None:
+    assert problems(
+        """\
+        version: 1
+        nodes:
+          a: {plugin: tracker, enabled: false}
+          b: {plugin: cache, enabled: false, config: {capacity: 1GiB}}
+        """
+    ) == ["p.yaml:3:3: nodes: every node is disabled; enable at least one"]
+
+
 def test_needing_a_disabled_node(problems: Check) -> None:
     assert problems(
         """\
