@@ -391,6 +391,27 @@ def test_serve_and_demo_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("usage: kvc demo [-h] [FILE]")
 
 
+def test_serve_and_demo_hand_their_arguments_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    import composer.demo
+    import composer.serve
+
+    calls: list[tuple[str, object, object]] = []
+    monkeypatch.setattr(
+        composer.serve, "serve", lambda file, args: calls.append(("serve", file, args)) or 0
+    )
+    monkeypatch.setattr(composer.demo, "main", lambda file: calls.append(("demo", file, None)) or 3)
+    assert main(["serve", "p.yaml", "--", "MODEL", "--port", "8000", "--", "x"]) == 0
+    assert main(["serve", "p.yaml"]) == 0
+    assert main(["demo"]) == 3
+    assert main(["demo", "p.yaml"]) == 3
+    assert calls == [
+        ("serve", "p.yaml", ["MODEL", "--port", "8000", "--", "x"]),
+        ("serve", "p.yaml", []),
+        ("demo", None, None),
+        ("demo", "p.yaml", None),
+    ]
+
+
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "--help")
     assert code == 0
