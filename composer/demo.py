@@ -66,7 +66,8 @@ def main(file: str | None = None, *, max_tokens: int = 16) -> int:
         return 1
 
     print()
-    header = f"{'round':>5}  {'request':<14} {'prompt':>6}  {'served by':<18} {'ttft ms':>8}  same output"
+    columns = f"{'request':<14} {'prompt':>6}  {'served by':<18} {'ttft ms':>8}  same output"
+    header = f"{'round':>5}  {columns}"
     print(header)
     print("-" * len(header))
     all_same = True

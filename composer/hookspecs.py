@@ -82,7 +82,7 @@ class NodeSpec:
 
     @hookspec
     def get_handshake_metadata(self) -> Any | None:
-        """Worker, once: out-of-band handshake metadata. Combine: the first non-None, in node order."""
+        """Worker, once: out-of-band handshake metadata. Combine: first non-None, in node order."""
 
     # -- phase 2: scheduler side, per request -------------------------------- #
 
@@ -126,7 +126,7 @@ class NodeSpec:
 
     @hookspec
     def get_loaded_kv_cache_group_ids(self, request: RequestView) -> tuple[int, ...] | None:
-        """Scheduler: the KV cache groups this node's load restores. Asked of the chosen node only."""
+        """Scheduler: the KV cache groups this node's load restores. Asked of the chosen node."""
 
     @hookspec
     def get_external_cache_hit_sources(
@@ -165,7 +165,7 @@ class NodeSpec:
     def request_finished_all_groups(
         self, request: RequestView, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Scheduler, HMA only: like ``request_finished`` with the block ids of the node's groups."""
+        """Scheduler, HMA only: ``request_finished`` with the block ids of the node's groups."""
 
     @hookspec
     def register_finished_partial_tail(
@@ -174,7 +174,7 @@ class NodeSpec:
         block_ids: tuple[list[int], ...],
         partial_tail_offloads: list[tuple[int, int, int]],
     ) -> bool:
-        """Scheduler: accept finish-time partial-tail sources? Combine: any True holds the blocks."""
+        """Scheduler: accept finish-time partial-tail sources? Combine: any True holds blocks."""
 
     @hookspec
     def take_events(self) -> Iterable[Any]:
@@ -212,7 +212,7 @@ class NodeSpec:
 
     @hookspec
     def bind_connector_metadata(self, metadata: Any) -> None:
-        """Worker, every step before the forward: this node's metadata from ``build_connector_meta``."""
+        """Worker, every step before the forward: this node's ``build_connector_meta`` result."""
 
     @hookspec
     def start_load_kv(self, forward_context: Any) -> None:
@@ -264,13 +264,13 @@ class NodeSpec:
 
     @hookspec
     def build_connector_worker_meta(self) -> Any | None:
-        """Worker, every step: metadata for this node's scheduler half (``update_connector_output``)."""
+        """Worker, every step: metadata for this node's scheduler half (``worker_meta``)."""
 
     # -- phase 4: stats, events, shutdown ------------------------------------- #
 
     @hookspec
     def get_kv_connector_stats(self) -> Any | None:
-        """Worker: stats since the last call (a ``KVConnectorStats`` or a plain dict). Per node id."""
+        """Worker: stats since the last call (``KVConnectorStats`` or a dict). Per node id."""
 
     @hookspec
     def get_kv_connector_kv_cache_events(self) -> Any | None:

@@ -33,7 +33,14 @@ class NodeStats:
 
     def is_empty(self) -> bool:
         return not any(
-            (self.lookups, self.tokens_loaded, self.tokens_saved, self.errors, self.hook_seconds, self.extra)
+            (
+                self.lookups,
+                self.tokens_loaded,
+                self.tokens_saved,
+                self.errors,
+                self.hook_seconds,
+                self.extra,
+            )
         )
 
 

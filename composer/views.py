@@ -20,24 +20,24 @@ class RequestView:
 
     @property
     def request_id(self) -> str:
-        return self.raw.request_id  # type: ignore[no-any-return]
+        return self.raw.request_id
 
     @property
     def prompt_token_ids(self) -> Sequence[int]:
-        return self.raw.prompt_token_ids or ()  # type: ignore[no-any-return]
+        return self.raw.prompt_token_ids or ()
 
     @property
     def all_token_ids(self) -> Sequence[int]:
         """Prompt plus generated tokens so far."""
-        return self.raw.all_token_ids  # type: ignore[no-any-return]
+        return self.raw.all_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
-        return self.raw.num_prompt_tokens  # type: ignore[no-any-return]
+        return self.raw.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
-        return self.raw.num_tokens  # type: ignore[no-any-return]
+        return self.raw.num_tokens
 
     @property
     def block_hashes(self) -> Sequence[bytes]:
@@ -110,7 +110,7 @@ class StepView:
 
     @property
     def finished_request_ids(self) -> set[str]:
-        return self.raw.finished_req_ids  # type: ignore[no-any-return]
+        return self.raw.finished_req_ids
 
     @property
     def preempted_request_ids(self) -> set[str]:

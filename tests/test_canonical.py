@@ -47,7 +47,11 @@ def test_layer_outermost_layout_of_the_cpu_backend() -> None:
     storage = torch.zeros(2 * BLOCKS * PAGE, dtype=torch.int8)
     kv = {name: layer_view(storage, i * BLOCKS * PAGE, PAGE) for i, name in enumerate(layers)}
     cfg = config(
-        [KVCacheTensor(size=storage.numel(), layers=layers, layer_stride=BLOCKS * PAGE, block_stride=PAGE)],
+        [
+            KVCacheTensor(
+                size=storage.numel(), layers=layers, layer_stride=BLOCKS * PAGE, block_stride=PAGE
+            )
+        ],
         [KVCacheGroupSpec(layers, SPEC)],
     )
     canonical = build(kv, cfg)
@@ -62,7 +66,11 @@ def test_block_outermost_layout_is_one_region_per_allocation() -> None:
     storage = torch.zeros(3 * BLOCKS * PAGE, dtype=torch.int8)
     kv = {name: layer_view(storage, i * PAGE, 3 * PAGE) for i, name in enumerate(layers)}
     cfg = config(
-        [KVCacheTensor(size=storage.numel(), layers=layers, layer_stride=PAGE, block_stride=3 * PAGE)],
+        [
+            KVCacheTensor(
+                size=storage.numel(), layers=layers, layer_stride=PAGE, block_stride=3 * PAGE
+            )
+        ],
         [KVCacheGroupSpec(layers, SPEC)],
     )
     canonical = build(kv, cfg)
@@ -77,7 +85,14 @@ def test_layers_sharing_a_tensor_are_listed_once() -> None:
     kv = {"l0": layer_view(storage, 0, PAGE), "l1": layer_view(storage, BLOCKS * PAGE, PAGE)}
     kv["l2"] = kv["l0"]
     cfg = config(
-        [KVCacheTensor(size=storage.numel(), layers=["l0", "l1"], layer_stride=BLOCKS * PAGE, block_stride=PAGE)],
+        [
+            KVCacheTensor(
+                size=storage.numel(),
+                layers=["l0", "l1"],
+                layer_stride=BLOCKS * PAGE,
+                block_stride=PAGE,
+            )
+        ],
         [KVCacheGroupSpec(["l0", "l1", "l2"], SPEC)],
     )
     canonical = build(kv, cfg)
@@ -86,18 +101,30 @@ def test_layers_sharing_a_tensor_are_listed_once() -> None:
 
 
 def test_hybrid_groups_each_reference_their_regions() -> None:
-    window = SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16, sliding_window=8)
+    window = SlidingWindowSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16, sliding_window=8
+    )
     storage = torch.zeros(2 * BLOCKS * PAGE, dtype=torch.int8)
     kv = {"full": layer_view(storage, 0, PAGE), "swa": layer_view(storage, BLOCKS * PAGE, PAGE)}
     cfg = config(
         [
-            KVCacheTensor(size=BLOCKS * PAGE, layers=["full"], layer_stride=BLOCKS * PAGE, block_stride=PAGE),
-            KVCacheTensor(size=BLOCKS * PAGE, layers=["swa"], layer_stride=BLOCKS * PAGE, block_stride=PAGE,
-                          offset=BLOCKS * PAGE),
+            KVCacheTensor(
+                size=BLOCKS * PAGE, layers=["full"], layer_stride=BLOCKS * PAGE, block_stride=PAGE
+            ),
+            KVCacheTensor(
+                size=BLOCKS * PAGE,
+                layers=["swa"],
+                layer_stride=BLOCKS * PAGE,
+                block_stride=PAGE,
+                offset=BLOCKS * PAGE,
+            ),
         ],
         [KVCacheGroupSpec(["full"], SPEC), KVCacheGroupSpec(["swa"], window)],
     )
     canonical = build(kv, cfg)
-    assert [(g.kind, g.region_ids) for g in canonical.groups] == [("attention", (0,)), ("sliding_window", (1,))]
+    assert [(g.kind, g.region_ids) for g in canonical.groups] == [
+        ("attention", (0,)),
+        ("sliding_window", (1,)),
+    ]
     assert canonical.group_regions(1)[0].layers == ("swa",)
     check_rows(canonical, kv)

@@ -32,12 +32,16 @@ class Tier(Plugin):
             raise RuntimeError(f"{self.node_id} fails in {hook}")
 
     @hookimpl
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         self._rec("get_num_new_matched_tokens")
         return self.config.hit, False
 
     @hookimpl
-    def update_state_after_alloc(self, request: Any, block_ids: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Any, num_external_tokens: int
+    ) -> None:
         self._rec("update_state_after_alloc", num_external_tokens)
 
     @hookimpl
@@ -53,7 +57,9 @@ class Tier(Plugin):
         self._rec("start_load_kv")
 
     @hookimpl
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         self._rec("request_finished")
         return self.config.hold, self.config.params
 
@@ -87,7 +93,9 @@ class _Module:
 
 
 REGISTRY = discover(extra=[_Module()], entry_points=False)
-KV_CACHE_CONFIG = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4))])
+KV_CACHE_CONFIG = SimpleNamespace(
+    kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4))]
+)
 
 
 def chain(nodes: dict[str, Any], role: str = "scheduler", **pipeline: Any) -> Chain:
@@ -106,14 +114,20 @@ class Blocks:
 
 
 def test_first_hit_serves_and_others_get_zero_tokens() -> None:
-    c = chain({
-        "a": {"plugin": "tier", "config": {"hit": 0}},
-        "b": {"plugin": "tier", "config": {"hit": 8}},
-        "c": {"plugin": "tier", "config": {"hit": 12}},
-    })
+    c = chain(
+        {
+            "a": {"plugin": "tier", "config": {"hit": 0}},
+            "b": {"plugin": "tier", "config": {"hit": 8}},
+            "c": {"plugin": "tier", "config": {"hit": 12}},
+        }
+    )
     assert c.get_num_new_matched_tokens(request(), 0) == (8, False)
     c.update_state_after_alloc(request(), Blocks(), 8)
-    assert [(n, a) for n, h, a in CALLS if h == "update_state_after_alloc"] == [("a", 0), ("b", 8), ("c", 0)]
+    assert [(n, a) for n, h, a in CALLS if h == "update_state_after_alloc"] == [
+        ("a", 0),
+        ("b", 8),
+        ("c", 0),
+    ]
     assert c.stats["b"].hits == 1 and c.stats["a"].lookups == 1
 
 
@@ -133,34 +147,69 @@ def test_longest_hit_policy_and_load_order() -> None:
 
 
 def test_none_means_still_looking_up_and_stops_the_round() -> None:
-    c = chain({"a": {"plugin": "tier", "config": {"hit": None}}, "b": {"plugin": "tier", "config": {"hit": 4}}})
+    c = chain(
+        {
+            "a": {"plugin": "tier", "config": {"hit": None}},
+            "b": {"plugin": "tier", "config": {"hit": 4}},
+        }
+    )
     assert c.get_num_new_matched_tokens(request(), 0) == (None, False)
     assert [n for n, h, _ in CALLS if h == "get_num_new_matched_tokens"] == ["a"]
 
 
 def test_blocks_held_until_every_async_saver_is_done() -> None:
-    sched = chain({"a": {"plugin": "tier", "config": {"hold": True}}, "b": {"plugin": "tier", "config": {"hold": True}}})
+    sched = chain(
+        {
+            "a": {"plugin": "tier", "config": {"hold": True}},
+            "b": {"plugin": "tier", "config": {"hold": True}},
+        }
+    )
     assert sched.request_finished(request(), [1, 2]) == (True, None)
     meta = sched.build_connector_meta(SimpleNamespace())
     assert meta.extra_async_saves == {"r1": 1}
     assert meta.per_node == {"a": "meta-a", "b": "meta-b"}
-    worker = chain({"a": {"plugin": "tier", "config": {"hold": True}}, "b": {"plugin": "tier", "config": {"hold": True}}}, role="worker")
+    worker = chain(
+        {
+            "a": {"plugin": "tier", "config": {"hold": True}},
+            "b": {"plugin": "tier", "config": {"hold": True}},
+        },
+        role="worker",
+    )
     worker.bind_connector_metadata(meta)
-    assert [(n, a) for n, h, a in CALLS if h == "bind_connector_metadata"] == [("a", "meta-a"), ("b", "meta-b")]
+    assert [(n, a) for n, h, a in CALLS if h == "bind_connector_metadata"] == [
+        ("a", "meta-a"),
+        ("b", "meta-b"),
+    ]
     # Both nodes report r1 done in the same step: only then is it finished.
     assert worker.get_transfer_results({"r1"}).finished_sending == {"r1"}
 
 
 def test_transfer_params_merge_and_clash_names_both_nodes() -> None:
-    ok = chain({"a": {"plugin": "tier", "config": {"params": {"x": 1}}}, "b": {"plugin": "tier", "config": {"params": {"y": 2}}}})
+    ok = chain(
+        {
+            "a": {"plugin": "tier", "config": {"params": {"x": 1}}},
+            "b": {"plugin": "tier", "config": {"params": {"y": 2}}},
+        }
+    )
     assert ok.request_finished(request(), []) == (False, {"x": 1, "y": 2})
-    clash = chain({"a": {"plugin": "tier", "config": {"params": {"x": 1}}}, "b": {"plugin": "tier", "config": {"params": {"x": 2}}}})
+    clash = chain(
+        {
+            "a": {"plugin": "tier", "config": {"params": {"x": 1}}},
+            "b": {"plugin": "tier", "config": {"params": {"x": 2}}},
+        }
+    )
     with pytest.raises(TransferParamsClash, match='node "a" and node "b"'):
         clash.request_finished(request(), [])
 
 
 def _load_through(policy: str) -> Chain:
-    nodes = {"a": {"plugin": "tier", "on_error": policy, "config": {"hit": 8, "fail_in": "start_load_kv"}}}
+    nodes = {
+        "a": {
+            "plugin": "tier",
+            "on_error": policy,
+            "config": {"hit": 8, "fail_in": "start_load_kv"},
+        }
+    }
     sched = chain(nodes)
     sched.get_num_new_matched_tokens(request(), 0)
     sched.update_state_after_alloc(request(), Blocks(), 8)
@@ -192,7 +241,11 @@ def test_fail_policy_raises() -> None:
 
 def test_per_layer_hooks_call_only_implementing_saving_nodes() -> None:
     c = chain(
-        {"a": {"plugin": "tier"}, "s": {"plugin": "saver"}, "t": {"plugin": "saver", "role": "load"}},
+        {
+            "a": {"plugin": "tier"},
+            "s": {"plugin": "saver"},
+            "t": {"plugin": "saver", "role": "load"},
+        },
         role="worker",
     )
     assert c.implemented("save_kv_layer") == ["s"]  # t loads only; a has no hook

@@ -16,7 +16,9 @@ def public_members(cls: type) -> set[str]:
 
 def test_every_public_member_of_the_base_class_is_overridden() -> None:
     missing = sorted(
-        name for name in public_members(KVConnectorBase_V1) if name not in ComposedConnector.__dict__
+        name
+        for name in public_members(KVConnectorBase_V1)
+        if name not in ComposedConnector.__dict__
     )
     assert missing == [], f"ComposedConnector does not override: {missing}"
 

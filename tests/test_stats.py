@@ -17,7 +17,9 @@ def snapshot(**counters: int) -> dict:
 
 
 def test_stats_are_kept_per_node_id_and_summed_across_workers_and_steps() -> None:
-    a = ComposedStats(data={"cpu": {"plugin": "offload-cpu", "counters": snapshot(tokens_loaded=64)}})
+    a = ComposedStats(
+        data={"cpu": {"plugin": "offload-cpu", "counters": snapshot(tokens_loaded=64)}}
+    )
     b = ComposedStats(
         data={
             "cpu": {"plugin": "offload-cpu", "counters": snapshot(tokens_loaded=32, errors=1)},

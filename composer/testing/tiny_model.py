@@ -14,11 +14,47 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-WORDS = (
-    "the a cache block token layer model vllm connector offload memory tier save load "
-    "prefix request engine worker scheduler graph plugin node config pipeline hash "
-    "copy tensor page group attention query key value prompt output fast slow warm cold"
-).split()
+WORDS = [
+    "the",
+    "a",
+    "cache",
+    "block",
+    "token",
+    "layer",
+    "model",
+    "vllm",
+    "connector",
+    "offload",
+    "memory",
+    "tier",
+    "save",
+    "load",
+    "prefix",
+    "request",
+    "engine",
+    "worker",
+    "scheduler",
+    "graph",
+    "plugin",
+    "node",
+    "config",
+    "pipeline",
+    "hash",
+    "copy",
+    "tensor",
+    "page",
+    "group",
+    "attention",
+    "query",
+    "key",
+    "value",
+    "prompt",
+    "output",
+    "fast",
+    "slow",
+    "warm",
+    "cold",
+]
 
 
 @dataclass(frozen=True)
@@ -85,9 +121,10 @@ def build_tiny_model(spec: TinyModelSpec = TinyModelSpec(), root: Path | None = 
         max_position_embeddings=spec.max_positions,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config)
+    model.bfloat16()  # in place
     model.save_pretrained(target, safe_serialization=True)
     (target / ".complete").write_text("ok\n")
     return target

@@ -65,11 +65,16 @@ def build(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any) -> Canonical
         page = page_of.get(present[0]) or _row_bytes(first)
         if len(layers) * page <= block_stride and layer_stride == page:
             # Block-outermost: a block is one row holding every layer's page.
-            add(flat.as_strided((num_blocks, len(layers) * page), (block_stride, 1), base), tuple(layers))
+            add(
+                flat.as_strided((num_blocks, len(layers) * page), (block_stride, 1), base),
+                tuple(layers),
+            )
         else:
             for i, name in enumerate(layers):
                 if name in kv_caches:
-                    view = flat.as_strided((num_blocks, page), (block_stride, 1), base + i * layer_stride)
+                    view = flat.as_strided(
+                        (num_blocks, page), (block_stride, 1), base + i * layer_stride
+                    )
                     add(view, (name,))
     for name, tensor in kv_caches.items():
         if name not in layer_region:  # layers vLLM did not describe: take them as they are

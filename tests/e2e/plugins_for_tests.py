@@ -32,7 +32,9 @@ class Probe(Plugin):
             json.dump(self.report, f)
 
     @hookimpl
-    def initialize_worker_connector(self, model: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+    def initialize_worker_connector(
+        self, model: Any, vllm_config: Any, kv_cache_config: Any
+    ) -> None:
         self.report["initialize_calls"] += 1
         self.report["model_class"] = type(model).__name__
         self.report["model_params"] = sum(p.numel() for p in model.parameters())
@@ -50,7 +52,9 @@ class Probe(Plugin):
                 # Write a pattern through the canonical row and read it back
                 # through vLLM's own layer tensors.
                 saved = row.clone()
-                row.copy_(torch.arange(row.numel(), dtype=torch.int64).remainder(127).to(torch.int8))
+                row.copy_(
+                    torch.arange(row.numel(), dtype=torch.int64).remainder(127).to(torch.int8)
+                )
                 seen = b"".join(
                     raw[layer][block].contiguous().view(torch.int8).numpy().tobytes()
                     for layer in region.layers
@@ -83,7 +87,9 @@ class Faulty(Plugin):
         self.blocks: Any = None
 
     @hookimpl
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         bs = self.config.block_size
         claim = (len(request.prompt_token_ids) - 1) // bs * bs - num_computed_tokens
         return max(claim, 0), False
@@ -123,7 +129,15 @@ class Faulty(Plugin):
 
 @hookimpl
 def register_plugin_types(register: Any) -> None:
-    register(PluginType(name="probe", node=Probe, config=ProbeConfig, default_role="service",
-                        roles=frozenset({"service"}), vllm_roles=frozenset({"worker"}),
-                        capabilities=Capabilities(needs_model=False)))
+    register(
+        PluginType(
+            name="probe",
+            node=Probe,
+            config=ProbeConfig,
+            default_role="service",
+            roles=frozenset({"service"}),
+            vllm_roles=frozenset({"worker"}),
+            capabilities=Capabilities(needs_model=False),
+        )
+    )
     register(PluginType(name="faulty", node=Faulty, config=FaultyConfig))

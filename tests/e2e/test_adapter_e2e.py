@@ -31,24 +31,36 @@ def native(connector: str, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model: str, engine_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(
+    tiny_model: str, engine_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("adapter")
     rec_module = {"module_path": "recording_connector"}
 
     def spec(config: dict[str, Any]) -> EngineSpec:
-        return EngineSpec(model=tiny_model, rounds=[PROMPTS, PROMPTS], kv_transfer_config=config, env=engine_env)
+        return EngineSpec(
+            model=tiny_model, rounds=[PROMPTS, PROMPTS], kv_transfer_config=config, env=engine_env
+        )
 
     multi = {
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "connectors": [
-                {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                 "kv_connector_extra_config": {"shared_storage_path": str(tmp / "m-ex")}},
-                {"kv_connector": "RecordingConnector", "kv_role": "kv_both",
-                 "kv_connector_module_path": "recording_connector",
-                 "kv_connector_extra_config": {"shared_storage_path": str(tmp / "m-rec"),
-                                               "record_path": str(tmp / "multi.jsonl")}},
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(tmp / "m-ex")},
+                },
+                {
+                    "kv_connector": "RecordingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_module_path": "recording_connector",
+                    "kv_connector_extra_config": {
+                        "shared_storage_path": str(tmp / "m-rec"),
+                        "record_path": str(tmp / "multi.jsonl"),
+                    },
+                },
             ]
         },
     }
@@ -56,22 +68,36 @@ def runs(tiny_model: str, engine_env: dict[str, str], tmp_path_factory: pytest.T
         "version": 1,
         "annotate_outputs": False,
         "nodes": {
-            "ex": native("ExampleConnector", extra_config={"shared_storage_path": str(tmp / "c-ex")}),
-            "rec": native("RecordingConnector", **rec_module,
-                          extra_config={"shared_storage_path": str(tmp / "c-rec"),
-                                        "record_path": str(tmp / "composed.jsonl")}),
+            "ex": native(
+                "ExampleConnector", extra_config={"shared_storage_path": str(tmp / "c-ex")}
+            ),
+            "rec": native(
+                "RecordingConnector",
+                **rec_module,
+                extra_config={
+                    "shared_storage_path": str(tmp / "c-rec"),
+                    "record_path": str(tmp / "composed.jsonl"),
+                },
+            ),
             "probe": {"plugin": "probe", "config": {"path": str(tmp / "probe.json")}},
         },
     }
-    composed = {"kv_connector": "ComposedConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"pipeline": composed_pipeline}}
+    composed = {
+        "kv_connector": "ComposedConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"pipeline": composed_pipeline},
+    }
 
     def faulty(mode: str, policy: str) -> dict[str, Any]:
-        pipeline = load_pipeline({
-            "version": 1,
-            "annotate_outputs": True,
-            "nodes": {"bad": {"plugin": "faulty", "on_error": policy, "config": {"mode": mode}}},
-        })
+        pipeline = load_pipeline(
+            {
+                "version": 1,
+                "annotate_outputs": True,
+                "nodes": {
+                    "bad": {"plugin": "faulty", "on_error": policy, "config": {"mode": mode}}
+                },
+            }
+        )
         return kv_transfer_config(pipeline)
 
     results: dict[str, Any] = {"tmp": tmp}
@@ -130,7 +156,9 @@ def test_parity_with_multiconnector(runs: dict[str, Any]) -> None:
     composed: EngineResult = runs["composed"]
     assert composed.tokens(0) == multi.tokens(0)
     assert composed.tokens(1) == multi.tokens(1)
-    assert [r.cached_tokens for r in composed.rounds[1]] == [r.cached_tokens for r in multi.rounds[1]]
+    assert [r.cached_tokens for r in composed.rounds[1]] == [
+        r.cached_tokens for r in multi.rounds[1]
+    ]
     tmp = runs["tmp"]
     # Requests reach the engine core while it steps, so step boundaries differ
     # run to run; what must match is every request's own calls (arguments and

@@ -39,17 +39,36 @@ def test_kvc_serve_runs_vllm_with_the_pipeline(tiny_model: str, tmp_path: Path) 
         "nodes:\n"
         "  ex:\n"
         "    plugin: vllm\n"
-        f"    config: {{connector: ExampleConnector, extra_config: {{shared_storage_path: {tmp_path / 'store'}}}}}\n"
+        "    config:\n"
+        "      connector: ExampleConnector\n"
+        f"      extra_config: {{shared_storage_path: {tmp_path / 'store'}}}\n"
     )
     port = free_port()
     kvc = Path(sys.executable).with_name("kvc")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
-        [str(kvc), "serve", str(pipeline), "--", tiny_model, "--host", "127.0.0.1",
-         "--port", str(port), "--block-size", "32", "--max-model-len", "1024",
-         "--no-enable-prefix-caching"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        [
+            str(kvc),
+            "serve",
+            str(pipeline),
+            "--",
+            tiny_model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "1024",
+            "--no-enable-prefix-caching",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
     try:
