@@ -27,7 +27,7 @@ from composer.discovery import PluginConflict, PluginLoadError, Registry, discov
 from composer.errors import PipelineInvalid, Problem
 from composer.export import CONNECTOR_NAME, as_multiconnector, kv_transfer_config
 from composer.logs import configure
-from composer.pipeline import SCHEMA_ID, ResolvedPipeline, typed_pipeline_model
+from composer.pipeline import SCHEMA_ID, ResolvedNode, ResolvedPipeline, typed_pipeline_model
 from composer.plugin_types import PluginType
 from composer.validation import load_pipeline, validate_text
 
@@ -56,7 +56,12 @@ class MissingRuntime(Exception):
 
 def _load(file: str, registry: Registry) -> ResolvedPipeline:
     if file == "-":
-        return validate_text(sys.stdin.read(), file="<stdin>", registry=registry)
+        try:
+            # Bytes, decoded strictly: the locale's decoder may keep bad bytes as surrogates.
+            text = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError:
+            raise PipelineInvalid([Problem((), "input is not UTF-8 text", "<stdin>")]) from None
+        return validate_text(text, file="<stdin>", registry=registry)
     return load_pipeline(file, registry=registry)
 
 
@@ -65,7 +70,7 @@ def _print_problems(problems: Sequence[Problem], stream: TextIO) -> None:
         print(problem, file=stream)
 
 
-def _plugin_label(node: Any) -> str:
+def _plugin_label(node: ResolvedNode) -> str:
     if node.plugin.name == "vllm":
         return f"vllm ({getattr(node.config, 'connector', '?')})"
     return str(node.plugin.name)

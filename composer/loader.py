@@ -270,6 +270,10 @@ def load_yaml(
         loader = PipelineLoader(text)
     except yaml.YAMLError as exc:  # the reader checks every character up front
         return None, Marks(), [syntax_problem(exc, text)]
+    except UnicodeEncodeError as exc:  # lone surrogates, e.g. undecodable bytes kept as such
+        before = text[: exc.start]
+        line, col = before.count("\n") + 1, exc.start - (before.rfind("\n") + 1) + 1
+        return None, Marks(), [YAMLProblem((), "the text is not valid Unicode", line, col)]
     try:
         try:
             root = loader.get_single_node()

@@ -167,10 +167,19 @@ def test_validate_reads_stdin(
 ) -> None:
     import io
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("version: 1\nnodes: {}\n"))
+    def stdin(data: bytes) -> None:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))
+
+    stdin(b"version: 1\nnodes: {}\n")
     assert run(capsys, "validate", "-") == (
         2,
         "<stdin>:2:8: nodes: a pipeline needs at least one node\n",
+        "1 problem in 1 file\n",
+    )
+    stdin(b"version: 1 # caf\xe9\n")
+    assert run(capsys, "validate", "-") == (
+        2,
+        "<stdin>: <root>: input is not UTF-8 text\n",
         "1 problem in 1 file\n",
     )
 

@@ -71,7 +71,7 @@ WORDS = [
     "true", "null", "~", "1", "-1", "1e400", "0x10", "8GiB", "[]", "{}", "[a, b]", "{a: 1}",
     "${MIN_BLOCKS}", "${UNSET}", "${EMPTY:-3}", "$$", "!!str 1", "!!binary aGk=", "&a x",
     "*a", "*nope", "<<: {}", '"\\u00e9"', "'it''s'", "|\n  text", ">-\n  text", "---", "...",
-    "\u00e9\u4e2d\U0001f600", "\x00", "\ufeff",
+    "\u00e9\u4e2d\U0001f600", "\x00", "\ufeff", "\udce9",
 ]
 JSON_LIKE = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),

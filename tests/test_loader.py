@@ -131,3 +131,11 @@ def test_load_pipeline_from_a_mapping_and_a_model(registry: Registry) -> None:
         '<pipeline>: nodes.t.plugin: unknown plugin "trackr" (did you mean "tracker"?); '
         'installed: "blend", "cache", "tracker", "vllm"'
     ]
+
+
+def test_text_that_is_not_valid_unicode() -> None:
+    data, _, problems = load_yaml("version: 1\nnodes: caf\udce9\n")
+    assert data is None
+    assert [(p.message, p.line, p.column) for p in problems] == [
+        ("the text is not valid Unicode", 2, 11)
+    ]
