@@ -37,6 +37,7 @@ YAML_EXAMPLES = {
     "native-multiconnector.yaml": (["nixl", "storage"], "MultiConnector"),
     "cpu-offload.yaml": (["cpu"], "ComposedConnector"),
     "offload-before-nixl.yaml": (["cpu", "nixl"], "ComposedConnector"),
+    "tracker-offload-lmcache.yaml": (["tracker", "cpu", "lmcache"], "ComposedConnector"),
 }
 PY_EXAMPLES = {"compose.py"}
 
@@ -90,6 +91,14 @@ def test_offload_before_nixl_uses_longest_hit_with_nixl_as_transport() -> None:
     assert pipeline.load_order == ("cpu", "nixl")
     assert pipeline.node("nixl").role == "transport"
     assert pipeline.node("nixl").capabilities.provides_handshake
+
+
+def test_lmcache_gets_the_model_from_the_tracker() -> None:
+    pipeline = load_pipeline(EXAMPLES / "tracker-offload-lmcache.yaml")
+    assert pipeline.node("lmcache").needs == ("tracker",)
+    assert pipeline.node("tracker").capabilities.provides_model
+    assert pipeline.load_order == ("cpu", "lmcache")
+    assert pipeline.annotate_outputs
 
 
 def test_compose_py_builds_the_cpu_offload_pipeline() -> None:
