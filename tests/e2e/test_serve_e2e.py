@@ -88,6 +88,15 @@ def test_kvc_serve_runs_vllm_with_the_pipeline(tiny_model: str, tmp_path: Path) 
         assert first["choices"][0]["text"] == second["choices"][0]["text"]
         # The repeat was served by the pipeline's node, not recomputed.
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        # Per-node counters reach vLLM's stat logger (it logs every ~10 s).
+        deadline = time.monotonic() + 30
+        while "KV Transfer metrics: ex." not in (tmp_path / "serve.log").read_text():
+            assert time.monotonic() < deadline, "no per-node KV transfer metrics were logged"
+            time.sleep(1)
+        line = next(
+            x for x in (tmp_path / "serve.log").read_text().splitlines() if "KV Transfer metrics" in x
+        )
+        assert "ex.lookups=" in line and "ex.hits=" in line
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
