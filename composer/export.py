@@ -38,6 +38,8 @@ def as_multiconnector(pipeline: ResolvedPipeline) -> bool:
     return (
         pipeline.all_native
         and pipeline.load_policy == "first_hit"
+        and not pipeline.annotate_outputs
+        and not pipeline.time_layer_hooks
         and all(n.on_error == "fail" and not n.needs for n in pipeline.nodes)
         and pipeline.load_order == tuple(n.id for n in pipeline.nodes)
         and pipeline.save_to == tuple(n.id for n in pipeline.nodes)

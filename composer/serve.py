@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +14,8 @@ from composer.validation import load_pipeline
 
 
 def vllm_command() -> list[str]:
-    exe = Path(sys.executable).with_name("vllm")
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("vllm")
-    if found:
-        return [found]
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    # vLLM's own CLI, through a shim that also works with the CPU build's dist name.
+    return [sys.executable, "-m", "composer.vllm.cli"]
 
 
 def serve_command(file: str, vllm_args: list[str]) -> list[str]:

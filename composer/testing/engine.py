@@ -28,6 +28,8 @@ class EngineSpec:
     prefix_caching: bool = False
     #: Reset vLLM's own prefix cache between rounds, so a hit comes from the connector.
     reset_between_rounds: bool = True
+    #: Reset only after these rounds (0-based), instead of after every round.
+    reset_after: list[int] | None = None
     block_size: int = 32
     max_model_len: int = 2048
     kv_cache_gib: float = 1
@@ -144,7 +146,7 @@ def _child(spec_path: str, out_path: str) -> None:
     startup = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
     rounds = []
-    for prompts in spec.rounds:
+    for index, prompts in enumerate(spec.rounds):
         outputs = llm.generate(prompts, params, use_tqdm=False)
         rounds.append(
             [
@@ -158,7 +160,8 @@ def _child(spec_path: str, out_path: str) -> None:
                 for o in outputs
             ]
         )
-        if spec.reset_between_rounds and spec.prefix_caching:
+        reset = index in spec.reset_after if spec.reset_after is not None else spec.reset_between_rounds
+        if reset and spec.prefix_caching:
             llm.reset_prefix_cache()
     Path(out_path).write_text(json.dumps({"rounds": rounds, "startup_s": startup}))
 

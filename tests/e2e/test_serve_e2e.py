@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,7 +32,9 @@ def get(url: str, payload: dict | None = None, timeout: float = 60) -> dict:
     return json.loads(body) if body else {}
 
 
-def test_kvc_serve_runs_vllm_with_the_pipeline(tiny_model: str, tmp_path: Path) -> None:
+def test_kvc_serve_runs_vllm_with_the_pipeline(
+    tiny_model: str, engine_env: dict[str, str], tmp_path: Path
+) -> None:
     pipeline = tmp_path / "pipeline.yaml"
     pipeline.write_text(
         "version: 1\n"
@@ -45,7 +48,12 @@ def test_kvc_serve_runs_vllm_with_the_pipeline(tiny_model: str, tmp_path: Path) 
     )
     port = free_port()
     kvc = Path(sys.executable).with_name("kvc")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    env = {
+        **os.environ,
+        **engine_env,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    }
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
         [
@@ -63,6 +71,7 @@ def test_kvc_serve_runs_vllm_with_the_pipeline(tiny_model: str, tmp_path: Path) 
             "--max-model-len",
             "1024",
             "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -94,14 +103,26 @@ def test_kvc_serve_runs_vllm_with_the_pipeline(tiny_model: str, tmp_path: Path) 
             assert time.monotonic() < deadline, "no per-node KV transfer metrics were logged"
             time.sleep(1)
         line = next(
-            x for x in (tmp_path / "serve.log").read_text().splitlines() if "KV Transfer metrics" in x
+            x
+            for x in (tmp_path / "serve.log").read_text().splitlines()
+            if "KV Transfer metrics" in x
         )
         assert "ex.lookups=" in line and "ex.hits=" in line
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
         log.close()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop the server and everything it spawned, however the test ended."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):  # whatever the server left behind
+        os.killpg(proc.pid, signal.SIGKILL)
