@@ -1,0 +1,144 @@
+"""model-tracker + offload-cpu + lmcache inside real vLLM (CPU build, tiny local model).
+
+Engines (module scope, all with the same VLLM_CPU_OMP_THREADS_BIND, so token
+comparisons are not thread-count noise):
+
+* ``plain``: no connector, the reference tokens;
+* ``owned``: the pipeline with an lmcache node that starts and owns its
+  `lmcache server`; the CPU tier is so small that round 1's prompts are
+  evicted from it, so round 2 is served by LMCache;
+* ``shared-1`` / ``shared-2``: two fresh engine processes, one after the
+  other, against one `lmcache server` started by the test: the second hits
+  on what the first saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("lmcache")
+
+from composer import kv_transfer_config, load_pipeline  # noqa: E402
+from composer.testing.engine import EngineResult, EngineSpec, run_engine  # noqa: E402
+from composer.testing.tiny_model import build_tiny_model, make_prompts  # noqa: E402
+from kvc_lmcache.server import ServerInfo, ServerSettings, _alive, start_server, stop_pid  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32
+PROMPTS = make_prompts(3, words=120, seed=41)
+ROUNDS = [PROMPTS, PROMPTS]
+# One tiny-model KV block (2 layers x 2 KV heads x 32 x K,V x bf16 x 32 tokens)
+# is 16 KiB: the tier holds 4 blocks, fewer than one prompt.
+CPU_CAPACITY = "64KiB"
+
+
+def _kv(tmp: Path, lmcache_config: dict[str, Any]) -> dict[str, Any]:
+    pipeline = {
+        "version": 1,
+        "annotate_outputs": True,
+        "nodes": {
+            "tracker": {"plugin": "model-tracker",
+                        "config": {"report_file": str(tmp / "tracker.json")}},
+            "cpu": {"plugin": "offload-cpu", "config": {"capacity": CPU_CAPACITY}},
+            "lmcache": {"plugin": "lmcache", "needs": ["tracker"], "config": lmcache_config},
+        },
+        "load_order": ["cpu", "lmcache"],
+    }
+    return kv_transfer_config(load_pipeline(pipeline))
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
+    log = tmp_path_factory.mktemp("lmcache-server") / "server.log"
+    info = start_server(ServerSettings(chunk_size=BLOCK, l1_size_gb=0.25), log)
+    try:
+        yield info
+    finally:
+        assert info.pid is not None
+        stop_pid(info.pid)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, shared_server: ServerInfo) -> dict[str, Any]:
+    model = str(build_tiny_model())
+    out: dict[str, Any] = {}
+    state = tmp_path_factory.mktemp("lmcache-state")
+    env = {"KVC_LMCACHE_STATE_DIR": str(state)}
+
+    def run(name: str, rounds: list[list[str]], kv: dict[str, Any] | None) -> EngineResult:
+        spec = EngineSpec(model=model, rounds=rounds, kv_transfer_config=kv, env=env, max_tokens=8)
+        out[name] = run_engine(spec)
+        return out[name]
+
+    run("plain", ROUNDS, None)
+    owned_tmp = tmp_path_factory.mktemp("owned")
+    run("owned", ROUNDS, _kv(owned_tmp, {"chunk_size": BLOCK, "server": {"l1_size_gb": 0.25}}))
+    out["owned_report"] = json.loads((owned_tmp / "tracker.json.0").read_text())
+    out["owned_state"] = state
+    given = {"chunk_size": BLOCK, "server": {"url": shared_server.url, "http_url": shared_server.http_url}}
+    for name in ("shared-1", "shared-2"):
+        tmp = tmp_path_factory.mktemp(name)
+        run(name, [PROMPTS], _kv(tmp, given))
+    return out
+
+
+def _served(result: EngineResult, r: int) -> list[str | None]:
+    return [(x.kv_transfer_params or {}).get("kv_composer", {}).get("served_by")
+            for x in result.rounds[r]]
+
+
+def test_model_reaches_the_tracker_and_lmcache(runs: dict[str, Any]) -> None:
+    report = runs["owned_report"]
+    assert report["model_class"] == "LlamaForCausalLM"
+    assert report["layers"] == 2 and report["parameters"] > 0 and report["dtype"] == "bfloat16"
+    # Registered with LMCache's VLLMModelTracker under its engine id, and it is this model.
+    assert report["lmcache_instance_id"] == "vllm-instance"
+    assert report["lmcache_model_matches"] is True
+
+
+def test_prompts_evicted_from_the_cpu_tier_are_served_by_lmcache(runs: dict[str, Any]) -> None:
+    owned = runs["owned"]
+    assert _served(owned, 0) == [None, None, None]
+    assert _served(owned, 1) == ["lmcache"] * 3
+    for r in owned.rounds[1]:
+        assert r.cached_tokens >= BLOCK and r.cached_tokens % BLOCK == 0
+        assert r.cached_tokens < r.prompt_tokens
+        assert r.kv_transfer_params["kv_composer"]["tokens"] == r.cached_tokens
+
+
+def test_tokens_equal_a_run_without_a_connector(runs: dict[str, Any]) -> None:
+    plain = runs["plain"]
+    assert [r.cached_tokens for r in plain.rounds[1]] == [0, 0, 0]
+    for r in range(len(ROUNDS)):
+        assert runs["owned"].tokens(r) == plain.tokens(r), f"round {r}"
+    for name in ("shared-1", "shared-2"):
+        assert runs[name].tokens(0) == plain.tokens(0), name
+
+
+def test_a_fresh_engine_hits_on_what_another_engine_saved(runs: dict[str, Any]) -> None:
+    assert _served(runs["shared-1"], 0) == [None, None, None]
+    assert _served(runs["shared-2"], 0) == ["lmcache"] * 3
+    for r in runs["shared-2"].rounds[0]:
+        assert r.cached_tokens >= BLOCK
+
+
+def test_the_owned_server_is_gone_with_its_engine(runs: dict[str, Any]) -> None:
+    state: Path = runs["owned_state"]
+    logs = list(state.glob("*.log"))
+    assert logs, "the owned engine started no server"
+    for path in state.glob("*.json"):
+        data = json.loads(path.read_text())
+        assert not _alive(data.get("pid")), f"server {data} outlived its engine"
+
+
+def test_the_given_server_outlives_its_engines(shared_server: ServerInfo, runs: dict[str, Any]) -> None:
+    assert shared_server.pid is not None and _alive(shared_server.pid)
+    assert os.path.exists(str(shared_server.log_file))
