@@ -1,0 +1,188 @@
+"""lmcache in-process mode against LMCache's real ``LMCacheConnectorV1Impl``.
+
+LMCache's in-process engine needs CUDA/XPU, so its ``LMCacheManager`` (which
+builds the engine, lookup client and server) is replaced by a stand-in with
+no engine; everything else is LMCache's and vLLM's own code: the impl, its
+config loading from the parent's ``lmcache.*`` extra config, vLLM's
+``KVTransferConfig`` and ``KVCacheConfig`` classes, and KV Composer's chain.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("lmcache")
+
+import torch  # noqa: E402
+from lmcache.integration.vllm import vllm_v1_adapter  # noqa: E402
+from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from composer import load_pipeline  # noqa: E402
+from composer.chain import Chain  # noqa: E402
+from kvc_lmcache.inprocess import InvalidKVCacheGroup, LMCacheInProcessNode  # noqa: E402
+
+BLOCK = 16
+
+
+class EngineFreeManager:
+    """Stands in for LMCacheManager: no CUDA engine, lookup client or server."""
+
+    def __init__(self, config: Any, service_factory: Any, connector: Any) -> None:
+        self.config = config
+        self.lmcache_engine = None
+        self.lookup_client = None
+        self.lookup_server = None
+        self.stopped = False
+
+    def start_services(self) -> None:
+        pass
+
+    def post_init(self) -> None:
+        pass
+
+    def stop_services(self) -> None:
+        self.stopped = True
+
+    def __getattr__(self, name: str) -> Any:
+        return None
+
+
+@pytest.fixture(autouse=True)
+def no_cuda_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_v1_adapter, "LMCacheManager", EngineFreeManager)
+    monkeypatch.setattr(vllm_v1_adapter, "VllmServiceFactory", lambda *a, **k: None)
+
+
+def vllm_config() -> Any:
+    return SimpleNamespace(
+        device_config=SimpleNamespace(device="cpu"),
+        kv_transfer_config=KVTransferConfig(kv_connector="ComposedConnector", kv_role="kv_both"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, rank=0, world_size=1),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        model_config=SimpleNamespace(get_num_layers=lambda parallel_config: 2),
+    )
+
+
+def hybrid_kv_cache_config() -> KVCacheConfig:
+    common = dict(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    return KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["layers.0"], SlidingWindowSpec(sliding_window=32, **common)),
+            KVCacheGroupSpec(["layers.1"], FullAttentionSpec(**common)),
+        ],
+    )
+
+
+def pipeline(config: dict[str, Any]) -> Any:
+    return load_pipeline({"version": 1, "nodes": {"lm": {"plugin": "lmcache", "config": config}}})
+
+
+def chain(role: str, config: dict[str, Any]) -> Chain:
+    return Chain(pipeline({"mode": "in_process", **config}), role,  # type: ignore[arg-type]
+                 vllm_config=vllm_config(), kv_cache_config=hybrid_kv_cache_config())
+
+
+def test_node_options_reach_lmcaches_own_config() -> None:
+    node = chain("worker", {"chunk_size": 64, "max_local_cpu_size": 2.5,
+                            "extra": {"min_retrieve_tokens": 7}}).nodes["lm"]
+    assert isinstance(node, LMCacheInProcessNode)
+    assert isinstance(node.impl, vllm_v1_adapter.LMCacheConnectorV1Impl)
+    config = node.impl.config
+    assert (config.chunk_size, config.max_local_cpu_size, config.min_retrieve_tokens) == (64, 2.5, 7)
+    assert node.impl._parent is node.parent and node.parent.impl is node.impl
+
+
+def test_a_group_that_does_not_exist() -> None:
+    with pytest.raises(InvalidKVCacheGroup) as err:
+        chain("scheduler", {"kv_cache_group": 3})
+    assert str(err.value) == (
+        "lmcache: kv_cache_group 3 does not exist; this model's KV cache groups are "
+        "0: SlidingWindowSpec, 1: FullAttentionSpec"
+    )
+
+
+def test_a_group_that_is_not_full_attention() -> None:
+    with pytest.raises(InvalidKVCacheGroup) as err:
+        chain("worker", {"kv_cache_group": 0})
+    assert str(err.value) == (
+        "lmcache: kv_cache_group 0 is SlidingWindowSpec, not full attention; LMCache handles "
+        "a full-attention group: [1] (groups: 0: SlidingWindowSpec, 1: FullAttentionSpec)"
+    )
+
+
+def test_request_finished_all_groups_forwards_the_selected_group() -> None:
+    c = chain("scheduler", {"kv_cache_group": 1})
+    assert c.pipeline.hma
+    node = c.nodes["lm"]
+    seen: list[list[int]] = []
+    real = node.impl.request_finished
+
+    def recording(request: Any, block_ids: list[int]) -> Any:
+        seen.append(block_ids)
+        return real(request, block_ids)  # LMCache's own code runs
+
+    node.impl.request_finished = recording
+    request = SimpleNamespace(request_id="r1", status=RequestStatus.FINISHED_LENGTH_CAPPED,
+                              kv_transfer_params=None, prompt_token_ids=[1, 2, 3])
+    hold, params = c.request_finished_all_groups(request, ([1, 2], [7, 8, 9]))
+    assert seen == [[7, 8, 9]]
+    assert hold is False and params is None
+
+
+def test_scheduler_output_is_narrowed_to_the_selected_group() -> None:
+    c = chain("scheduler", {"kv_cache_group": 1})
+    node = c.nodes["lm"]
+    seen: list[Any] = []
+    node.impl.build_connector_meta = lambda so: seen.append(so) or "meta"
+    new = SimpleNamespace(req_id="r1", block_ids=([1, 2], [5, 6]))
+    cached = SimpleNamespace(req_ids=["r0"], new_block_ids=[([3], [9])])
+    output = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                             num_scheduled_tokens={}, finished_req_ids=set())
+    meta = c.build_connector_meta(output)
+    assert meta.per_node == {"lm": "meta"}
+    (view,) = seen
+    assert view.scheduled_new_reqs[0].block_ids == ([5, 6],)
+    assert view.scheduled_cached_reqs.new_block_ids == [([9],)]
+    # vLLM's own objects are untouched.
+    assert new.block_ids == ([1, 2], [5, 6]) and cached.new_block_ids == [([3], [9])]
+
+
+def test_only_the_groups_layers_are_registered() -> None:
+    node = chain("worker", {"kv_cache_group": 1}).nodes["lm"]
+    seen: list[dict[str, Any]] = []
+    node.impl.register_kv_caches = seen.append
+    caches = {"layers.0": torch.zeros(1), "layers.1": torch.zeros(2)}
+    node.register_kv_caches(raw=caches)
+    assert list(seen[0]) == ["layers.1"]
+
+
+def test_blending_requires_the_model_under_lmcaches_engine_name() -> None:
+    from kvc_model_tracker import ModelHandle
+    from kvc_model_tracker.handle import ModelSummary
+
+    ctx_chain = chain("worker", {})
+    node = ctx_chain.nodes["lm"]
+    node.config = node.config.model_copy(update={"enable_blending": True})
+    handle = ModelHandle("tracker")
+    node.ctx.needs = {"tracker": handle}
+    with pytest.raises(Exception, match='model-tracker node "tracker" has no model'):
+        node.initialize_worker_connector(None, None, None)
+    handle.set(torch.nn.Linear(1, 1), ModelSummary("Linear", None, 2, "float32"))
+    handle.lmcache_instance_id = "other"
+    with pytest.raises(RuntimeError, match="looks the model up under 'vllm-instance'"):
+        node.initialize_worker_connector(None, None, None)
+    handle.lmcache_instance_id = "vllm-instance"
+    node.initialize_worker_connector(None, None, None)
