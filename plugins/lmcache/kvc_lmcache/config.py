@@ -57,7 +57,7 @@ class ServerConfig(BaseModel):
 
     url: str | None = Field(
         default=None,
-        description="tcp://host:port of a running `lmcache server`; null = start one (start: true).",
+        description="tcp://host:port of a running `lmcache server`; null: start one (start: true)",
     )
     http_url: str | None = Field(
         default=None,
@@ -123,8 +123,16 @@ class ServerConfig(BaseModel):
     @field_validator("extra_args")
     @classmethod
     def _owned_flags(cls, value: list[str]) -> list[str]:
-        owned = {"--host", "--port", "--http-host", "--http-port", "--chunk-size",
-                 "--l1-size-gb", "--eviction-policy", "--supported-transfer-mode"}
+        owned = {
+            "--host",
+            "--port",
+            "--http-host",
+            "--http-port",
+            "--chunk-size",
+            "--l1-size-gb",
+            "--eviction-policy",
+            "--supported-transfer-mode",
+        }
         for arg in value:
             if arg.split("=", 1)[0] in owned:
                 raise ValueError(f"{arg.split('=', 1)[0]} is set by the node; use its own option")
@@ -160,7 +168,9 @@ class LMCacheConfig(BaseModel):
     max_local_disk_size: float = Field(default=0.0, ge=0, description="in_process: GB on disk.")
     remote_url: str | None = Field(default=None, description="in_process: remote backend URL.")
     remote_serde: str | None = Field(default="naive", description="in_process: remote serde.")
-    save_unfull_chunk: bool = Field(default=False, description="in_process: save a partial last chunk.")
+    save_unfull_chunk: bool = Field(
+        default=False, description="in_process: save a partial last chunk."
+    )
     cache_policy: str = Field(default="LRU", description="in_process: eviction policy.")
     use_layerwise: bool = Field(default=False, description="in_process: layer-wise transfers.")
     enable_blending: bool = Field(
@@ -192,11 +202,11 @@ class LMCacheConfig(BaseModel):
         known = lmcache_field_names()
         for key in value:
             if key in ENGINE_FIELDS:
-                raise ValueError(f'"{key}" is an option of this node: set it directly, not in extra')
-            if known is not None and key not in known:
                 raise ValueError(
-                    f'LMCache has no config field "{key}"{did_you_mean(key, known)}'
+                    f'"{key}" is an option of this node: set it directly, not in extra'
                 )
+            if known is not None and key not in known:
+                raise ValueError(f'LMCache has no config field "{key}"{did_you_mean(key, known)}')
         return value
 
     @model_validator(mode="after")
@@ -261,7 +271,10 @@ def lmcache_field_names() -> frozenset[str] | None:
             first = node.targets[0]
             target, value = (first.id if isinstance(first, ast.Name) else None), node.value
         if target in ("_CONFIG_DEFINITIONS", "_CONFIG_ALIASES") and isinstance(value, ast.Dict):
-            names.update(k.value for k in value.keys if isinstance(k, ast.Constant)
-                         and isinstance(k.value, str))
+            names.update(
+                k.value
+                for k in value.keys
+                if isinstance(k, ast.Constant) and isinstance(k.value, str)
+            )
     # Fewer than a handful means the table moved: do not guess, leave it to the deep check.
     return frozenset(names) if len(names) > 20 else None

@@ -153,7 +153,9 @@ class LMCacheInProcessNode(Plugin):
         self.parent.impl = self.impl
 
     @hookimpl
-    def initialize_worker_connector(self, model: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+    def initialize_worker_connector(
+        self, model: Any, vllm_config: Any, kv_cache_config: Any
+    ) -> None:
         if not self.config.enable_blending:
             return
         handles = [s for s in self.ctx.needs.values() if hasattr(s, "require")]
@@ -163,7 +165,8 @@ class LMCacheInProcessNode(Plugin):
         instance_id = getattr(handles[0], "lmcache_instance_id", None)
         if instance_id != LMCACHE_ENGINE_NAME:
             raise RuntimeError(
-                f"lmcache: CacheBlend looks the model up under {LMCACHE_ENGINE_NAME!r} in LMCache's "
+                f"lmcache: CacheBlend looks the model up under {LMCACHE_ENGINE_NAME!r} in LMCache's"
+                " "
                 f"VLLMModelTracker, but the tracker registered it under {instance_id!r} "
                 "(set the tracker's lmcache_instance_id, and lmcache: auto/always)"
             )
@@ -218,7 +221,9 @@ class LMCacheInProcessNode(Plugin):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         tokens, load_async = self.impl.get_num_new_matched_tokens(request.raw, num_computed_tokens)
         if tokens:
-            self.stats.extra["lookup_hit_tokens"] = self.stats.extra.get("lookup_hit_tokens", 0) + tokens
+            self.stats.extra["lookup_hit_tokens"] = (
+                self.stats.extra.get("lookup_hit_tokens", 0) + tokens
+            )
         return tokens, load_async
 
     @hookimpl
@@ -239,7 +244,8 @@ class LMCacheInProcessNode(Plugin):
         # The chain passes only this node's group (Capabilities kv_cache_groups="one").
         if len(block_ids) != 1:
             raise InvalidKVCacheGroup(
-                f"lmcache: expected the block ids of one KV cache group, got {len(block_ids)} groups"
+                "lmcache: expected the block ids of one KV cache group, "
+                f"got {len(block_ids)} groups"
             )
         return self.impl.request_finished(request.raw, block_ids[0])
 

@@ -99,9 +99,11 @@ class LMCacheServerNode(NativeConnectorNode):
                 pid=self.server.pid,
                 seconds=round(time.perf_counter() - t0, 2),
             )
-        native = VllmConnectorConfig(
-            connector=CONNECTOR,
-            extra_config=mp_extra_config(config, self.server.host, self.server.port),
+        native = VllmConnectorConfig.model_validate(
+            {
+                "connector": CONNECTOR,
+                "extra_config": mp_extra_config(config, self.server.host, self.server.port),
+            }
         )
         try:
             super().__init__(dataclasses.replace(ctx, config=native))
@@ -117,14 +119,18 @@ class LMCacheServerNode(NativeConnectorNode):
             self.shared.release()
 
     @hookimpl
-    def initialize_worker_connector(self, model: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+    def initialize_worker_connector(
+        self, model: Any, vllm_config: Any, kv_cache_config: Any
+    ) -> None:
         # The tracker (created and initialised before this node) registered the
         # model with LMCache; record what this node can see of it.
         for node_id, service in self.ctx.needs.items():
             instance_id = getattr(service, "lmcache_instance_id", None)
             if instance_id is not None:
                 self.stats.extra["model_registered"] = 1
-                self.log.info("model available to LMCache", tracker=node_id, instance_id=instance_id)
+                self.log.info(
+                    "model available to LMCache", tracker=node_id, instance_id=instance_id
+                )
 
     @hookimpl
     def shutdown(self) -> None:
@@ -160,7 +166,7 @@ class LMCacheNode(Plugin):
     chain sees that class's hooks.)
     """
 
-    def __new__(cls, ctx: NodeContext) -> Any:  # type: ignore[misc]
+    def __new__(cls, ctx: NodeContext) -> Any:
         config = ctx.config
         assert isinstance(config, LMCacheConfig)
         return node_class_for(config)(ctx)

@@ -29,7 +29,9 @@ def capabilities(config: BaseModel) -> Capabilities:
     )
 
 
-def check(node_id: str, config: BaseModel, data: dict[str, Any]) -> Iterable[tuple[tuple[str | int, ...], str]]:
+def check(
+    node_id: str, config: BaseModel, data: dict[str, Any]
+) -> Iterable[tuple[tuple[str | int, ...], str]]:
     """Cross-node checks: blending's tracker must register with LMCache under its engine id."""
     assert isinstance(config, LMCacheConfig)
     if not config.enable_blending:
@@ -42,15 +44,21 @@ def check(node_id: str, config: BaseModel, data: dict[str, Any]) -> Iterable[tup
             continue
         tracker = node.get("config") or {}
         if tracker.get("lmcache") == "never":
-            yield ("needs", i), (
-                f'enable_blending: tracker "{dep}" has lmcache: never, so CacheBlend would not '
-                "find the model; use lmcache: auto or always"
+            yield (
+                ("needs", i),
+                (
+                    f'enable_blending: tracker "{dep}" has lmcache: never, so CacheBlend would not '
+                    "find the model; use lmcache: auto or always"
+                ),
             )
         instance = tracker.get("lmcache_instance_id", "vllm-instance")
         if instance != "vllm-instance":
-            yield ("needs", i), (
-                f'enable_blending: tracker "{dep}" registers the model as "{instance}", but '
-                'LMCache\'s CacheBlend looks it up as "vllm-instance"'
+            yield (
+                ("needs", i),
+                (
+                    f'enable_blending: tracker "{dep}" registers the model as "{instance}", but '
+                    'LMCache\'s CacheBlend looks it up as "vllm-instance"'
+                ),
             )
 
 

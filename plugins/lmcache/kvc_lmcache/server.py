@@ -154,7 +154,11 @@ def start_server(settings: ServerSettings, log_file: Path, host: str = LOOPBACK)
     env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "PYTHONUNBUFFERED": "1"}
     with log_file.open("ab") as log:
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - only a prctl call
         )
     info = ServerInfo(host, port, http_port, pid=proc.pid, log_file=str(log_file))
@@ -200,7 +204,9 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 
 def state_dir() -> Path:
-    path = Path(os.environ.get("KVC_LMCACHE_STATE_DIR") or Path(tempfile.gettempdir()) / "kvc-lmcache")
+    path = Path(
+        os.environ.get("KVC_LMCACHE_STATE_DIR") or Path(tempfile.gettempdir()) / "kvc-lmcache"
+    )
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -247,7 +253,9 @@ class SharedServer:
             info.users.append(self.token)
             self._write(info)
         self.info = info
-        self._finalizer = weakref.finalize(self, _release, self.lock_file, self.state_file, self.token)
+        self._finalizer = weakref.finalize(
+            self, _release, self.lock_file, self.state_file, self.token
+        )
         return info
 
     def release(self) -> None:
@@ -302,7 +310,9 @@ def check_server(
     try:
         mp = get_json(f"{http_url}/config", timeout)["mp"]
     except (OSError, ValueError, KeyError, urllib.error.URLError) as exc:
-        raise ServerError(f"cannot read the LMCache server's config at {http_url}/config: {exc}") from exc
+        raise ServerError(
+            f"cannot read the LMCache server's config at {http_url}/config: {exc}"
+        ) from exc
     chunk = int(mp.get("chunk_size", 0))
     if block_size and chunk % block_size:
         raise ServerError(

@@ -7,10 +7,10 @@ import sys
 import textwrap
 
 import pytest
+from kvc_lmcache.config import LMCacheConfig, lmcache_field_names
 
 from composer import discover, load_pipeline, validate_text
 from composer.errors import PipelineInvalid
-from kvc_lmcache.config import LMCacheConfig, lmcache_field_names
 
 
 def errors(yaml: str) -> str:
@@ -60,7 +60,7 @@ def test_typo_in_an_lmcache_field() -> None:
         '(did you mean "max_local_cpu_size"?)'
     ) in text
     assert (
-        'p.yaml:8:14: nodes.lm.config.extra: value error, LMCache has no config field '
+        "p.yaml:8:14: nodes.lm.config.extra: value error, LMCache has no config field "
         '"min_retrive_tokens" (did you mean "min_retrieve_tokens"?)'
     ) in text
 
@@ -74,8 +74,10 @@ def test_blending_without_a_tracker() -> None:
             plugin: lmcache
             config: {mode: in_process, enable_blending: true}
         """)
-    assert "p.yaml:5:5: nodes.lm.needs: needs the model but no dependency provides it " \
+    assert (
+        "p.yaml:5:5: nodes.lm.needs: needs the model but no dependency provides it "
         "(add needs: [tracker])" in text
+    )
 
 
 def test_blending_with_a_tracker_that_does_not_register_with_lmcache() -> None:
@@ -88,12 +90,16 @@ def test_blending_with_a_tracker_that_does_not_register_with_lmcache() -> None:
             needs: [tracker]
             config: {mode: in_process, enable_blending: true}
         """)
-    assert 'p.yaml:6:13: nodes.lm.needs[0]: enable_blending: tracker "tracker" has lmcache: never' in text
+    assert (
+        'p.yaml:6:13: nodes.lm.needs[0]: enable_blending: tracker "tracker" has lmcache: never'
+        in text
+    )
     assert 'registers the model as "x"' in text
 
 
 def test_blending_with_a_tracker_is_valid() -> None:
-    pipeline = validate_text(textwrap.dedent("""\
+    pipeline = validate_text(
+        textwrap.dedent("""\
         version: 1
         nodes:
           tracker: {plugin: model-tracker}
@@ -101,7 +107,8 @@ def test_blending_with_a_tracker_is_valid() -> None:
             plugin: lmcache
             needs: [tracker]
             config: {mode: in_process, enable_blending: true}
-        """))
+        """)
+    )
     assert [n.id for n in pipeline.nodes] == ["tracker", "lm"]
     assert pipeline.node("lm").capabilities.needs_model
 
@@ -142,8 +149,12 @@ def test_hma_group_selection_needs_every_node_to_support_hma() -> None:
         """)
     assert 'handles one KV cache group and needs HMA, but "cpu" does not support' in text
     pipeline = load_pipeline(
-        {"version": 1, "nodes": {"lm": {"plugin": "lmcache",
-                                        "config": {"mode": "in_process", "kv_cache_group": 1}}}}
+        {
+            "version": 1,
+            "nodes": {
+                "lm": {"plugin": "lmcache", "config": {"mode": "in_process", "kv_cache_group": 1}}
+            },
+        }
     )
     caps = pipeline.node("lm").capabilities
     assert caps.hma and caps.kv_cache_groups == "one"
@@ -153,10 +164,12 @@ def test_the_example_validates_without_heavy_imports() -> None:
     code = (
         "import sys; from composer import load_pipeline;"
         "p = load_pipeline('examples/tracker-offload-lmcache.yaml');"
-        "print([n.id for n in p.nodes], [m for m in ('torch', 'lmcache', 'vllm') if m in sys.modules])"
+        "print([n.id for n in p.nodes],"
+        " [m for m in ('torch', 'lmcache', 'vllm') if m in sys.modules])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=_root())
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=_root()
+    )
     assert out.stdout.strip() == "['tracker', 'cpu', 'lmcache'] []"
 
 

@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("lmcache")
 
 import torch  # noqa: E402
+from kvc_lmcache.inprocess import InvalidKVCacheGroup, LMCacheInProcessNode  # noqa: E402
 from lmcache.integration.vllm import vllm_v1_adapter  # noqa: E402
 from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
@@ -30,7 +31,6 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from composer import load_pipeline  # noqa: E402
 from composer.chain import Chain  # noqa: E402
-from kvc_lmcache.inprocess import InvalidKVCacheGroup, LMCacheInProcessNode  # noqa: E402
 
 BLOCK = 16
 
@@ -75,7 +75,9 @@ def vllm_config() -> Any:
 
 
 def hybrid_kv_cache_config() -> KVCacheConfig:
-    common = dict(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    common: dict[str, Any] = dict(
+        block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.bfloat16
+    )
     return KVCacheConfig(
         num_blocks=8,
         kv_cache_tensors=[],
@@ -91,17 +93,26 @@ def pipeline(config: dict[str, Any]) -> Any:
 
 
 def chain(role: str, config: dict[str, Any]) -> Chain:
-    return Chain(pipeline({"mode": "in_process", **config}), role,  # type: ignore[arg-type]
-                 vllm_config=vllm_config(), kv_cache_config=hybrid_kv_cache_config())
+    return Chain(
+        pipeline({"mode": "in_process", **config}),
+        role,  # type: ignore[arg-type]
+        vllm_config=vllm_config(),
+        kv_cache_config=hybrid_kv_cache_config(),
+    )
 
 
 def test_node_options_reach_lmcaches_own_config() -> None:
-    node = chain("worker", {"chunk_size": 64, "max_local_cpu_size": 2.5,
-                            "extra": {"min_retrieve_tokens": 7}}).nodes["lm"]
+    node = chain(
+        "worker", {"chunk_size": 64, "max_local_cpu_size": 2.5, "extra": {"min_retrieve_tokens": 7}}
+    ).nodes["lm"]
     assert isinstance(node, LMCacheInProcessNode)
     assert isinstance(node.impl, vllm_v1_adapter.LMCacheConnectorV1Impl)
     config = node.impl.config
-    assert (config.chunk_size, config.max_local_cpu_size, config.min_retrieve_tokens) == (64, 2.5, 7)
+    assert (config.chunk_size, config.max_local_cpu_size, config.min_retrieve_tokens) == (
+        64,
+        2.5,
+        7,
+    )
     assert node.impl._parent is node.parent and node.parent.impl is node.impl
 
 
@@ -135,8 +146,12 @@ def test_request_finished_all_groups_forwards_the_selected_group() -> None:
         return real(request, block_ids)  # LMCache's own code runs
 
     node.impl.request_finished = recording
-    request = SimpleNamespace(request_id="r1", status=RequestStatus.FINISHED_LENGTH_CAPPED,
-                              kv_transfer_params=None, prompt_token_ids=[1, 2, 3])
+    request = SimpleNamespace(
+        request_id="r1",
+        status=RequestStatus.FINISHED_LENGTH_CAPPED,
+        kv_transfer_params=None,
+        prompt_token_ids=[1, 2, 3],
+    )
     hold, params = c.request_finished_all_groups(request, ([1, 2], [7, 8, 9]))
     assert seen == [[7, 8, 9]]
     assert hold is False and params is None
@@ -146,11 +161,20 @@ def test_scheduler_output_is_narrowed_to_the_selected_group() -> None:
     c = chain("scheduler", {"kv_cache_group": 1})
     node = c.nodes["lm"]
     seen: list[Any] = []
-    node.impl.build_connector_meta = lambda so: seen.append(so) or "meta"
+
+    def build(so: Any) -> str:
+        seen.append(so)
+        return "meta"
+
+    node.impl.build_connector_meta = build
     new = SimpleNamespace(req_id="r1", block_ids=([1, 2], [5, 6]))
     cached = SimpleNamespace(req_ids=["r0"], new_block_ids=[([3], [9])])
-    output = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-                             num_scheduled_tokens={}, finished_req_ids=set())
+    output = SimpleNamespace(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={},
+        finished_req_ids=set(),
+    )
     meta = c.build_connector_meta(output)
     assert meta.per_node == {"lm": "meta"}
     (view,) = seen

@@ -52,7 +52,9 @@ class ModelTrackerNode(Plugin):
         return self.handle
 
     @hookimpl
-    def initialize_worker_connector(self, model: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+    def initialize_worker_connector(
+        self, model: Any, vllm_config: Any, kv_cache_config: Any
+    ) -> None:
         if model is None:
             # Nothing to track: dependents get ModelNotTracked from require().
             self.log.warning("model-tracker: vLLM handed over no model")
@@ -73,7 +75,7 @@ class ModelTrackerNode(Plugin):
         if not lmcache_available():
             if mode == "always":
                 raise ModelNotTracked(
-                    'model-tracker: lmcache: always, but LMCache is not installed '
+                    "model-tracker: lmcache: always, but LMCache is not installed "
                     "(pip install lmcache, or set lmcache: auto)"
                 )
             self.log.debug("LMCache not installed; model not registered with it")

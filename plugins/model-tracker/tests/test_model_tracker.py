@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from kvc_model_tracker import ModelHandle, ModelNotTracked
+from kvc_model_tracker.node import ModelTrackerNode, summarize
 
 from composer import Plugin, PluginType, Registry, discover, hookimpl, load_pipeline
 from composer.chain import Chain
 from composer.errors import PipelineInvalid
-from kvc_model_tracker import ModelHandle, ModelNotTracked
-from kvc_model_tracker.node import ModelTrackerNode, summarize
 
 
 class TinyLM(torch.nn.Module):
@@ -32,13 +32,16 @@ class Consumer(Plugin):
     seen: list[Any] = []
 
     @hookimpl
-    def initialize_worker_connector(self, model: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+    def initialize_worker_connector(
+        self, model: Any, vllm_config: Any, kv_cache_config: Any
+    ) -> None:
         (handle,) = self.ctx.needs.values()
         Consumer.seen.append(handle.require())
 
 
-CONSUMER = PluginType(name="consumer", node=Consumer, default_role="service",
-                      roles=frozenset({"service"}))
+CONSUMER = PluginType(
+    name="consumer", node=Consumer, default_role="service", roles=frozenset({"service"})
+)
 
 
 def registry() -> Registry:
@@ -66,8 +69,14 @@ def test_validation_imports_neither_torch_nor_lmcache() -> None:
 
 def test_config_errors_are_clear() -> None:
     with pytest.raises(PipelineInvalid) as err:
-        load_pipeline({"version": 1, "nodes": {"t": {"plugin": "model-tracker",
-                                                     "config": {"lmcache": "yes", "report": 1}}}})
+        load_pipeline(
+            {
+                "version": 1,
+                "nodes": {
+                    "t": {"plugin": "model-tracker", "config": {"lmcache": "yes", "report": 1}}
+                },
+            }
+        )
     text = str(err.value)
     assert 'nodes.t.config.lmcache: "yes" is not allowed; expected one of "always", "auto"' in text
     assert 'unknown key "report"' in text and "report_file" in text
@@ -93,10 +102,13 @@ def test_handle_require_without_a_model_is_a_clear_error() -> None:
 
 def _pipeline(config: dict[str, Any] | None = None) -> Any:
     return load_pipeline(
-        {"version": 1, "nodes": {
-            "user": {"plugin": "consumer", "needs": ["tracker"]},
-            "tracker": {"plugin": "model-tracker", "config": config or {}},
-        }},
+        {
+            "version": 1,
+            "nodes": {
+                "user": {"plugin": "consumer", "needs": ["tracker"]},
+                "tracker": {"plugin": "model-tracker", "config": config or {}},
+            },
+        },
         registry=registry(),
     )
 

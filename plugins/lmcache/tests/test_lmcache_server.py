@@ -1,0 +1,108 @@
+"""The started `lmcache server`: one per key, attach, last user stops it, checks before use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kvc_lmcache.config import LMCacheConfig
+from kvc_lmcache.node import check_chunk_size, mp_extra_config
+from kvc_lmcache.server import (
+    ServerError,
+    ServerSettings,
+    SharedServer,
+    _alive,
+    check_server,
+    healthy,
+    lmcache_command,
+    server_argv,
+)
+
+pytest.importorskip("lmcache")
+
+
+@pytest.fixture()
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("KVC_LMCACHE_STATE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_argv_binds_loopback_and_names_every_required_flag() -> None:
+    argv = server_argv(ServerSettings(chunk_size=64, transfer_mode="auto"), "127.0.0.1", 5, 6)
+    assert argv[: len(lmcache_command()) + 1] == [*lmcache_command(), "server"]
+    flags = dict(
+        zip(
+            argv[len(lmcache_command()) + 1 :: 2],
+            argv[len(lmcache_command()) + 2 :: 2],
+            strict=True,
+        )
+    )
+    assert flags["--host"] == flags["--http-host"] == "127.0.0.1"
+    assert (flags["--port"], flags["--http-port"], flags["--chunk-size"]) == ("5", "6", "64")
+    assert flags["--eviction-policy"] == "LRU"  # without it the server refuses to start
+    assert flags["--supported-transfer-mode"] == "auto"
+
+
+def test_connector_extra_config() -> None:
+    config = LMCacheConfig.model_validate({"server": {"mq_timeout": 5, "transfer_mode": "auto"}})
+    assert mp_extra_config(config, "127.0.0.1", 7000) == {
+        "lmcache.mp.host": "tcp://127.0.0.1",
+        "lmcache.mp.port": 7000,
+        "lmcache.mp.mp_transfer_mode": "auto",
+        "lmcache.mp.mq_timeout": 5.0,
+    }
+
+
+def test_chunk_size_must_be_a_multiple_of_the_block_size() -> None:
+    check_chunk_size(64, 32)
+    with pytest.raises(
+        ServerError, match="chunk size 48 is not a multiple of vLLM's block size 32"
+    ):
+        check_chunk_size(48, 32)
+
+
+def test_one_server_per_key_shared_and_stopped_by_the_last_user(state: Path) -> None:
+    settings = ServerSettings(chunk_size=32, l1_size_gb=0.1)
+    first, second = SharedServer("engine-a/lm", settings), SharedServer("engine-a/lm", settings)
+    info = first.acquire()
+    try:
+        assert first.started and info.host == "127.0.0.1" and _alive(info.pid)
+        again = second.acquire()
+        assert not second.started and (again.port, again.pid) == (info.port, info.pid)
+        assert info.http_url and healthy(info.http_url)
+
+        mp = check_server(info.http_url, block_size=32, transfer_mode="lmcache_driven")
+        assert mp["chunk_size"] == 32
+        with pytest.raises(
+            ServerError, match="chunk size 32 is not a multiple of vLLM's block size 64"
+        ):
+            check_server(info.http_url, block_size=64, transfer_mode="lmcache_driven")
+        with pytest.raises(
+            ServerError,
+            match="supports transfer mode lmcache_driven, but the connector uses engine_driven",
+        ):
+            check_server(info.http_url, block_size=32, transfer_mode="engine_driven")
+        with pytest.raises(ServerError, match="auto may resolve to engine_driven"):
+            check_server(info.http_url, block_size=32, transfer_mode="auto")
+
+        first.release()
+        assert _alive(info.pid), "stopped while another user still holds it"
+    finally:
+        first.release()
+        second.release()
+    assert not _alive(info.pid)
+    assert not first.state_file.exists()
+    second.release()  # twice is harmless
+
+
+def test_a_server_that_cannot_start_is_a_clear_error(state: Path) -> None:
+    bad = SharedServer(
+        "engine-b/lm", ServerSettings(chunk_size=32, extra_args=("--max-workers", "x"))
+    )
+    with pytest.raises(ServerError, match=r"`lmcache server` exited with \d+ while starting"):
+        bad.acquire()
+
+
+def test_an_unreachable_given_server(state: Path) -> None:
+    with pytest.raises(ServerError, match="is not healthy"):
+        check_server("http://127.0.0.1:9", block_size=32, transfer_mode="lmcache_driven", timeout=1)
