@@ -32,6 +32,24 @@ Call = Callable[..., Any]
 
 LOAD_HOOKS = frozenset({"start_load_kv", "wait_for_layer_load"})
 SAVE_HOOKS = frozenset({"save_kv_layer", "wait_for_save"})
+#: Hooks vLLM calls every engine step: timed in per-node stats (``hook_seconds``)
+#: only with the pipeline's ``time_step_hooks``, like per-layer hooks with
+#: ``time_layer_hooks``; per-request and one-time hooks are always timed.
+STEP_HOOKS = frozenset(
+    {
+        "build_connector_meta",
+        "has_pending_block_frees",
+        "has_pending_push_work",
+        "start_load_kv",
+        "wait_for_save",
+        "finish_forward",
+        "clear_connector_metadata",
+        "get_block_ids_with_load_errors",
+        "build_connector_worker_meta",
+        "get_kv_connector_stats",
+        "get_kv_connector_kv_cache_events",
+    }
+)
 
 
 class TransferParamsClash(RuntimeError):
@@ -72,10 +90,23 @@ class TransferResults:
 
 def _positional(impl: pluggy.HookImpl, spec_args: tuple[str, ...]) -> Call:
     """A callable taking the spec's arguments positionally, for an impl that may take fewer."""
-    fn = impl.function
-    if tuple(impl.argnames) == spec_args:
+    return _adapt(impl.function, tuple(impl.argnames), spec_args)
+
+
+def _adapt(fn: Call, argnames: tuple[str, ...], spec_args: tuple[str, ...]) -> Call:
+    """``fn`` takes ``argnames`` (some of ``spec_args``, in spec order): make it take them all."""
+    if argnames == spec_args:
         return fn
-    index = [spec_args.index(a) for a in impl.argnames]
+    index = [spec_args.index(a) for a in argnames]
+    # The usual shapes get a wrapper that builds no list per call.
+    if not index:
+        return lambda *args: fn()
+    if len(index) == 1:
+        (i,) = index
+        return lambda *args: fn(args[i])
+    if len(index) == 2:
+        i, j = index
+        return lambda *args: fn(args[i], args[j])
     return lambda *args: fn(*[args[i] for i in index])
 
 
@@ -90,8 +121,25 @@ class Chain:
         vllm_config: Any = None,
         kv_cache_config: Any = None,
         trace: bool = False,
+        metadata_type: type[ChainMetadata] = ChainMetadata,
+        worker_metadata_type: type[ChainWorkerMetadata] = ChainWorkerMetadata,
+        transfer_results_type: Callable[[], Any] = TransferResults,
+        stats_type: Callable[..., Any] | None = None,
+        restore_worker_meta: bool = False,
     ) -> None:
+        """``*_type``: the classes the chain builds its results with (the vLLM
+        adapter passes subclasses of vLLM's own types, so results need no copy);
+        ``stats_type(data=...)`` wraps what ``get_kv_connector_stats`` returns.
+        ``restore_worker_meta``: ``update_connector_output`` puts back the
+        output's ``kv_connector_worker_meta`` that native nodes overwrite."""
         self.pipeline = pipeline
+        self._metadata_type = metadata_type
+        self._worker_metadata_type = worker_metadata_type
+        self._transfer_results_type = transfer_results_type
+        self._stats_type = stats_type
+        self._restore_worker_meta = restore_worker_meta
+        #: Per-step hooks called without timing them (see STEP_HOOKS).
+        self._untimed = frozenset() if pipeline.time_step_hooks else STEP_HOOKS
         self.vllm_role = vllm_role
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(NodeSpec)
@@ -153,21 +201,46 @@ class Chain:
     def _bind(self) -> None:
         """(Re)build every hook's call list: (node id, callable) in dispatch order."""
         self.calls: dict[str, list[tuple[str, Call]]] = {}
+        #: Hook -> the spec arguments some implementing node names (others may be None).
+        self._wanted: dict[str, set[str]] = {}
+        #: Hook -> the spec's argument names.
+        self._spec_args: dict[str, tuple[str, ...]] = {}
+        #: Hook -> (node id, callable taking the arguments its hookimpl names, those names).
+        self._own_calls: dict[str, list[tuple[str, Call, tuple[str, ...]]]] = {}
+        # A node's direct_hooks(): callables bound straight into the call lists
+        # (taking what the node's hookimpl takes), or None for a hook the node
+        # implements but that would do nothing.
+        directs: dict[str, dict[str, Call | None]] = {}
+        for node_id, node in self.nodes.items():
+            direct = getattr(node, "direct_hooks", None)
+            directs[node_id] = direct() if direct is not None else {}
         for name in dir(NodeSpec):
             caller = getattr(self.pm.hook, name, None)
             if caller is None or not hasattr(caller, "get_hookimpls"):
                 continue
             spec_args = tuple(caller.spec.argnames)
+            self._spec_args[name] = spec_args
             impls = {impl.plugin_name: impl for impl in caller.get_hookimpls()}
             bound: list[tuple[str, Call]] = []
+            own: list[tuple[str, Call, tuple[str, ...]]] = []
+            wanted: set[str] = set()
             for node_id in self._order_for(name):
                 if node_id not in impls:
                     continue
-                direct = getattr(self.nodes[node_id], "direct_hooks", None)
-                fast = direct().get(name) if direct is not None else None
-                bound.append((node_id, fast or _positional(impls[node_id], spec_args)))
+                direct = directs[node_id]
+                fast = direct.get(name)
+                if fast is None and name in direct:
+                    continue
+                argnames = tuple(impls[node_id].argnames)
+                fn = fast if fast is not None else impls[node_id].function
+                own.append((node_id, fn, argnames))
+                bound.append((node_id, _adapt(fn, argnames, spec_args)))
+                wanted.update(argnames)
             self.calls[name] = bound
+            self._own_calls[name] = own
+            self._wanted[name] = wanted
         self._bind_hot_paths()
+        self._bind_step_paths()
         for callback in getattr(self, "on_rebind", ()):
             callback()
 
@@ -197,6 +270,9 @@ class Chain:
                     stats[node_id].add_time(hook, clock() - t0)
 
             return dispatch_timed
+        fixed = _fixed_arity_dispatch(hook, calls, fault, len(self._spec_args[hook]))
+        if fixed is not None:
+            return fixed
         if len(calls) == 1:
             (node_id, fn), = calls
 
@@ -216,6 +292,322 @@ class Chain:
                     fault(node_id, hook, exc)
 
         return dispatch
+
+    def _bind_step_paths(self) -> None:
+        # Per-step hooks, like per-layer ones, are instance attributes specialised
+        # for their call lists: no per-call dicts, views or lists that no node needs.
+        # Hooks that are timed (time_step_hooks) keep the class methods, which time
+        # each node; the others are bound either way.
+        for name in _STEP_METHODS:
+            self.__dict__.pop(name, None)
+        calls = self.calls
+        fault = self._fault
+        disabled = tuple(self.disabled)
+
+        def handle_preemptions(metadata: ChainMetadata) -> None:
+            per_node = metadata.per_node
+            for node_id, fn in preempt_calls:
+                try:
+                    fn(per_node.get(node_id))
+                except Exception as exc:
+                    fault(node_id, "handle_preemptions", exc)
+
+        preempt_calls = calls["handle_preemptions"]
+        self.handle_preemptions = handle_preemptions  # type: ignore[method-assign]
+
+        def bind_connector_metadata(metadata: ChainMetadata) -> None:
+            if metadata.extra_async_saves:
+                self._extra_async_saves.update(metadata.extra_async_saves)
+            loads = self._step_loads = metadata.loads
+            for node_id in disabled:
+                # A switched-off node loads nothing: vLLM recomputes what it was to load.
+                self.load_error_blocks |= loads.get(node_id, set())
+            per_node = metadata.per_node
+            for node_id, fn in bind_calls:
+                try:
+                    fn(per_node.get(node_id))
+                except Exception as exc:
+                    fault(node_id, "bind_connector_metadata", exc)
+
+        bind_calls = calls["bind_connector_metadata"]
+        self.bind_connector_metadata = bind_connector_metadata  # type: ignore[method-assign]
+        self.get_transfer_results = self._make_transfer_results()  # type: ignore[method-assign]
+        self.update_connector_output = self._make_update_connector_output()  # type: ignore[method-assign]
+        self.take_events = self._make_take_events()  # type: ignore[method-assign]
+        if self.pipeline.time_step_hooks:
+            return
+
+        self.start_load_kv = self._make_start_load_kv()  # type: ignore[method-assign]
+        self.wait_for_save = self._make_layer_dispatch(  # type: ignore[method-assign]
+            "wait_for_save", calls["wait_for_save"], False
+        )
+
+        def clear_connector_metadata() -> None:
+            self._step_loads = {}
+            for node_id, fn in clear_calls:
+                try:
+                    fn()
+                except Exception as exc:
+                    fault(node_id, "clear_connector_metadata", exc)
+
+        clear_calls = calls["clear_connector_metadata"]
+        self.clear_connector_metadata = clear_connector_metadata  # type: ignore[method-assign]
+
+        def get_block_ids_with_load_errors() -> set[int]:
+            blocks = set(self.load_error_blocks)
+            self.load_error_blocks.clear()
+            for node_id, fn in error_calls:
+                try:
+                    failed = fn()
+                except Exception as exc:
+                    fault(node_id, "get_block_ids_with_load_errors", exc)
+                    continue
+                if failed:
+                    blocks |= failed
+            return blocks
+
+        error_calls = calls["get_block_ids_with_load_errors"]
+        self.get_block_ids_with_load_errors = get_block_ids_with_load_errors  # type: ignore[method-assign]
+
+        worker_meta_type = self._worker_metadata_type
+
+        def build_connector_worker_meta() -> ChainWorkerMetadata | None:
+            per_node = {}
+            for node_id, fn in worker_meta_calls:
+                try:
+                    meta = fn()
+                except Exception as exc:
+                    fault(node_id, "build_connector_worker_meta", exc)
+                    continue
+                if meta is not None:
+                    per_node[node_id] = meta
+            return worker_meta_type(per_node) if per_node else None
+
+        worker_meta_calls = calls["build_connector_worker_meta"]
+        self.build_connector_worker_meta = (  # type: ignore[method-assign]
+            build_connector_worker_meta if worker_meta_calls else _none
+        )
+
+        def get_kv_connector_kv_cache_events() -> Any:
+            merged = None
+            for node_id, fn in event_calls:
+                try:
+                    events = fn()
+                except Exception as exc:
+                    fault(node_id, "get_kv_connector_kv_cache_events", exc)
+                    continue
+                if events is None:
+                    continue
+                merged = events if merged is None else merged.merge(events)
+            return merged
+
+        event_calls = calls["get_kv_connector_kv_cache_events"]
+        self.get_kv_connector_kv_cache_events = (  # type: ignore[method-assign]
+            get_kv_connector_kv_cache_events if event_calls else _none
+        )
+        self.take_stats = self._make_take_stats()  # type: ignore[method-assign]
+        if self._stats_type is not None:
+            self.get_kv_connector_stats = self._make_take_stats(self._stats_type)  # type: ignore[method-assign]
+        self.build_connector_meta = self._make_build_connector_meta()  # type: ignore[method-assign]
+
+    def _make_start_load_kv(self) -> Call:
+        calls = self.calls["start_load_kv"]
+        fault = self._fault
+        if len(calls) == 1:
+            (node_id, fn), = calls
+
+            def start_load_kv_one(forward_context: Any, **kwargs: Any) -> None:
+                try:
+                    fn(forward_context)
+                except Exception as exc:
+                    fault(node_id, "start_load_kv", exc)
+
+            return start_load_kv_one
+
+        def start_load_kv(forward_context: Any, **kwargs: Any) -> None:
+            for node_id, fn in calls:
+                try:
+                    fn(forward_context)
+                except Exception as exc:
+                    fault(node_id, "start_load_kv", exc)
+
+        return start_load_kv
+
+    def _make_transfer_results(self) -> Call:
+        direct = dict(self.calls["get_transfer_results"])
+        via_finished = dict(self.calls["get_finished"])
+        # (node id, callable, returns TransferResults?) in node order.
+        entries = [
+            (n, direct[n], True) if n in direct else (n, via_finished[n], False)
+            for n in self.nodes
+            if n not in self.disabled and (n in direct or n in via_finished)
+        ]
+        results_type = self._transfer_results_type
+        fault = self._fault
+
+        def get_transfer_results(finished_req_ids: set[str]) -> Any:
+            results = results_type()
+            for node_id, fn, is_direct in entries:
+                try:
+                    if is_direct:
+                        r = fn(finished_req_ids)
+                        sending, recving = r.finished_sending, r.finished_recving
+                        if r.failed_recving:
+                            results.failed_recving.update(r.failed_recving)
+                    else:
+                        sending, recving = fn(finished_req_ids)
+                except Exception as exc:
+                    fault(node_id, "get_transfer_results", exc)
+                    continue
+                if recving:
+                    results.finished_recving.update(recving)
+                if sending:
+                    extra_saves = self._extra_async_saves
+                    for req_id in sending:
+                        extra = extra_saves.get(req_id)
+                        if extra is None:
+                            results.finished_sending.add(req_id)
+                        elif extra == 1:
+                            del extra_saves[req_id]
+                        else:
+                            extra_saves[req_id] = extra - 1
+            return results
+
+        return get_transfer_results
+
+    def _make_update_connector_output(self) -> Call:
+        calls = self.calls["update_connector_output"]
+        if not calls:
+            # (With nothing called, nothing is overwritten either.)
+            return _noop
+        fault = self._fault
+        restore = self._restore_worker_meta
+
+        def update_connector_output(connector_output: Any) -> None:
+            if restore:
+                worker_meta = connector_output.kv_connector_worker_meta
+            else:
+                worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            try:
+                if isinstance(worker_meta, ChainWorkerMetadata) and worker_meta.per_node:
+                    per_node = worker_meta.per_node
+                    for node_id, fn in calls:
+                        try:
+                            fn(connector_output, per_node.get(node_id))
+                        except Exception as exc:
+                            fault(node_id, "update_connector_output", exc)
+                else:
+                    for node_id, fn in calls:
+                        try:
+                            fn(connector_output, None)
+                        except Exception as exc:
+                            fault(node_id, "update_connector_output", exc)
+            finally:
+                if restore:
+                    connector_output.kv_connector_worker_meta = worker_meta
+
+        return update_connector_output
+
+    def _make_take_events(self) -> Call:
+        calls = self.calls["take_events"]
+        if not calls:
+            return _no_events
+        fault = self._fault
+
+        def take_events() -> Iterable[Any]:
+            for node_id, fn in calls:
+                try:
+                    yield from fn()
+                except Exception as exc:
+                    fault(node_id, "take_events", exc)
+
+        return take_events
+
+    def _make_take_stats(self, wrap: Callable[..., Any] | None = None) -> Call:
+        """``take_stats``; with ``wrap``, ``get_kv_connector_stats`` (wrap(data=...) or None)."""
+        calls = self.calls["get_kv_connector_stats"]
+        fault = self._fault
+        plugins = {n.id: n.plugin.name for n in self.pipeline.nodes}
+        # Live views of each node's counters (NodeStats.take() resets them in place).
+        entries = [
+            (node_id, stats, vars(stats).values(), plugins[node_id])
+            for node_id, stats in self.stats.items()
+        ]
+        all_counters = [counters for _, _, counters, _ in entries]
+        nothing: dict[str, Any] | None = None if wrap is not None else {}
+
+        def take_stats() -> Any:
+            own: dict[str, Any] = {}
+            for node_id, fn in calls:
+                try:
+                    node_stats = fn()
+                except Exception as exc:
+                    fault(node_id, "get_kv_connector_stats", exc)
+                    continue
+                if node_stats is not None:
+                    own[node_id] = node_stats
+            if not own:
+                # The usual step: no counter of any node set (cheaper to see than is_empty()).
+                for counters in all_counters:
+                    if any(counters):
+                        break
+                else:
+                    return nothing
+            out: dict[str, dict[str, Any]] = {}
+            for node_id, stats, counters, plugin in entries:
+                node_stats = own.get(node_id) if own else None
+                if node_stats is None and (not any(counters) or stats.is_empty()):
+                    continue
+                entry: dict[str, Any] = {"plugin": plugin, "counters": stats.take()}
+                if node_stats is not None:
+                    entry["node"] = node_stats
+                out[node_id] = entry
+            if wrap is None:
+                return out
+            return wrap(data=out) if out else None
+
+        return take_stats
+
+    def _make_build_connector_meta(self) -> Call:
+        metadata_type = self._metadata_type
+        fault = self._fault
+        if "step" in self._wanted["build_connector_meta"]:
+            # Some node names the step view: every node gets the spec's arguments.
+            calls = [(node_id, fn, True) for node_id, fn in self.calls["build_connector_meta"]]
+        else:
+            # No node names it: none is built, and each node gets what its hookimpl
+            # names (the scheduler output, or nothing).
+            calls = [
+                (node_id, fn if argnames else _drop_args(fn), False)
+                for node_id, fn, argnames in self._own_calls["build_connector_meta"]
+            ]
+        wants_step = bool(calls) and calls[0][2]
+
+        def build_connector_meta(scheduler_output: Any) -> ChainMetadata:
+            per_node = {}
+            if wants_step:
+                step = StepView(scheduler_output)
+                for node_id, fn, _ in calls:
+                    try:
+                        per_node[node_id] = fn(step, scheduler_output)
+                    except Exception as exc:
+                        fault(node_id, "build_connector_meta", exc)
+                        per_node[node_id] = None
+            else:
+                for node_id, fn, _ in calls:
+                    try:
+                        per_node[node_id] = fn(scheduler_output)
+                    except Exception as exc:
+                        fault(node_id, "build_connector_meta", exc)
+                        per_node[node_id] = None
+            meta = metadata_type(per_node=per_node, loads=self._pending_loads)
+            self._pending_loads = {}
+            if self._extra_async_saves:
+                meta.extra_async_saves = self._extra_async_saves
+                self._extra_async_saves = {}
+            return meta
+
+        return build_connector_meta
 
     def implemented(self, hook: str) -> list[str]:
         return [n for n, _ in self.calls.get(hook, ())]
@@ -248,6 +640,15 @@ class Chain:
     def _each(self, hook: str, *args: Any, default: Any = None) -> list[tuple[str, Any]]:
         """Call every node implementing ``hook``, timing it; a failed node yields ``default``."""
         out = []
+        if hook in self._untimed:
+            for node_id, fn in self.calls[hook]:
+                try:
+                    result = fn(*args)
+                except Exception as exc:
+                    self._fault(node_id, hook, exc)
+                    result = default
+                out.append((node_id, result))
+            return out
         clock = time.perf_counter
         for node_id, fn in self.calls[hook]:
             t0 = clock()
@@ -367,7 +768,7 @@ class Chain:
 
     def build_connector_meta(self, scheduler_output: Any) -> ChainMetadata:
         step = StepView(scheduler_output)
-        meta = ChainMetadata(
+        meta = self._metadata_type(
             per_node=dict(self._each("build_connector_meta", step, scheduler_output)),
             loads=self._pending_loads,
         )
@@ -499,7 +900,8 @@ class Chain:
             except Exception as exc:
                 self._fault(node_id, "bind_connector_metadata", exc)
 
-    def start_load_kv(self, forward_context: Any) -> None:
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """vLLM's keyword arguments, if any, are not passed on (nodes take the spec's)."""
         self._each("start_load_kv", forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:  # replaced in _bind_hot_paths
@@ -516,7 +918,7 @@ class Chain:
         self._each("clear_connector_metadata")
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
-        results = TransferResults()
+        results = self._transfer_results_type()
         direct = dict(self.calls["get_transfer_results"])
         via_finished = dict(self.calls["get_finished"])
         for node_id in self.nodes:
@@ -554,7 +956,7 @@ class Chain:
 
     def build_connector_worker_meta(self) -> ChainWorkerMetadata | None:
         per_node = {n: m for n, m in self._each("build_connector_worker_meta") if m is not None}
-        return ChainWorkerMetadata(per_node) if per_node else None
+        return self._worker_metadata_type(per_node) if per_node else None
 
     # ------------------------------------------------------------------ #
     # stats, events, shutdown
@@ -576,6 +978,13 @@ class Chain:
                 entry["node"] = node_stats
             out[node_id] = entry
         return out
+
+    def get_kv_connector_stats(self) -> Any:
+        """``take_stats()`` wrapped in ``stats_type``, or None when there is nothing."""
+        data = self.take_stats()
+        if self._stats_type is None:
+            return data or None
+        return self._stats_type(data=data) if data else None
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         merged = None
@@ -599,6 +1008,109 @@ class Chain:
 
 def _noop(*args: Any) -> None:
     return None
+
+
+def _fixed_arity_dispatch(
+    hook: str,
+    calls: list[tuple[str, Call]],
+    fault: Callable[[str, str, BaseException], None],
+    arity: int,
+) -> Call | None:
+    """An untimed dispatch taking exactly ``arity`` positional arguments (a call
+    with ``*args`` costs more than one with fixed arguments), or None if there is
+    no such variant."""
+    if len(calls) == 1:
+        (node_id, fn), = calls
+        if arity == 0:
+
+            def one0() -> None:
+                try:
+                    fn()
+                except Exception as exc:
+                    fault(node_id, hook, exc)
+
+            return one0
+        if arity == 1:
+
+            def one1(a: Any) -> None:
+                try:
+                    fn(a)
+                except Exception as exc:
+                    fault(node_id, hook, exc)
+
+            return one1
+        if arity == 3:
+
+            def one3(a: Any, b: Any, c: Any) -> None:
+                try:
+                    fn(a, b, c)
+                except Exception as exc:
+                    fault(node_id, hook, exc)
+
+            return one3
+        return None
+    if arity == 0:
+
+        def each0() -> None:
+            for node_id, fn in calls:
+                try:
+                    fn()
+                except Exception as exc:
+                    fault(node_id, hook, exc)
+
+        return each0
+    if arity == 1:
+
+        def each1(a: Any) -> None:
+            for node_id, fn in calls:
+                try:
+                    fn(a)
+                except Exception as exc:
+                    fault(node_id, hook, exc)
+
+        return each1
+    if arity == 3:
+
+        def each3(a: Any, b: Any, c: Any) -> None:
+            for node_id, fn in calls:
+                try:
+                    fn(a, b, c)
+                except Exception as exc:
+                    fault(node_id, hook, exc)
+
+        return each3
+    return None
+
+
+def _none() -> None:
+    return None
+
+
+def _drop_args(fn: Call) -> Call:
+    return lambda *args: fn()
+
+
+def _no_events() -> Iterable[Any]:
+    return ()
+
+
+#: Chain methods that _bind_step_paths may replace with specialised instance attributes.
+_STEP_METHODS = (
+    "handle_preemptions",
+    "bind_connector_metadata",
+    "get_transfer_results",
+    "update_connector_output",
+    "take_events",
+    "start_load_kv",
+    "wait_for_save",
+    "clear_connector_metadata",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+    "get_kv_connector_kv_cache_events",
+    "take_stats",
+    "get_kv_connector_stats",
+    "build_connector_meta",
+)
 
 
 def _block_size(kv_cache_config: Any) -> int:

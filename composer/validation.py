@@ -168,6 +168,7 @@ def _resolve(
         kv_role=pipeline.kv_role,
         hma=hma,
         time_layer_hooks=pipeline.time_layer_hooks,
+        time_step_hooks=pipeline.time_step_hooks,
         annotate_outputs=pipeline.annotate_outputs,
         source=pipeline.model_dump(mode="json", exclude_defaults=True) | {"version": 1},
         file=file,

@@ -146,6 +146,24 @@ def _native_classes(pipeline: ResolvedPipeline, vllm_config: VllmConfig) -> list
     return out
 
 
+#: Methods whose signature and result are the chain's own (the chain builds vLLM's
+#: result types, puts back the output's worker metadata, wraps stats in ComposedStats).
+_BOUND_TO_CHAIN = (
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "start_load_kv",
+    "wait_for_save",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+    "get_kv_connector_stats",
+    "get_kv_connector_kv_cache_events",
+    "build_connector_meta",
+    "update_connector_output",
+    "take_events",
+)
+
+
 class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     """One vLLM KV connector running a KV Composer pipeline."""
 
@@ -178,6 +196,12 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             trace=bool(extra.get("trace", False)),
+            # The chain builds vLLM's result types itself: nothing to copy per step.
+            metadata_type=ComposedMetadata,
+            worker_metadata_type=ComposedWorkerMetadata,
+            transfer_results_type=KVConnectorTransferResults,
+            stats_type=ComposedStats,
+            restore_worker_meta=True,
         )
         self.chain.on_rebind.append(self._bind_hot_paths)
         self._bind_hot_paths()
@@ -194,10 +218,33 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             self._deliver_model()
 
     def _bind_hot_paths(self) -> None:
-        # vLLM's per-layer calls go straight to the chain's bound dispatch,
-        # re-bound whenever a node is switched off.
-        self.wait_for_layer_load = self.chain.wait_for_layer_load  # type: ignore[method-assign]
-        self.save_kv_layer = self.chain.save_kv_layer  # type: ignore[method-assign]
+        # vLLM's per-layer and per-step calls go straight to the chain's bound
+        # dispatch (or a closure over it), re-bound whenever a node is switched
+        # off. The class methods below do the same, one call slower.
+        chain = self.chain
+        for name in _BOUND_TO_CHAIN:
+            setattr(self, name, getattr(chain, name))
+
+        chain_preempt = chain.handle_preemptions
+        chain_bind = chain.bind_connector_metadata
+        chain_clear = chain.clear_connector_metadata
+
+        def handle_preemptions(kv_connector_metadata: KVConnectorMetadata) -> None:
+            assert isinstance(kv_connector_metadata, ChainMetadata)
+            chain_preempt(kv_connector_metadata)
+
+        def bind_connector_metadata(connector_metadata: KVConnectorMetadata) -> None:
+            assert isinstance(connector_metadata, ChainMetadata)
+            chain_bind(connector_metadata)
+            self._connector_metadata = connector_metadata  # what the base class does
+
+        def clear_connector_metadata() -> None:
+            chain_clear()
+            self._connector_metadata = None  # what the base class does
+
+        self.handle_preemptions = handle_preemptions  # type: ignore[method-assign]
+        self.bind_connector_metadata = bind_connector_metadata  # type: ignore[method-assign]
+        self.clear_connector_metadata = clear_connector_metadata  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ #
     # properties

@@ -12,12 +12,40 @@ from typing import Any
 
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    supports_hma,
+)
 
 from composer.builtin import VllmConnectorConfig
 from composer.export import native_child_config
 from composer.hookspecs import hookimpl
 from composer.plugin import NodeContext, Plugin
+
+#: Hooks whose vLLM base-class default does nothing and returns what the chain
+#: combines as "nothing" (None, False, an empty set or iterable); each with the
+#: connector methods it reaches. A node whose connector keeps all of those
+#: defaults is left out of the hook's call list.
+SKIP_IF_DEFAULT: dict[str, tuple[str, ...]] = {
+    "on_new_request": ("on_new_request",),
+    "handle_preemptions": ("handle_preemptions",),
+    "finish_forward": ("finish_forward",),
+    "reset_capture_state": ("reset_capture_state",),
+    "get_transfer_results": ("get_transfer_results", "get_finished"),
+    "get_block_ids_with_load_errors": ("get_block_ids_with_load_errors",),
+    "get_kv_connector_stats": ("get_kv_connector_stats",),
+    "get_kv_connector_kv_cache_events": ("get_kv_connector_kv_cache_events",),
+    "build_connector_worker_meta": ("build_connector_worker_meta",),
+    "take_events": ("take_events",),
+    "has_pending_block_frees": ("has_pending_block_frees",),
+    "has_pending_push_work": ("has_pending_push_work",),
+}
+
+
+def _is_base_default(connector: Any, name: str) -> bool:
+    method = getattr(connector, name, None)
+    return getattr(method, "__func__", None) is getattr(KVConnectorBase_V1, name, None)
 
 
 def child_vllm_config(config: VllmConnectorConfig, vllm_config: Any) -> Any:
@@ -47,11 +75,46 @@ class NativeConnectorNode(Plugin):
         self.connector = KVConnectorFactory.create_connector(temp, role, ctx.kv_cache_config)
 
     def direct_hooks(self) -> dict[str, Any]:
-        """Per-layer hooks bound straight to the connector: no wrapper on the hot path."""
-        return {
-            "wait_for_layer_load": self.connector.wait_for_layer_load,
-            "save_kv_layer": self.connector.save_kv_layer,
+        """Hooks bound straight to the connector: no wrapper on the per-layer and per-step paths.
+
+        Each takes the arguments the hookimpl of the same name takes, positionally,
+        and does exactly what it does. A hook mapped to None is not called at
+        all: the connector keeps vLLM's do-nothing default for it.
+        """
+        c = self.connector
+        update = c.update_connector_output
+
+        def update_connector_output(connector_output: Any, worker_meta: Any) -> None:
+            connector_output.kv_connector_worker_meta = worker_meta
+            update(connector_output)
+
+        hooks: dict[str, Any] = {
+            # per layer
+            "wait_for_layer_load": c.wait_for_layer_load,
+            "save_kv_layer": c.save_kv_layer,
+            # worker, per step
+            "handle_preemptions": c.handle_preemptions,
+            "bind_connector_metadata": c.bind_connector_metadata,
+            "start_load_kv": c.start_load_kv,
+            "wait_for_save": c.wait_for_save,
+            "finish_forward": c.finish_forward,
+            "clear_connector_metadata": c.clear_connector_metadata,
+            "get_transfer_results": c.get_transfer_results,
+            "get_block_ids_with_load_errors": c.get_block_ids_with_load_errors,
+            "build_connector_worker_meta": c.build_connector_worker_meta,
+            "get_kv_connector_stats": c.get_kv_connector_stats,
+            "get_kv_connector_kv_cache_events": c.get_kv_connector_kv_cache_events,
+            # scheduler, per step
+            "build_connector_meta": c.build_connector_meta,
+            "update_connector_output": update_connector_output,
+            "take_events": c.take_events,
+            "has_pending_block_frees": c.has_pending_block_frees,
+            "has_pending_push_work": c.has_pending_push_work,
         }
+        for hook, methods in SKIP_IF_DEFAULT.items():
+            if all(_is_base_default(c, m) for m in methods):
+                hooks[hook] = None
+        return hooks
 
     # initialize
     @hookimpl
