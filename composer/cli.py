@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import pluggy
-import structlog
 from pydantic import ByteSize
 from pydantic_core import to_jsonable_python
 
@@ -38,7 +37,6 @@ EXIT_INVALID = 2
 SCHEMA_FILE = "pipeline.schema.json"
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
-log = structlog.get_logger("kv_composer.cli")
 
 
 class CommandError(Exception):
@@ -454,8 +452,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else EXIT_INVALID
-    configure(level={0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG))
-    log.debug("command", command=args.command)
+    if args.verbose or args.command in ("serve", "demo"):
+        # Only commands that run plugins log; structlog's import is most of
+        # `kvc validate`'s start-up, so the others never configure it.
+        configure(level={0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG))
     try:
         return int(args.func(args))
     except PipelineInvalid as exc:

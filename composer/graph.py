@@ -200,6 +200,13 @@ def _check_capabilities(
                 "node to (set hma: off or auto, or remove the node)",
             )
     for node_id, c in caps.items():
+        if c.kv_cache_groups == "one" and not isinstance(
+            getattr(configs[node_id], "kv_cache_group", None), int
+        ):
+            reporter.add(
+                ("nodes", node_id, "config"),
+                "handles one KV cache group, so its config needs kv_cache_group: <group index>",
+            )
         if c.kv_cache_groups == "one" and no_hma:
             reporter.add(
                 ("nodes", node_id),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import sys
 
-import structlog
-
 
 def configure(*, json: bool | None = None, level: int = logging.INFO) -> None:
+    import structlog  # lazily: it costs more than the rest of `kvc validate`
+
     if json is None:
         json = not sys.stderr.isatty()
     renderer: structlog.typing.Processor = (

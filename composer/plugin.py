@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import structlog
 from pydantic import BaseModel
 
 from composer.plugin_types import NodeRole
@@ -42,6 +41,8 @@ class Plugin:
         self.node_id = ctx.node_id
         self.config: Any = ctx.config
         self.stats = ctx.stats
+        import structlog  # lazily: `import composer` stays light
+
         self.log = structlog.get_logger("kv_composer").bind(
             node=ctx.node_id, role=ctx.vllm_role
         )
