@@ -83,11 +83,12 @@ class ServerConfig(BaseModel):
         ),
     )
     transfer_mode: TransferMode = Field(
-        default="lmcache_driven",
+        default="auto",
         description=(
-            "lmcache.mp.mp_transfer_mode of the connector. auto picks engine_driven on CPU, "
-            "which a server supports only with --supported-transfer-mode auto/engine_driven; "
-            "a started server is given a matching mode."
+            "lmcache.mp.mp_transfer_mode of the connector; a started server is given a matching "
+            "--supported-transfer-mode. auto picks engine_driven on CPU. On CPU, lmcache_driven "
+            "moves vLLM's KV cache tensors into shared memory under every other node (an error "
+            "at start-up), so keep auto or engine_driven there."
         ),
     )
     mq_timeout: float = Field(

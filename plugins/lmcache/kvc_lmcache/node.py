@@ -133,11 +133,34 @@ class LMCacheServerNode(NativeConnectorNode):
                 )
 
     @hookimpl
+    def register_kv_caches(self, raw: dict[str, Any]) -> None:
+        before = {name: t.data_ptr() for name, t in raw.items()}
+        self.connector.register_kv_caches(raw)
+        moved = sorted(name for name, t in raw.items() if t.data_ptr() != before[name])
+        if moved:
+            # LMCache's lmcache_driven mode on CPU re-homes vLLM's KV tensors into
+            # POSIX shared memory (tensor.set_). Views taken before -- KV Composer's
+            # canonical view and every other node's -- would then read and write
+            # memory the model no longer uses: wrong KV served, silently.
+            raise RuntimeError(
+                f"lmcache: LMCache moved vLLM's KV cache tensors ({len(moved)} layers, e.g. "
+                f"{moved[0]}) into shared memory (transfer mode "
+                f"{self.config.server.transfer_mode} on {_device(raw)}); other nodes' views "
+                "of the KV cache would be stale. Set server.transfer_mode: engine_driven "
+                "(or auto) and start the server with --supported-transfer-mode engine_driven "
+                "(or auto)"
+            )
+
+    @hookimpl
     def shutdown(self) -> None:
         try:
             self.connector.shutdown()
         finally:
             self.release_server()
+
+
+def _device(raw: dict[str, Any]) -> str:
+    return str(next(iter(raw.values())).device) if raw else "?"
 
 
 def _engine_key(ctx: NodeContext) -> str:

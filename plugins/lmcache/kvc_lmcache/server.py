@@ -51,7 +51,7 @@ class ServerSettings:
     l1_size_gb: float = 1.0
     eviction_policy: str = "LRU"
     #: --supported-transfer-mode of the server.
-    transfer_mode: str = "lmcache_driven"
+    transfer_mode: str = "auto"
     extra_args: tuple[str, ...] = ()
     startup_timeout: float = 120.0
 

@@ -61,7 +61,9 @@ def _kv(tmp: Path, lmcache_config: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
     log = tmp_path_factory.mktemp("lmcache-server") / "server.log"
-    info = start_server(ServerSettings(chunk_size=BLOCK, l1_size_gb=0.25), log)
+    info = start_server(
+        ServerSettings(chunk_size=BLOCK, l1_size_gb=0.25, transfer_mode="auto"), log
+    )
     try:
         yield info
     finally:

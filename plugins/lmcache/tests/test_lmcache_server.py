@@ -62,7 +62,7 @@ def test_chunk_size_must_be_a_multiple_of_the_block_size() -> None:
 
 
 def test_one_server_per_key_shared_and_stopped_by_the_last_user(state: Path) -> None:
-    settings = ServerSettings(chunk_size=32, l1_size_gb=0.1)
+    settings = ServerSettings(chunk_size=32, l1_size_gb=0.1, transfer_mode="lmcache_driven")
     first, second = SharedServer("engine-a/lm", settings), SharedServer("engine-a/lm", settings)
     info = first.acquire()
     try:
