@@ -341,6 +341,11 @@ class Chain:
         self.wait_for_save = self._make_layer_dispatch(  # type: ignore[method-assign]
             "wait_for_save", calls["wait_for_save"], False
         )
+        self.finish_forward = self._make_layer_dispatch(  # type: ignore[method-assign]
+            "finish_forward", calls["finish_forward"], False
+        )
+        for hook in ("has_pending_block_frees", "has_pending_push_work"):
+            setattr(self, hook, self._make_any_true(hook))
 
         def clear_connector_metadata() -> None:
             self._step_loads = {}
@@ -409,6 +414,24 @@ class Chain:
         if self._stats_type is not None:
             self.get_kv_connector_stats = self._make_take_stats(self._stats_type)  # type: ignore[method-assign]
         self.build_connector_meta = self._make_build_connector_meta()  # type: ignore[method-assign]
+
+    def _make_any_true(self, hook: str) -> Call:
+        calls = self.calls[hook]
+        if not calls:
+            return _false
+        fault = self._fault
+
+        def any_true() -> bool:
+            found = False  # every node is asked, as with any_true()
+            for node_id, fn in calls:
+                try:
+                    if fn():
+                        found = True
+                except Exception as exc:
+                    fault(node_id, hook, exc)
+            return found
+
+        return any_true
 
     def _make_start_load_kv(self) -> Call:
         calls = self.calls["start_load_kv"]
@@ -513,6 +536,16 @@ class Chain:
         if not calls:
             return _no_events
         fault = self._fault
+        if len(calls) == 1:
+            (node_id, fn), = calls
+
+            def take_events_one() -> Iterable[Any]:
+                try:
+                    yield from fn()
+                except Exception as exc:
+                    fault(node_id, "take_events", exc)
+
+            return take_events_one
 
         def take_events() -> Iterable[Any]:
             for node_id, fn in calls:
@@ -862,6 +895,15 @@ class Chain:
     def any_true(self, hook: str) -> bool:
         return any(r for _, r in self._each(hook, default=False))
 
+    def has_pending_block_frees(self) -> bool:
+        return self.any_true("has_pending_block_frees")
+
+    def has_pending_push_work(self) -> bool:
+        return self.any_true("has_pending_push_work")
+
+    def finish_forward(self) -> None:
+        self.broadcast("finish_forward")
+
     def get_finished_count(self) -> int | None:
         counts = [c for _, c in self._each("get_finished_count")]
         if not counts or any(c is None for c in counts):
@@ -1086,6 +1128,10 @@ def _none() -> None:
     return None
 
 
+def _false() -> bool:
+    return False
+
+
 def _drop_args(fn: Call) -> Call:
     return lambda *args: fn()
 
@@ -1110,6 +1156,9 @@ _STEP_METHODS = (
     "take_stats",
     "get_kv_connector_stats",
     "build_connector_meta",
+    "finish_forward",
+    "has_pending_block_frees",
+    "has_pending_push_work",
 )
 
 

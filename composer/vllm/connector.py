@@ -161,6 +161,9 @@ _BOUND_TO_CHAIN = (
     "build_connector_meta",
     "update_connector_output",
     "take_events",
+    "finish_forward",
+    "has_pending_block_frees",
+    "has_pending_push_work",
 )
 
 
