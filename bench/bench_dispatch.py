@@ -1,10 +1,14 @@
 """Dispatch overhead: the composed connector against vLLM's MultiConnector.
 
-Both sides wrap the same N no-op children (``bench.noop_connector.NoopConnector``,
-loaded by vLLM's factory through ``kv_connector_module_path``), N = 1, 3, 8, and
-are driven directly (no engine) with real vLLM objects: a ``VllmConfig`` with a
-``KVTransferConfig``, a ``KVCacheConfig`` with one full-attention group of 24
-layers, real ``SchedulerOutput`` / ``KVConnectorOutput`` objects.
+Both sides wrap the same N no-op children, N = 1, 3, 8, loaded by vLLM's factory
+through ``kv_connector_module_path = "bench.noop_connector"``: ``NoopConnector``
+keeps vLLM's do-nothing defaults for optional methods (the composed connector
+leaves a child out of a hook it keeps the default for), ``NoopFullConnector``
+overrides every method (every hook is dispatched on both sides: the pure cost of
+dispatch). The connectors are driven directly (no engine) with real vLLM objects:
+a ``VllmConfig`` with a ``KVTransferConfig``, a ``KVCacheConfig`` with one
+full-attention group of 24 layers, a ``SchedulerOutput`` with a new and a running
+request, a ``KVConnectorOutput``.
 
 Measured, per call of what vLLM calls:
 
@@ -24,7 +28,8 @@ none, to show what a node without the hook costs (target: nothing).
 
 Target: composed / MultiConnector <= 1.0x everywhere. Timings are printed,
 never asserted: the machine is shared and noisy, so every number is the median
-of many interleaved rounds.
+of many short samples in interleaved rounds, and each ratio is the median of
+per-round ratios (both sides of a pair measured side by side).
 
 ``python -m bench.bench_dispatch [--rounds R] [--detail]``
 """
