@@ -78,7 +78,7 @@ class ChainWorkerMetadata:
         for node_id, meta in other.per_node.items():
             mine = merged.get(node_id)
             merged[node_id] = meta if mine is None else mine.aggregate(meta)
-        return ChainWorkerMetadata(merged)
+        return type(self)(merged)
 
 
 @dataclass
@@ -111,7 +111,31 @@ def _adapt(fn: Call, argnames: tuple[str, ...], spec_args: tuple[str, ...]) -> C
 
 
 class Chain:
-    """The nodes of one pipeline in one vLLM process."""
+    """The nodes of one pipeline in one vLLM process.
+
+    Per-layer and per-step hooks are attributes bound by ``_bind`` to the
+    current call lists (re-bound when a node is switched off).
+    """
+
+    wait_for_layer_load: Callable[[str], None]
+    save_kv_layer: Callable[[str, Any, Any], None]
+    handle_preemptions: Callable[[ChainMetadata], None]
+    bind_connector_metadata: Callable[[ChainMetadata], None]
+    start_load_kv: Callable[..., None]
+    wait_for_save: Callable[[], None]
+    finish_forward: Callable[[], None]
+    clear_connector_metadata: Callable[[], None]
+    get_transfer_results: Callable[[set[str]], Any]
+    get_block_ids_with_load_errors: Callable[[], set[int]]
+    build_connector_worker_meta: Callable[[], ChainWorkerMetadata | None]
+    get_kv_connector_kv_cache_events: Callable[[], Any]
+    take_stats: Callable[[], dict[str, dict[str, Any]]]
+    get_kv_connector_stats: Callable[[], Any]
+    build_connector_meta: Callable[[Any], ChainMetadata]
+    update_connector_output: Callable[[Any], None]
+    take_events: Callable[[], Iterable[Any]]
+    has_pending_block_frees: Callable[[], bool]
+    has_pending_push_work: Callable[[], bool]
 
     def __init__(
         self,
@@ -138,8 +162,6 @@ class Chain:
         self._transfer_results_type = transfer_results_type
         self._stats_type = stats_type
         self._restore_worker_meta = restore_worker_meta
-        #: Per-step hooks called without timing them (see STEP_HOOKS).
-        self._untimed = frozenset() if pipeline.time_step_hooks else STEP_HOOKS
         self.vllm_role = vllm_role
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(NodeSpec)
@@ -233,6 +255,8 @@ class Chain:
                     continue
                 argnames = tuple(impls[node_id].argnames)
                 fn = fast if fast is not None else impls[node_id].function
+                if name in STEP_HOOKS and self.pipeline.time_step_hooks:
+                    fn = _timed(fn, self.stats[node_id], name)
                 own.append((node_id, fn, argnames))
                 bound.append((node_id, _adapt(fn, argnames, spec_args)))
                 wanted.update(argnames)
@@ -274,7 +298,7 @@ class Chain:
         if fixed is not None:
             return fixed
         if len(calls) == 1:
-            (node_id, fn), = calls
+            ((node_id, fn),) = calls
 
             def dispatch_one(*args: Any) -> None:
                 try:
@@ -294,12 +318,9 @@ class Chain:
         return dispatch
 
     def _bind_step_paths(self) -> None:
-        # Per-step hooks, like per-layer ones, are instance attributes specialised
-        # for their call lists: no per-call dicts, views or lists that no node needs.
-        # Hooks that are timed (time_step_hooks) keep the class methods, which time
-        # each node; the others are bound either way.
-        for name in _STEP_METHODS:
-            self.__dict__.pop(name, None)
+        # Per-step hooks, like per-layer ones, are bound to their call lists: no
+        # per-call dicts, views or lists that no node needs. (With time_step_hooks
+        # the callables in those lists time themselves; see _bind.)
         calls = self.calls
         fault = self._fault
         disabled = tuple(self.disabled)
@@ -313,7 +334,7 @@ class Chain:
                     fault(node_id, "handle_preemptions", exc)
 
         preempt_calls = calls["handle_preemptions"]
-        self.handle_preemptions = handle_preemptions  # type: ignore[method-assign]
+        self.handle_preemptions = handle_preemptions
 
         def bind_connector_metadata(metadata: ChainMetadata) -> None:
             if metadata.extra_async_saves:
@@ -330,18 +351,16 @@ class Chain:
                     fault(node_id, "bind_connector_metadata", exc)
 
         bind_calls = calls["bind_connector_metadata"]
-        self.bind_connector_metadata = bind_connector_metadata  # type: ignore[method-assign]
-        self.get_transfer_results = self._make_transfer_results()  # type: ignore[method-assign]
-        self.update_connector_output = self._make_update_connector_output()  # type: ignore[method-assign]
-        self.take_events = self._make_take_events()  # type: ignore[method-assign]
-        if self.pipeline.time_step_hooks:
-            return
+        self.bind_connector_metadata = bind_connector_metadata
+        self.get_transfer_results = self._make_transfer_results()
+        self.update_connector_output = self._make_update_connector_output()
+        self.take_events = self._make_take_events()
 
-        self.start_load_kv = self._make_start_load_kv()  # type: ignore[method-assign]
-        self.wait_for_save = self._make_layer_dispatch(  # type: ignore[method-assign]
+        self.start_load_kv = self._make_start_load_kv()
+        self.wait_for_save = self._make_layer_dispatch(
             "wait_for_save", calls["wait_for_save"], False
         )
-        self.finish_forward = self._make_layer_dispatch(  # type: ignore[method-assign]
+        self.finish_forward = self._make_layer_dispatch(
             "finish_forward", calls["finish_forward"], False
         )
         for hook in ("has_pending_block_frees", "has_pending_push_work"):
@@ -356,7 +375,7 @@ class Chain:
                     fault(node_id, "clear_connector_metadata", exc)
 
         clear_calls = calls["clear_connector_metadata"]
-        self.clear_connector_metadata = clear_connector_metadata  # type: ignore[method-assign]
+        self.clear_connector_metadata = clear_connector_metadata
 
         def get_block_ids_with_load_errors() -> set[int]:
             blocks = set(self.load_error_blocks)
@@ -372,7 +391,7 @@ class Chain:
             return blocks
 
         error_calls = calls["get_block_ids_with_load_errors"]
-        self.get_block_ids_with_load_errors = get_block_ids_with_load_errors  # type: ignore[method-assign]
+        self.get_block_ids_with_load_errors = get_block_ids_with_load_errors
 
         worker_meta_type = self._worker_metadata_type
 
@@ -389,7 +408,7 @@ class Chain:
             return worker_meta_type(per_node) if per_node else None
 
         worker_meta_calls = calls["build_connector_worker_meta"]
-        self.build_connector_worker_meta = (  # type: ignore[method-assign]
+        self.build_connector_worker_meta = (
             build_connector_worker_meta if worker_meta_calls else _none
         )
 
@@ -407,13 +426,12 @@ class Chain:
             return merged
 
         event_calls = calls["get_kv_connector_kv_cache_events"]
-        self.get_kv_connector_kv_cache_events = (  # type: ignore[method-assign]
+        self.get_kv_connector_kv_cache_events = (
             get_kv_connector_kv_cache_events if event_calls else _none
         )
-        self.take_stats = self._make_take_stats()  # type: ignore[method-assign]
-        if self._stats_type is not None:
-            self.get_kv_connector_stats = self._make_take_stats(self._stats_type)  # type: ignore[method-assign]
-        self.build_connector_meta = self._make_build_connector_meta()  # type: ignore[method-assign]
+        self.take_stats = self._make_take_stats()
+        self.get_kv_connector_stats = self._make_take_stats(self._stats_type or _data_or_none)
+        self.build_connector_meta = self._make_build_connector_meta()
 
     def _make_any_true(self, hook: str) -> Call:
         calls = self.calls[hook]
@@ -437,7 +455,7 @@ class Chain:
         calls = self.calls["start_load_kv"]
         fault = self._fault
         if len(calls) == 1:
-            (node_id, fn), = calls
+            ((node_id, fn),) = calls
 
             def start_load_kv_one(forward_context: Any, **kwargs: Any) -> None:
                 try:
@@ -537,7 +555,7 @@ class Chain:
             return _no_events
         fault = self._fault
         if len(calls) == 1:
-            (node_id, fn), = calls
+            ((node_id, fn),) = calls
 
             def take_events_one() -> Iterable[Any]:
                 try:
@@ -671,17 +689,12 @@ class Chain:
             self._bind()
 
     def _each(self, hook: str, *args: Any, default: Any = None) -> list[tuple[str, Any]]:
-        """Call every node implementing ``hook``, timing it; a failed node yields ``default``."""
+        """Call every node implementing ``hook``, timing it; a failed node yields ``default``.
+
+        For one-time and per-request hooks; per-step and per-layer hooks have
+        dispatch bound in _bind_step_paths / _bind_hot_paths.
+        """
         out = []
-        if hook in self._untimed:
-            for node_id, fn in self.calls[hook]:
-                try:
-                    result = fn(*args)
-                except Exception as exc:
-                    self._fault(node_id, hook, exc)
-                    result = default
-                out.append((node_id, result))
-            return out
         clock = time.perf_counter
         for node_id, fn in self.calls[hook]:
             t0 = clock()
@@ -698,7 +711,9 @@ class Chain:
     # worker: initialize
     # ------------------------------------------------------------------ #
 
-    def initialize_worker_connector(self, model: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+    def initialize_worker_connector(
+        self, model: Any, vllm_config: Any, kv_cache_config: Any
+    ) -> None:
         self._each("initialize_worker_connector", model, vllm_config, kv_cache_config)
 
     def get_mem_pool_context(self) -> Any:
@@ -777,7 +792,11 @@ class Chain:
             self.stats[chosen].tokens_hit += num_external_tokens
             self._served[view.request_id] = (chosen, num_external_tokens)
             first = entry[1] // self._block_size if entry and self._block_size else 0
-            last = -(-(entry[1] + num_external_tokens) // self._block_size) if entry and self._block_size else None
+            last = (
+                -(-(entry[1] + num_external_tokens) // self._block_size)
+                if entry and self._block_size
+                else None
+            )
             loading = self._pending_loads.setdefault(chosen, set())
             for group in block_ids:
                 loading.update(group[first:last])
@@ -798,27 +817,6 @@ class Chain:
                 except Exception as exc:
                     self._fault(node_id, hook, exc)
         return None
-
-    def build_connector_meta(self, scheduler_output: Any) -> ChainMetadata:
-        step = StepView(scheduler_output)
-        meta = self._metadata_type(
-            per_node=dict(self._each("build_connector_meta", step, scheduler_output)),
-            loads=self._pending_loads,
-        )
-        self._pending_loads = {}
-        if self._extra_async_saves:
-            meta.extra_async_saves = self._extra_async_saves
-            self._extra_async_saves = {}
-        return meta
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        per_node = worker_meta.per_node if isinstance(worker_meta, ChainWorkerMetadata) else {}
-        for node_id, fn in self.calls["update_connector_output"]:
-            try:
-                fn(connector_output, per_node.get(node_id))
-            except Exception as exc:
-                self._fault(node_id, "update_connector_output", exc)
 
     def _finish(
         self, request: Any, results: Iterable[tuple[str, Any]]
@@ -843,12 +841,19 @@ class Chain:
             self._extra_async_saves[request.request_id] = async_saves - 1
         served = self._served.pop(request.request_id, None)
         if self.pipeline.annotate_outputs:
-            params = {**(params or {}), "kv_composer": {"served_by": served[0] if served else None,
-                                                       "tokens": served[1] if served else 0}}
+            params = {
+                **(params or {}),
+                "kv_composer": {
+                    "served_by": served[0] if served else None,
+                    "tokens": served[1] if served else 0,
+                },
+            }
         self._chosen.pop(request.request_id, None)
         return async_saves > 0, params
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         view = RequestView(request)
         return self._finish(request, self._each("request_finished", view, block_ids))
 
@@ -856,7 +861,9 @@ class Chain:
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         if not self.pipeline.hma:
-            assert len(block_ids) == 1, "HMA with several KV cache groups needs every node to support it"
+            assert len(block_ids) == 1, (
+                "HMA with several KV cache groups needs every node to support it"
+            )
             return self.request_finished(request, block_ids[0])
         view = RequestView(request)
         all_groups = dict(self.calls["request_finished_all_groups"])
@@ -882,27 +889,10 @@ class Chain:
 
     def register_finished_partial_tail(self, request: Any, block_ids: Any, offloads: Any) -> bool:
         view = RequestView(request)
-        results = self._each("register_finished_partial_tail", view, block_ids, offloads, default=False)
+        results = self._each(
+            "register_finished_partial_tail", view, block_ids, offloads, default=False
+        )
         return any(r for _, r in results)
-
-    def take_events(self) -> Iterable[Any]:
-        for node_id, fn in self.calls["take_events"]:
-            try:
-                yield from fn()
-            except Exception as exc:
-                self._fault(node_id, "take_events", exc)
-
-    def any_true(self, hook: str) -> bool:
-        return any(r for _, r in self._each(hook, default=False))
-
-    def has_pending_block_frees(self) -> bool:
-        return self.any_true("has_pending_block_frees")
-
-    def has_pending_push_work(self) -> bool:
-        return self.any_true("has_pending_push_work")
-
-    def finish_forward(self) -> None:
-        self.broadcast("finish_forward")
 
     def get_finished_count(self) -> int | None:
         counts = [c for _, c in self._each("get_finished_count")]
@@ -919,122 +909,8 @@ class Chain:
         return all(r is not False for _, r in self._each("reset_cache"))
 
     # ------------------------------------------------------------------ #
-    # worker, per step
+    # shutdown
     # ------------------------------------------------------------------ #
-
-    def handle_preemptions(self, metadata: ChainMetadata) -> None:
-        for node_id, fn in self.calls["handle_preemptions"]:
-            try:
-                fn(metadata.per_node.get(node_id))
-            except Exception as exc:
-                self._fault(node_id, "handle_preemptions", exc)
-
-    def bind_connector_metadata(self, metadata: ChainMetadata) -> None:
-        if metadata.extra_async_saves:
-            self._extra_async_saves.update(metadata.extra_async_saves)
-        self._step_loads = metadata.loads
-        for node_id in self.disabled:
-            # A switched-off node loads nothing: vLLM recomputes what it was to load.
-            self.load_error_blocks |= metadata.loads.get(node_id, set())
-        for node_id, fn in self.calls["bind_connector_metadata"]:
-            try:
-                fn(metadata.per_node.get(node_id))
-            except Exception as exc:
-                self._fault(node_id, "bind_connector_metadata", exc)
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """vLLM's keyword arguments, if any, are not passed on (nodes take the spec's)."""
-        self._each("start_load_kv", forward_context)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:  # replaced in _bind_hot_paths
-        raise AssertionError("bound at construction")
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:  # idem
-        raise AssertionError("bound at construction")
-
-    def wait_for_save(self) -> None:
-        self._each("wait_for_save")
-
-    def clear_connector_metadata(self) -> None:
-        self._step_loads = {}
-        self._each("clear_connector_metadata")
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
-        results = self._transfer_results_type()
-        direct = dict(self.calls["get_transfer_results"])
-        via_finished = dict(self.calls["get_finished"])
-        for node_id in self.nodes:
-            if node_id in self.disabled:
-                continue
-            try:
-                if node_id in direct:
-                    r = direct[node_id](finished_req_ids)
-                    sending, recving = r.finished_sending, r.finished_recving
-                    results.failed_recving.update(r.failed_recving)
-                elif node_id in via_finished:
-                    sending, recving = via_finished[node_id](finished_req_ids)
-                else:
-                    continue
-            except Exception as exc:
-                self._fault(node_id, "get_transfer_results", exc)
-                continue
-            results.finished_recving.update(recving or ())
-            for req_id in sending or ():
-                extra = self._extra_async_saves.get(req_id)
-                if extra is None:
-                    results.finished_sending.add(req_id)
-                elif extra == 1:
-                    del self._extra_async_saves[req_id]
-                else:
-                    self._extra_async_saves[req_id] = extra - 1
-        return results
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        blocks = set(self.load_error_blocks)
-        self.load_error_blocks.clear()
-        for _, failed in self._each("get_block_ids_with_load_errors", default=set()):
-            blocks |= failed or set()
-        return blocks
-
-    def build_connector_worker_meta(self) -> ChainWorkerMetadata | None:
-        per_node = {n: m for n, m in self._each("build_connector_worker_meta") if m is not None}
-        return self._worker_metadata_type(per_node) if per_node else None
-
-    # ------------------------------------------------------------------ #
-    # stats, events, shutdown
-    # ------------------------------------------------------------------ #
-
-    def take_stats(self) -> dict[str, dict[str, Any]]:
-        """Per node id: the chain's counters plus the node's own stats, since the last call."""
-        own = dict(self._each("get_kv_connector_stats"))
-        out: dict[str, dict[str, Any]] = {}
-        for node_id, stats in self.stats.items():
-            node_stats = own.get(node_id)
-            if stats.is_empty() and node_stats is None:
-                continue
-            entry: dict[str, Any] = {
-                "plugin": self.pipeline.node(node_id).plugin.name,
-                "counters": stats.take(),
-            }
-            if node_stats is not None:
-                entry["node"] = node_stats
-            out[node_id] = entry
-        return out
-
-    def get_kv_connector_stats(self) -> Any:
-        """``take_stats()`` wrapped in ``stats_type``, or None when there is nothing."""
-        data = self.take_stats()
-        if self._stats_type is None:
-            return data or None
-        return self._stats_type(data=data) if data else None
-
-    def get_kv_connector_kv_cache_events(self) -> Any:
-        merged = None
-        for _, events in self._each("get_kv_connector_kv_cache_events"):
-            if events is None:
-                continue
-            merged = events if merged is None else merged.merge(events)
-        return merged
 
     def shutdown(self) -> None:
         error: BaseException | None = None
@@ -1046,6 +922,23 @@ class Chain:
                 error = exc
         if error is not None:
             raise error
+
+
+def _timed(fn: Call, stats: NodeStats, hook: str) -> Call:
+    clock = time.perf_counter
+
+    def timed(*args: Any) -> Any:
+        t0 = clock()
+        try:
+            return fn(*args)
+        finally:
+            stats.add_time(hook, clock() - t0)
+
+    return timed
+
+
+def _data_or_none(data: dict[str, Any]) -> dict[str, Any] | None:
+    return data or None
 
 
 def _noop(*args: Any) -> None:
@@ -1062,7 +955,7 @@ def _fixed_arity_dispatch(
     with ``*args`` costs more than one with fixed arguments), or None if there is
     no such variant."""
     if len(calls) == 1:
-        (node_id, fn), = calls
+        ((node_id, fn),) = calls
         if arity == 0:
 
             def one0() -> None:
@@ -1138,28 +1031,6 @@ def _drop_args(fn: Call) -> Call:
 
 def _no_events() -> Iterable[Any]:
     return ()
-
-
-#: Chain methods that _bind_step_paths may replace with specialised instance attributes.
-_STEP_METHODS = (
-    "handle_preemptions",
-    "bind_connector_metadata",
-    "get_transfer_results",
-    "update_connector_output",
-    "take_events",
-    "start_load_kv",
-    "wait_for_save",
-    "clear_connector_metadata",
-    "get_block_ids_with_load_errors",
-    "build_connector_worker_meta",
-    "get_kv_connector_kv_cache_events",
-    "take_stats",
-    "get_kv_connector_stats",
-    "build_connector_meta",
-    "finish_forward",
-    "has_pending_block_frees",
-    "has_pending_push_work",
-)
 
 
 def _block_size(kv_cache_config: Any) -> int:

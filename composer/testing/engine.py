@@ -160,7 +160,10 @@ def _child(spec_path: str, out_path: str) -> None:
                 for o in outputs
             ]
         )
-        reset = index in spec.reset_after if spec.reset_after is not None else spec.reset_between_rounds
+        if spec.reset_after is not None:
+            reset = index in spec.reset_after
+        else:
+            reset = spec.reset_between_rounds
         if reset and spec.prefix_caching:
             llm.reset_prefix_cache()
     Path(out_path).write_text(json.dumps({"rounds": rounds, "startup_s": startup}))

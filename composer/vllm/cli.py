@@ -26,7 +26,7 @@ def _vllm_version(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> Any:
-    importlib.metadata.version = _vllm_version
+    importlib.metadata.version = _vllm_version  # type: ignore[assignment]
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from composer.builtin import VllmConnectorConfig
 from composer.chain import Chain, ChainMetadata, ChainWorkerMetadata
 from composer.pipeline import ResolvedPipeline
 from composer.stats import merge
@@ -60,10 +61,8 @@ class ComposedMetadata(ChainMetadata, KVConnectorMetadata):
 
 
 @dataclass
-class ComposedWorkerMetadata(ChainWorkerMetadata, KVConnectorWorkerMetadata):
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, ChainWorkerMetadata)
-        return ComposedWorkerMetadata(ChainWorkerMetadata.aggregate(self, other).per_node)
+class ComposedWorkerMetadata(ChainWorkerMetadata, KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """ChainWorkerMetadata.aggregate merges per node and keeps this type."""
 
 
 @dataclass
@@ -82,7 +81,9 @@ class ComposedStats(KVConnectorStats):
             mine["counters"] = merge(mine["counters"], entry["counters"])
             if "node" in entry:
                 own = mine.get("node")
-                mine["node"] = entry["node"] if own is None else _merge_node_stats(own, entry["node"])
+                mine["node"] = (
+                    entry["node"] if own is None else _merge_node_stats(own, entry["node"])
+                )
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -135,14 +136,17 @@ def pipeline_from_extra_config(extra: dict[str, Any]) -> ResolvedPipeline:
     return _load(json.dumps(spec, sort_keys=True))
 
 
-def _native_classes(pipeline: ResolvedPipeline, vllm_config: VllmConfig) -> list[tuple[type, Any]]:
+def _native_classes(
+    pipeline: ResolvedPipeline, vllm_config: VllmConfig
+) -> list[tuple[type[KVConnectorBase_V1], Any]]:
     from composer.vllm.native import child_vllm_config
 
     out = []
     for node in pipeline.nodes:
         if node.plugin.name == "vllm":
-            temp = child_vllm_config(node.config, vllm_config)
-            out.append((KVConnectorFactory.get_connector_class(temp.kv_transfer_config), temp))
+            temp = child_vllm_config(cast(VllmConnectorConfig, node.config), vllm_config)
+            connector_cls = KVConnectorFactory.get_connector_class(temp.kv_transfer_config)
+            out.append((cast(type[KVConnectorBase_V1], connector_cls), temp))
     return out
 
 
@@ -223,7 +227,8 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     def _bind_hot_paths(self) -> None:
         # vLLM's per-layer and per-step calls go straight to the chain's bound
         # dispatch (or a closure over it), re-bound whenever a node is switched
-        # off. The class methods below do the same, one call slower.
+        # off. The class methods below do the same, one call slower (and are
+        # what a reader, or a subclass calling super(), sees).
         chain = self.chain
         for name in _BOUND_TO_CHAIN:
             setattr(self, name, getattr(chain, name))
@@ -263,8 +268,10 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
         native = self._native_connectors()
-        return bool(native) and len(native) == len(self.chain.nodes) and all(
-            c.supports_divergent_local_hybrid_hits for c in native
+        return (
+            bool(native)
+            and len(native) == len(self.chain.nodes)
+            and all(c.supports_divergent_local_hybrid_hits for c in native)
         )
 
     @property
@@ -298,7 +305,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.chain.initialize_worker_connector(model, self._vllm_config, self._kv_cache_config)
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:
-        return self.chain.get_mem_pool_context()  # type: ignore[no-any-return]
+        return self.chain.get_mem_pool_context()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from composer.vllm.canonical import build
@@ -318,7 +325,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.chain.set_host_xfer_buffer_ops(copy_operation)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self.chain.get_handshake_metadata()  # type: ignore[no-any-return]
+        return self.chain.get_handshake_metadata()
 
     # ------------------------------------------------------------------ #
     # worker: per step
@@ -359,7 +366,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.chain.wait_for_save()
 
     def finish_forward(self) -> None:
-        self.chain.broadcast("finish_forward")
+        self.chain.finish_forward()
 
     def reset_capture_state(self) -> None:
         self.chain.broadcast("reset_capture_state")
@@ -369,26 +376,19 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        r = self.chain.get_transfer_results(finished_req_ids)
-        return KVConnectorTransferResults(
-            finished_sending=r.finished_sending,
-            finished_recving=r.finished_recving,
-            failed_recving=r.failed_recving,
-        )
+        return self.chain.get_transfer_results(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.chain.get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        meta = self.chain.build_connector_worker_meta()
-        return ComposedWorkerMetadata(meta.per_node) if meta is not None else None
+        return self.chain.build_connector_worker_meta()  # type: ignore[return-value]
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        data = self.chain.take_stats()
-        return ComposedStats(data=data) if data else None
+        return self.chain.get_kv_connector_stats()
 
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
-        return self.chain.get_kv_connector_kv_cache_events()  # type: ignore[no-any-return]
+        return self.chain.get_kv_connector_kv_cache_events()
 
     def shutdown(self) -> None:
         self.chain.shutdown()
@@ -420,9 +420,11 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
-        sources = self.chain.ask_chosen("get_external_cache_hit_sources", request, num_external_tokens)
+        sources = self.chain.ask_chosen(
+            "get_external_cache_hit_sources", request, num_external_tokens
+        )
         if sources is not None:
-            return sources  # type: ignore[no-any-return]
+            return sources
         return super().get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(
@@ -431,8 +433,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.chain.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = self.chain.build_connector_meta(scheduler_output)
-        return ComposedMetadata(meta.per_node, meta.extra_async_saves, meta.loads)
+        return self.chain.build_connector_meta(scheduler_output)  # type: ignore[return-value]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
@@ -463,15 +464,17 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         return self.chain.take_events()
 
     def has_pending_block_frees(self) -> bool:
-        return self.chain.any_true("has_pending_block_frees")
+        return self.chain.has_pending_block_frees()
 
     def has_pending_push_work(self) -> bool:
-        return self.chain.any_true("has_pending_push_work")
+        return self.chain.has_pending_push_work()
 
     def get_finished_count(self) -> int | None:
         return self.chain.get_finished_count()
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
         self.chain.broadcast("set_xfer_handshake_metadata", metadata)
 
     def set_xfer_handshake_metadata_pp_aware(
@@ -489,13 +492,17 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         assert vllm_config.kv_transfer_config is not None
-        pipeline = pipeline_from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        pipeline = pipeline_from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
         layouts: dict[str, str] = {}
         for node in pipeline.nodes:
             if node.capabilities.kv_layout:
                 layouts[node.id] = node.capabilities.kv_layout
         natives = [n for n in pipeline.nodes if n.plugin.name == "vllm"]
-        for node, (connector_cls, temp) in zip(natives, _native_classes(pipeline, vllm_config), strict=True):
+        for node, (connector_cls, temp) in zip(
+            natives, _native_classes(pipeline, vllm_config), strict=True
+        ):
             layout = connector_cls.get_required_kvcache_layout(temp)
             if layout is not None:
                 layouts[node.id] = layout
@@ -506,8 +513,9 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         pipeline = pipeline_from_extra_config(extra_config)
-        from composer.export import native_child_config
         from vllm.config.kv_transfer import KVTransferConfig
+
+        from composer.export import native_child_config
 
         for node in pipeline.nodes:
             if node.capabilities.requires_piecewise_cudagraph:
@@ -515,12 +523,16 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             if node.plugin.name == "vllm":
                 child = native_child_config(node.config, pipeline.kv_role)  # type: ignore[arg-type]
                 connector_cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**child))
-                if connector_cls.requires_piecewise_for_cudagraph(child.get("kv_connector_extra_config", {})):
+                if connector_cls.requires_piecewise_for_cudagraph(
+                    child.get("kv_connector_extra_config", {})
+                ):
                     return True
         return False
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
         return ComposedStats(data=dict(data) if data else {})
 
     @classmethod
@@ -532,16 +544,24 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         assert vllm_config.kv_transfer_config is not None
-        pipeline = pipeline_from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        pipeline = pipeline_from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
         natives = [n for n in pipeline.nodes if n.plugin.name == "vllm"]
         per_node: dict[str, KVConnectorPromMetrics] = {}
-        for node, (connector_cls, temp) in zip(natives, _native_classes(pipeline, vllm_config), strict=True):
-            prom = connector_cls.build_prom_metrics(temp, metric_types, labelnames, per_engine_labelvalues)
+        for node, (connector_cls, temp) in zip(
+            natives, _native_classes(pipeline, vllm_config), strict=True
+        ):
+            prom = connector_cls.build_prom_metrics(
+                temp, metric_types, labelnames, per_engine_labelvalues
+            )
             if prom is not None:
                 per_node[node.id] = prom
         if not per_node:
             return None
-        return ComposedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, per_node)
+        return ComposedPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues, per_node
+        )
 
 
 class ComposedPromMetrics(KVConnectorPromMetrics):

@@ -8,13 +8,14 @@ hook forwards vLLM's raw objects to it unchanged, exactly as MultiConnector does
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    SupportsHMA,
     supports_hma,
 )
 
@@ -175,13 +176,15 @@ class NativeConnectorNode(Plugin):
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> Any:
         if not supports_hma(self.connector):
             raise TypeError(f"{type(self.connector).__name__} does not support HMA")
-        return self.connector.request_finished_all_groups(request.raw, block_ids)
+        return cast(SupportsHMA, self.connector).request_finished_all_groups(request.raw, block_ids)
 
     @hookimpl
     def register_finished_partial_tail(
         self, request: Any, block_ids: Any, partial_tail_offloads: Any
     ) -> bool:
-        return self.connector.register_finished_partial_tail(request.raw, block_ids, partial_tail_offloads)
+        return self.connector.register_finished_partial_tail(
+            request.raw, block_ids, partial_tail_offloads
+        )
 
     @hookimpl
     def take_events(self) -> Any:
