@@ -83,6 +83,21 @@ class HostPool:
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
             self._stream = torch.cuda.Stream(device=self.device)
 
+    def prefault(self, chunk_bytes: int = 64 << 20) -> float:
+        """Write every page of the pool once; returns seconds.
+
+        ``torch.empty`` leaves the pool's pages unmapped, so the first save into
+        a slot pays a page fault per 4 KiB (~1 GiB/s instead of >10 GiB/s): a
+        2000-token save took ~25 ms instead of ~1.5 ms, CPU time taken from the
+        forward running beside it. Must run before any save (it writes zeros).
+        """
+        t0 = time.perf_counter()
+        for pool in self.pools:
+            step = max(1, chunk_bytes // max(1, pool.shape[1]))
+            for a in range(0, pool.shape[0], step):
+                pool[a : a + step].zero_()
+        return time.perf_counter() - t0
+
     @property
     def nbytes(self) -> int:
         return sum(p.numel() for p in self.pools)
@@ -185,7 +200,16 @@ class HostPool:
                 rows = [r.index_select(0, keep_t) for r in rows]
                 id_lists = [[ids[i] for i in keep] for ids in block_ids]
         if rows and rows[0].shape[0]:
+            # vLLM mostly hands out consecutive block ids: copy those runs as slices
+            # (plain memcpy per run) instead of a scatter.
+            id_runs = {g: runs(ids) for g, ids in enumerate(id_lists)}
             for plan, src in zip(self.plans, rows, strict=True):
+                if self.device.type == "cpu" and len(id_runs[plan.group]) <= MAX_RUNS:
+                    dst = wide(plan.region)
+                    w_src = wide(src)
+                    for i0, i1, b0 in id_runs[plan.group]:
+                        dst[b0 : b0 + i1 - i0].copy_(w_src[i0:i1])
+                    continue
                 ids = torch.tensor(id_lists[plan.group], dtype=torch.int64)
                 if self.device.type != "cpu":  # pragma: no cover - needs a GPU
                     src = src.to(self.device, non_blocking=True)

@@ -105,6 +105,10 @@ class WorkerHalf:
         self._slot_gen = [0] * num_slots
         if self.config.save_mode == "async" or self.config.load_mode == "async":
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvc-offload-cpu")
+        if self._executor is not None and self.config.save_mode == "async" and not pin:
+            # Map the pool's pages in the background, ahead of the first save (the
+            # executor runs tasks in order, so every save and load comes after it).
+            self._executor.submit(self._prefault)
         self.stats.extra["pool_bytes"] = self.pool.nbytes
         self.log.info(
             "offload-cpu worker pool",
@@ -206,6 +210,15 @@ class WorkerHalf:
             self._executor = None
 
     # -- copies (maybe on the background thread) ----------------------------- #
+
+    def _prefault(self) -> None:
+        assert self.pool is not None
+        try:
+            seconds = self.pool.prefault()
+        except BaseException as exc:  # only a slower first save; never raised into vLLM
+            self.log.warning("offload-cpu: pool prefault failed", error=repr(exc))
+            return
+        self.log.info("offload-cpu pool prefaulted", seconds=round(seconds, 3))
 
     def _save(self, result: _SaveResult, ids: list[list[int]], event: Any) -> _SaveResult:
         assert self.pool is not None

@@ -119,7 +119,8 @@ def test_data_path_helpers() -> None:
 
 @pytest.mark.parametrize("slots", [[0, 1, 2, 3], [5, 1, 7, 3], list(range(0, 40, 2))])
 @pytest.mark.parametrize("kind", ["block", "layer"])
-def test_host_pool_round_trip(slots: list[int], kind: str) -> None:
+@pytest.mark.parametrize("blocks", ["run", "scattered"])
+def test_host_pool_round_trip(slots: list[int], kind: str, blocks: str) -> None:
     caches, _ = canonical(64, kind)
     plans, off = [], 0
     for rid in caches.groups[0].region_ids:
@@ -129,11 +130,15 @@ def test_host_pool_round_trip(slots: list[int], kind: str) -> None:
     for r in caches.regions:
         r.tensor.copy_(torch.randint(-128, 128, r.tensor.shape, dtype=torch.int8))
     pool = HostPool(plans, 48, pin=False)
+    assert pool.prefault() >= 0 and not any(bool(p.any()) for p in pool.pools)
     src = list(range(10, 10 + len(slots)))
     expect = torch.cat([r.tensor[src] for r in caches.regions], dim=1)
     pool.save(slots, [src], with_checksums=True)
-    dst = list(range(40, 40 + len(slots)))[: len(slots)]
-    dst = [d % 64 for d in dst]
+    # Consecutive block ids (slice copies, wrapping into 2 runs for 20 blocks) or
+    # one run per block (> MAX_RUNS: one scatter).
+    dst = [d % 64 for d in range(50, 50 + len(slots))]
+    if blocks == "scattered":
+        dst = [(63 - 3 * i) % 64 for i in range(len(slots))]
     ok, _ = pool.load(slots, [dst], verify=True)
     assert all(ok)
     got = torch.cat([r.tensor[dst] for r in caches.regions], dim=1)
