@@ -1,18 +1,34 @@
-"""Run every ``bench/bench_*.py`` module's ``main()``, in file-name order.
+"""Run every ``bench/bench_*.py`` and ``plugins/*/bench_*.py`` module's ``main()``.
 
-``python -m bench`` runs them all; ``python -m bench cli dispatch`` runs the named ones.
+``python -m bench`` runs them all (the core's first, in file-name order);
+``python -m bench cli dispatch offload`` runs the named ones.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import time
 from pathlib import Path
 
+HERE = Path(__file__).parent
+PLUGIN_BENCHES = {p.stem: p for p in sorted(HERE.parent.glob("plugins/*/bench_*.py"))}
+
 
 def modules() -> list[str]:
-    return sorted(p.stem for p in Path(__file__).parent.glob("bench_*.py"))
+    return sorted(p.stem for p in HERE.glob("bench_*.py")) + list(PLUGIN_BENCHES)
+
+
+def load(name: str) -> object:
+    if name not in PLUGIN_BENCHES:
+        return importlib.import_module(f"bench.{name}")
+    # A plugin's benchmark is a script beside its package, not an importable module.
+    spec = importlib.util.spec_from_file_location(name, PLUGIN_BENCHES[name])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         print(f"== {name} ==", flush=True)
         start = time.perf_counter()
-        module = importlib.import_module(f"bench.{name}")
-        code = module.main()
+        code = load(name).main()  # type: ignore[attr-defined]
         print(f"({name}: {time.perf_counter() - start:.1f} s)\n", flush=True)
         if code:
             print(f"{name} failed with exit code {code}", file=sys.stderr)

@@ -167,6 +167,9 @@ def _child(spec_path: str, out_path: str) -> None:
         if reset and spec.prefix_caching:
             llm.reset_prefix_cache()
     Path(out_path).write_text(json.dumps({"rounds": rounds, "startup_s": startup}))
+    # Shut the engine down the way vLLM does, so connectors see their shutdown
+    # calls, before this process exits.
+    llm.llm_engine.engine_core.shutdown()
 
 
 if __name__ == "__main__":

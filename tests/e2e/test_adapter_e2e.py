@@ -146,7 +146,8 @@ def step_shapes(recs: list[list[Any]], boundary: str) -> set[tuple[str, ...]]:
         if name == boundary and current:
             shapes.add(tuple(current))
             current = []
-        current.append(name)
+        if not current or current[-1] != name:  # how often an idle engine polls is timing
+            current.append(name)
     shapes.add(tuple(current))
     return shapes
 
