@@ -46,12 +46,15 @@ def pipeline() -> dict[str, Any]:
                     },
                 },
                 "load_order": ["cpu", "lmcache"],
+                # The tier may keep 1-2 of the prompt's blocks: the longest hit
+                # (LMCache's) must serve, not a 2-block CPU hit.
+                "load_policy": "longest_hit",
             }
         )
     )
 
 
-def run(words: int = 1500, threads_bind: str = "0-1") -> dict[str, Any]:
+def run(words: int = 1900, threads_bind: str = "0-1") -> dict[str, Any]:
     model = str(build_tiny_model(QWEN_05B_SHAPE))
     warm = make_prompts(1, words=40, seed=90)
     (prompt,) = make_prompts(1, words=words, seed=91)
@@ -94,21 +97,25 @@ def _report(vllm: EngineResult, lmc: EngineResult) -> dict[str, Any]:
         "served_by": served,
         "same_tokens": lmc.tokens(2) == vllm.tokens(2),
     }
-    out["recompute_over_lmcache"] = out["recompute_s"] / out["lmcache_hit_s"]
+    # The cold run in the same engine (same threads, same moment) is the fair
+    # recompute reference on a shared machine; the plain engine's is shown too.
+    out["recompute_over_lmcache"] = out["recompute_with_pipeline_s"] / out["lmcache_hit_s"]
+    out["plain_recompute_over_lmcache"] = out["recompute_s"] / out["lmcache_hit_s"]
     out["lmcache_over_vllm_hit"] = out["lmcache_hit_s"] / out["vllm_hit_s"]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    words = int(args[0]) if args else 1500
+    words = int(args[0]) if args else 1900
     r = run(words)
     print(json.dumps(r, indent=2))
     print(
         f"{r['prompt_tokens']}-token prompt, TTFT: recompute {r['recompute_s'] * 1e3:.0f} ms, "
         f"vLLM cache hit {r['vllm_hit_s'] * 1e3:.0f} ms, "
         f"LMCache tier {r['lmcache_hit_s'] * 1e3:.0f} ms "
-        f"({r['lmcache_cached_tokens']} tokens, served by {r['served_by']}): "
+        f"({r['lmcache_cached_tokens']} tokens, served by {r['served_by']}); recompute in the "
+        f"pipeline engine {r['recompute_with_pipeline_s'] * 1e3:.0f} ms: "
         f"{r['recompute_over_lmcache']:.1f}x faster than recompute, "
         f"{r['lmcache_over_vllm_hit']:.1f}x vLLM's own hit"
     )
