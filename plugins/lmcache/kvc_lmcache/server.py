@@ -141,6 +141,21 @@ def _alive(pid: int | None) -> bool:
     return done == 0
 
 
+def _is_server(pid: int | None, port: int | None) -> bool:
+    """Is ``pid`` still the `lmcache server` on ``port`` recorded in a state file?
+
+    A state file can outlive its server (an engine killed with SIGKILL); its
+    pid may since belong to an unrelated process, which must never be signalled.
+    """
+    if pid is None or not _alive(pid):
+        return False
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"server" in argv and str(port).encode() in argv and any(b"lmcache" in a for a in argv)
+
+
 def start_server(settings: ServerSettings, log_file: Path, host: str = LOOPBACK) -> ServerInfo:
     """Start ``lmcache server`` on free loopback ports; return once it is healthy.
 
@@ -246,8 +261,8 @@ class SharedServer:
             if info is not None and _alive(info.pid) and info.http_url and healthy(info.http_url):
                 info.users = [u for u in info.users if _alive(int(u.split(":")[0]))]
             else:
-                if info is not None and info.pid is not None and _alive(info.pid):
-                    stop_pid(info.pid)  # ours, but no longer healthy
+                if info is not None and _is_server(info.pid, info.port):
+                    stop_pid(info.pid)  # type: ignore[arg-type]  # ours, but no longer healthy
                 info = start_server(self.settings, self.log_file)
                 self.started = True
             info.users.append(self.token)
@@ -286,7 +301,7 @@ def _release(lock_file: Path, state_file: Path, token: str) -> None:
             data["users"] = users
             state_file.write_text(json.dumps(data))
             return
-        if data.get("pid"):
+        if _is_server(data.get("pid"), data.get("port")):
             stop_pid(int(data["pid"]))
         with contextlib.suppress(OSError):
             state_file.unlink()

@@ -106,3 +106,19 @@ def test_a_server_that_cannot_start_is_a_clear_error(state: Path) -> None:
 def test_an_unreachable_given_server(state: Path) -> None:
     with pytest.raises(ServerError, match="is not healthy"):
         check_server("http://127.0.0.1:9", block_size=32, transfer_mode="lmcache_driven", timeout=1)
+
+
+def test_a_stale_state_file_never_signals_an_unrelated_process(state: Path) -> None:
+    """A state file left by a SIGKILLed engine; its pid now belongs to someone else (us)."""
+    import json
+    import os
+
+    shared = SharedServer("engine-c/lm", ServerSettings(chunk_size=32, l1_size_gb=0.1))
+    stale = {"host": "127.0.0.1", "port": 1, "http_port": 2, "pid": os.getpid(), "users": ["1:1"]}
+    shared.state_file.write_text(json.dumps(stale))
+    info = shared.acquire()  # would SIGTERM this very test process if it trusted the pid
+    try:
+        assert shared.started and info.pid != os.getpid() and _alive(info.pid)
+    finally:
+        shared.release()
+    assert not _alive(info.pid)
