@@ -4,8 +4,8 @@
 Instead the names LMCache knows are read from the source of
 ``lmcache/v1/config.py`` (its single ``_CONFIG_DEFINITIONS`` table) with
 :mod:`ast`: a typo'd field in ``extra`` is reported by ``kvc validate``. The
-values themselves are checked by LMCache's own ``LMCacheEngineConfig`` at
-engine start (:func:`kvc_lmcache.lmcache_check.check_with_lmcache`).
+values themselves are applied and checked by LMCache's own
+``validate_and_set_config_value`` when the in-process connector starts.
 """
 
 from __future__ import annotations
