@@ -128,3 +128,33 @@ def test_hybrid_groups_each_reference_their_regions() -> None:
     ]
     assert canonical.group_regions(1)[0].layers == ("swa",)
     check_rows(canonical, kv)
+
+
+def test_a_node_that_moves_vllm_tensors_is_refused() -> None:
+    """The composed connector refuses a node that re-homes vLLM's KV tensors."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from composer.vllm.connector import ComposedConnector
+
+    layers = ["l0", "l1"]
+    storage = torch.zeros(2 * BLOCKS * PAGE, dtype=torch.int8)
+    kv = {name: layer_view(storage, i * BLOCKS * PAGE, PAGE) for i, name in enumerate(layers)}
+    cfg = config(
+        [
+            KVCacheTensor(
+                size=storage.numel(), layers=layers, layer_stride=BLOCKS * PAGE, block_stride=PAGE
+            )
+        ],
+        [KVCacheGroupSpec(layers, SPEC)],
+    )
+
+    def relocate(canonical: object, raw: dict[str, torch.Tensor]) -> None:
+        raw["l1"].set_(raw["l1"].clone())  # what LMCache's lmcache_driven mode does
+
+    connector = object.__new__(ComposedConnector)
+    connector._kv_cache_config = cfg
+    connector.chain = SimpleNamespace(register_kv_caches=relocate)  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="moved vLLM's KV cache tensors"):
+        connector.register_kv_caches(kv)

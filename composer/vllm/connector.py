@@ -319,7 +319,18 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             num_blocks=canonical.num_blocks,
             bytes_per_block=canonical.bytes_per_block,
         )
+        before = {name: t.data_ptr() for name, t in kv_caches.items()}
         self.chain.register_kv_caches(canonical, kv_caches)
+        moved = sorted(name for name, t in kv_caches.items() if t.data_ptr() != before[name])
+        if moved:
+            # A node re-homed vLLM's KV tensors (e.g. into shared memory): every
+            # other node's canonical view now points at memory vLLM no longer uses.
+            raise RuntimeError(
+                f"a node moved vLLM's KV cache tensors during register_kv_caches "
+                f"({len(moved)} layers, e.g. {moved[0]}); the canonical view handed to the "
+                "other nodes would read and write stale memory. Configure that node not to "
+                "relocate vLLM's KV cache."
+            )
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
         self.chain.set_host_xfer_buffer_ops(copy_operation)
