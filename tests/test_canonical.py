@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -12,6 +15,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from composer.vllm.canonical import build
+from composer.vllm.connector import ComposedConnector
 
 BLOCKS, BS, HEADS, HEAD = 16, 4, 2, 8
 SPEC = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
@@ -42,18 +46,19 @@ def config(tensors: list[KVCacheTensor], groups: list[KVCacheGroupSpec]) -> KVCa
     return KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
-def test_layer_outermost_layout_of_the_cpu_backend() -> None:
+def cpu_backend_layout() -> tuple[dict[str, torch.Tensor], KVCacheConfig]:
+    """Two layers, each its own region of one allocation (layer-outermost), as on CPU."""
     layers = ["l0", "l1"]
     storage = torch.zeros(2 * BLOCKS * PAGE, dtype=torch.int8)
     kv = {name: layer_view(storage, i * BLOCKS * PAGE, PAGE) for i, name in enumerate(layers)}
-    cfg = config(
-        [
-            KVCacheTensor(
-                size=storage.numel(), layers=layers, layer_stride=BLOCKS * PAGE, block_stride=PAGE
-            )
-        ],
-        [KVCacheGroupSpec(layers, SPEC)],
+    tensor = KVCacheTensor(
+        size=storage.numel(), layers=layers, layer_stride=BLOCKS * PAGE, block_stride=PAGE
     )
+    return kv, config([tensor], [KVCacheGroupSpec(layers, SPEC)])
+
+
+def test_layer_outermost_layout_of_the_cpu_backend() -> None:
+    kv, cfg = cpu_backend_layout()
     canonical = build(kv, cfg)
     assert [r.layers for r in canonical.regions] == [("l0",), ("l1",)]
     assert canonical.bytes_per_block == 2 * PAGE
@@ -132,23 +137,7 @@ def test_hybrid_groups_each_reference_their_regions() -> None:
 
 def test_a_node_that_moves_vllm_tensors_is_refused() -> None:
     """The composed connector refuses a node that re-homes vLLM's KV tensors."""
-    from types import SimpleNamespace
-
-    import pytest
-
-    from composer.vllm.connector import ComposedConnector
-
-    layers = ["l0", "l1"]
-    storage = torch.zeros(2 * BLOCKS * PAGE, dtype=torch.int8)
-    kv = {name: layer_view(storage, i * BLOCKS * PAGE, PAGE) for i, name in enumerate(layers)}
-    cfg = config(
-        [
-            KVCacheTensor(
-                size=storage.numel(), layers=layers, layer_stride=BLOCKS * PAGE, block_stride=PAGE
-            )
-        ],
-        [KVCacheGroupSpec(layers, SPEC)],
-    )
+    kv, cfg = cpu_backend_layout()
 
     def relocate(canonical: object, raw: dict[str, torch.Tensor]) -> None:
         raw["l1"].set_(raw["l1"].clone())  # what LMCache's lmcache_driven mode does
