@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,9 +26,16 @@ def engine_env() -> dict[str, str]:
     return {"PYTHONPATH": path, "KV_COMPOSER_PLUGIN_MODULES": "plugins_for_tests"}
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _test_plugins_in_this_process() -> None:
-    import sys
-
+@pytest.fixture(scope="package", autouse=True)
+def _test_plugins_in_this_process() -> Iterator[None]:
+    """The test plugins, for pipelines these tests validate in-process; undone after
+    this package, so the other tests see only the installed plugins."""
     sys.path.insert(0, str(HERE))
+    old = os.environ.get("KV_COMPOSER_PLUGIN_MODULES")
     os.environ["KV_COMPOSER_PLUGIN_MODULES"] = "plugins_for_tests"
+    yield
+    if old is None:
+        os.environ.pop("KV_COMPOSER_PLUGIN_MODULES", None)
+    else:
+        os.environ["KV_COMPOSER_PLUGIN_MODULES"] = old
+    sys.path.remove(str(HERE))

@@ -20,11 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 import pytest
-
-pytest.importorskip("vllm")
-pytest.importorskip("lmcache")
-
+import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 from kvc_lmcache.server import ServerInfo, ServerSettings, _alive, start_server, stop_pid  # noqa: E402
 
 from composer import kv_transfer_config, load_pipeline  # noqa: E402

@@ -12,12 +12,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 import pytest
-
-pytest.importorskip("vllm")
-pytest.importorskip("lmcache")
-
 import torch  # noqa: E402
+import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 from kvc_lmcache.inprocess import InvalidKVCacheGroup, LMCacheInProcessNode  # noqa: E402
 from lmcache.integration.vllm import vllm_v1_adapter  # noqa: E402
 from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402

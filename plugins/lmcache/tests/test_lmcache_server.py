@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 import pytest
 from kvc_lmcache.config import LMCacheConfig
 from kvc_lmcache.node import check_chunk_size, mp_extra_config
@@ -17,8 +18,6 @@ from kvc_lmcache.server import (
     lmcache_command,
     server_argv,
 )
-
-pytest.importorskip("lmcache")
 
 
 @pytest.fixture()

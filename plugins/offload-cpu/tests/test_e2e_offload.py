@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm")
+import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 
 from composer import kv_transfer_config, load_pipeline  # noqa: E402
 from composer.testing.engine import EngineResult, EngineSpec, run_engine  # noqa: E402
@@ -41,15 +41,16 @@ def _pipeline(config: dict[str, Any], extra_nodes: dict[str, Any] | None = None)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("offload-cpu")
     model = str(build_tiny_model())
     path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     env = {"PYTHONPATH": path, "KV_COMPOSER_PLUGIN_MODULES": "offload_cpu_e2e_plugins"}
-    os.environ["KV_COMPOSER_PLUGIN_MODULES"] = "offload_cpu_e2e_plugins"  # for load_pipeline here
-    import sys
-
-    sys.path.insert(0, str(HERE))
+    # For load_pipeline here; undone after this module so other tests see only
+    # the installed plugins.
+    patch = pytest.MonkeyPatch()
+    patch.setenv("KV_COMPOSER_PLUGIN_MODULES", "offload_cpu_e2e_plugins")
+    patch.syspath_prepend(str(HERE))
 
     def spec(kv: dict[str, Any] | None) -> EngineSpec:
         return EngineSpec(model=model, rounds=ROUNDS, kv_transfer_config=kv, env=env, max_tokens=8)
@@ -67,7 +68,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             )
         )
     )
-    return out
+    yield out
+    patch.undo()
 
 
 def _cached(result: EngineResult, r: int) -> list[int]:
