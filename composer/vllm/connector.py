@@ -138,7 +138,8 @@ def pipeline_from_extra_config(extra: dict[str, Any]) -> ResolvedPipeline:
 
 def _native_classes(
     pipeline: ResolvedPipeline, vllm_config: VllmConfig
-) -> list[tuple[type[KVConnectorBase_V1], Any]]:
+) -> list[tuple[str, type[KVConnectorBase_V1], Any]]:
+    """(node id, connector class, the node's vLLM config) of every native node."""
     from composer.vllm.native import child_vllm_config
 
     out = []
@@ -146,7 +147,7 @@ def _native_classes(
         if node.plugin.name == "vllm":
             temp = child_vllm_config(cast(VllmConnectorConfig, node.config), vllm_config)
             connector_cls = KVConnectorFactory.get_connector_class(temp.kv_transfer_config)
-            out.append((cast(type[KVConnectorBase_V1], connector_cls), temp))
+            out.append((node.id, cast(type[KVConnectorBase_V1], connector_cls), temp))
     return out
 
 
@@ -510,13 +511,10 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         for node in pipeline.nodes:
             if node.capabilities.kv_layout:
                 layouts[node.id] = node.capabilities.kv_layout
-        natives = [n for n in pipeline.nodes if n.plugin.name == "vllm"]
-        for node, (connector_cls, temp) in zip(
-            natives, _native_classes(pipeline, vllm_config), strict=True
-        ):
+        for node_id, connector_cls, temp in _native_classes(pipeline, vllm_config):
             layout = connector_cls.get_required_kvcache_layout(temp)
             if layout is not None:
-                layouts[node.id] = layout
+                layouts[node_id] = layout
         if len(set(layouts.values())) > 1:
             raise ValueError(f"KV cache layout mismatch between nodes: {layouts}; all must agree")
         return next(iter(layouts.values()), None)
@@ -558,16 +556,13 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         pipeline = pipeline_from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config
         )
-        natives = [n for n in pipeline.nodes if n.plugin.name == "vllm"]
         per_node: dict[str, KVConnectorPromMetrics] = {}
-        for node, (connector_cls, temp) in zip(
-            natives, _native_classes(pipeline, vllm_config), strict=True
-        ):
+        for node_id, connector_cls, temp in _native_classes(pipeline, vllm_config):
             prom = connector_cls.build_prom_metrics(
                 temp, metric_types, labelnames, per_engine_labelvalues
             )
             if prom is not None:
-                per_node[node.id] = prom
+                per_node[node_id] = prom
         if not per_node:
             return None
         return ComposedPromMetrics(
