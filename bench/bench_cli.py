@@ -41,7 +41,7 @@ def pipeline_text(n: int = NODES) -> str:
             "    config:",
             f"      connector: Connector{i}",
             f"      kv_port: {5600 + i}",
-            "      extra_config: {path: /tmp/kv, chunk_size: 256}",
+            "      extra_config: {path: kv-store, chunk_size: 256}",
             f"      capabilities: {{async_save: true, transfer_params_keys: [key{i}]}}",
         ]
     order = ", ".join(f"n{i}" for i in range(n))

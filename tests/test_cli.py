@@ -23,7 +23,7 @@ nodes:
     plugin: vllm
     config:
       connector: ExampleConnector
-      extra_config: {shared_storage_path: /tmp/kv}
+      extra_config: {shared_storage_path: kv-store}
 """
 
 COMPOSED = """\
@@ -366,7 +366,7 @@ def test_export_plain_multiconnector(files: Path, capsys: pytest.CaptureFixture[
                 {
                     "kv_connector": "ExampleConnector",
                     "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"},
+                    "kv_connector_extra_config": {"shared_storage_path": "kv-store"},
                 },
             ]
         },

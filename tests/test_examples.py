@@ -77,7 +77,7 @@ def test_native_example_exports_plain_multiconnector() -> None:
                     "kv_connector": "ExampleConnector",
                     "kv_role": "kv_both",
                     "kv_connector_extra_config": {
-                        "shared_storage_path": "/tmp/kv-composer-storage"
+                        "shared_storage_path": "kv-composer-storage"
                     },
                 },
             ]

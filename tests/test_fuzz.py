@@ -45,7 +45,7 @@ nodes:
       connector: ExampleConnector
       kv_port: ${PORT}
       extra_config:
-        shared_storage_path: ${DIR:-/tmp/kv}
+        shared_storage_path: ${DIR:-kv-store}
   nixl:
     plugin: vllm
     role: transport

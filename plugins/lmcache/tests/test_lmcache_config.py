@@ -117,7 +117,7 @@ def test_in_process_options_in_server_mode() -> None:
     text = errors("""\
         version: 1
         nodes:
-          lm: {plugin: lmcache, config: {local_disk: /tmp/x, enable_blending: true}}
+          lm: {plugin: lmcache, config: {local_disk: lmcache-disk, enable_blending: true}}
         """)
     assert "local_disk, enable_blending: in-process LMCache options, but mode is server" in text
 
