@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,19 +26,18 @@ def serve_command(file: str, vllm_args: list[str]) -> list[str]:
 
 
 def serve(file: str, vllm_args: list[str]) -> int:
+    """Validate ``file``, then become ``vllm serve`` (returns only on invalid input).
+
+    Replacing this process instead of running a child leaves vLLM's own
+    signal handling intact: SIGTERM or Ctrl-C reach the API server directly,
+    which then stops its engine gracefully (shared memory unlinked, workers
+    joined), and its exit status is the command's.
+    """
     try:
         command = serve_command(file, vllm_args)
     except PipelineInvalid as exc:
         print(exc, file=sys.stderr)
         return 2
     print("+ " + " ".join(command), file=sys.stderr, flush=True)
-    proc = subprocess.Popen(command, env=os.environ.copy())
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        try:
-            return proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
+    sys.stdout.flush()
+    os.execv(command[0], command)

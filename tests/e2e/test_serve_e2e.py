@@ -114,7 +114,18 @@ def test_kvc_serve_runs_vllm_with_the_pipeline(
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Stop the server and everything it spawned, however the test ended."""
+    """Stop the server and everything it spawned, however the test ended.
+
+    SIGTERM goes to the API server alone first, as a user's Ctrl-C or a service
+    manager would send it: vLLM then stops its engine itself, and the shared
+    memory its processes made is unlinked. Only what outlives that is killed.
+    """
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
     for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
