@@ -122,10 +122,8 @@ def stop(proc: subprocess.Popen) -> None:
     """
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
     for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
