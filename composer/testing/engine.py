@@ -58,6 +58,10 @@ class EngineResult:
         return [r.tokens for r in self.rounds[round_index]]
 
 
+#: Seconds EngineCore gets to stop on its own before vLLM kills it.
+SHUTDOWN_GRACE_S = 60.0
+
+
 class EngineFailed(RuntimeError):
     pass
 
@@ -168,8 +172,10 @@ def _child(spec_path: str, out_path: str) -> None:
             llm.reset_prefix_cache()
     Path(out_path).write_text(json.dumps({"rounds": rounds, "startup_s": startup}))
     # Shut the engine down the way vLLM does, so connectors see their shutdown
-    # calls, before this process exits.
-    llm.llm_engine.engine_core.shutdown()
+    # calls, before this process exits. vLLM's default grace of 5 s before it
+    # kills EngineCore is too short on a busy 2-core machine: a killed EngineCore
+    # leaves its executor's shared-memory queues behind in /dev/shm.
+    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
 
 
 if __name__ == "__main__":
