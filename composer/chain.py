@@ -22,7 +22,7 @@ import structlog
 from composer.hookspecs import PER_LAYER_HOOKS, PROJECT, NodeSpec
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.plugin import NodeContext
-from composer.stats import NodeStats
+from composer.stats import Changes, NodeStats
 from composer.views import RequestView, StepView
 
 log = structlog.get_logger("kv_composer")
@@ -154,8 +154,9 @@ class Chain:
         """``*_type``: the classes the chain builds its results with (the vLLM
         adapter passes subclasses of vLLM's own types, so results need no copy);
         ``stats_type(data=...)`` wraps what ``get_kv_connector_stats`` returns.
-        ``restore_worker_meta``: ``update_connector_output`` puts back the
-        output's ``kv_connector_worker_meta`` that native nodes overwrite."""
+        ``restore_worker_meta``: during ``update_connector_output`` each node finds
+        its own worker metadata in the output's ``kv_connector_worker_meta`` (as
+        MultiConnector's children do), and the chain's is put back after."""
         self.pipeline = pipeline
         self._metadata_type = metadata_type
         self._worker_metadata_type = worker_metadata_type
@@ -167,6 +168,8 @@ class Chain:
         self.pm.add_hookspecs(NodeSpec)
         self.nodes: dict[str, Any] = {}
         self.stats: dict[str, NodeStats] = {}
+        #: Marked by any write to any node's counters; cleared by each report.
+        self._stats_changes = Changes()
         self.policy: dict[str, str] = {}
         self.log = log.bind(role=vllm_role)
         services: dict[str, Any] = {}
@@ -181,6 +184,7 @@ class Chain:
                 needs={d: services[d] for d in rnode.needs if d in services},
                 vllm_config=vllm_config,
                 kv_cache_config=kv_cache_config,
+                stats=NodeStats(changes=self._stats_changes),
             )
             instance = rnode.plugin.node_class()(ctx)
             self.pm.register(instance, name=rnode.id)
@@ -378,8 +382,7 @@ class Chain:
         self.clear_connector_metadata = clear_connector_metadata
 
         def get_block_ids_with_load_errors() -> set[int]:
-            blocks = set(self.load_error_blocks)
-            self.load_error_blocks.clear()
+            blocks, self.load_error_blocks = self.load_error_blocks, set()
             for node_id, fn in error_calls:
                 try:
                     failed = fn()
@@ -517,35 +520,61 @@ class Chain:
         return get_transfer_results
 
     def _make_update_connector_output(self) -> Call:
-        calls = self.calls["update_connector_output"]
+        # Each node gets the arguments its hookimpl names (a native node just
+        # vLLM's output), without a wrapper per node.
+        calls = [
+            (node_id, fn, "connector_output" in names, "worker_meta" in names)
+            for node_id, fn, names in self._own_calls["update_connector_output"]
+        ]
         if not calls:
             # (With nothing called, nothing is overwritten either.)
             return _noop
         fault = self._fault
-        restore = self._restore_worker_meta
+        swap = self._restore_worker_meta
+        if swap and all(out and not meta for _, _, out, meta in calls):
+            # Only native nodes (the usual case for vLLM's own connectors): the
+            # loop MultiConnector runs, with no per-node argument choice.
+            native_calls = [(node_id, fn) for node_id, fn, _, _ in calls]
+
+            def update_native_only(connector_output: Any) -> None:
+                chain_meta = connector_output.kv_connector_worker_meta
+                per_node = (
+                    chain_meta.per_node if isinstance(chain_meta, ChainWorkerMetadata) else {}
+                )
+                try:
+                    for node_id, fn in native_calls:
+                        connector_output.kv_connector_worker_meta = per_node.get(node_id)
+                        try:
+                            fn(connector_output)
+                        except Exception as exc:
+                            fault(node_id, "update_connector_output", exc)
+                finally:
+                    connector_output.kv_connector_worker_meta = chain_meta
+
+            return update_native_only
 
         def update_connector_output(connector_output: Any) -> None:
-            if restore:
-                worker_meta = connector_output.kv_connector_worker_meta
-            else:
-                worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            chain_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            per_node = chain_meta.per_node if isinstance(chain_meta, ChainWorkerMetadata) else {}
             try:
-                if isinstance(worker_meta, ChainWorkerMetadata) and worker_meta.per_node:
-                    per_node = worker_meta.per_node
-                    for node_id, fn in calls:
-                        try:
-                            fn(connector_output, per_node.get(node_id))
-                        except Exception as exc:
-                            fault(node_id, "update_connector_output", exc)
-                else:
-                    for node_id, fn in calls:
-                        try:
-                            fn(connector_output, None)
-                        except Exception as exc:
-                            fault(node_id, "update_connector_output", exc)
+                for node_id, fn, takes_output, takes_meta in calls:
+                    meta = per_node.get(node_id)
+                    if swap:
+                        connector_output.kv_connector_worker_meta = meta
+                    try:
+                        if takes_output and takes_meta:
+                            fn(connector_output, meta)
+                        elif takes_output:
+                            fn(connector_output)
+                        elif takes_meta:
+                            fn(meta)
+                        else:
+                            fn()
+                    except Exception as exc:
+                        fault(node_id, "update_connector_output", exc)
             finally:
-                if restore:
-                    connector_output.kv_connector_worker_meta = worker_meta
+                if swap:
+                    connector_output.kv_connector_worker_meta = chain_meta
 
         return update_connector_output
 
@@ -579,16 +608,12 @@ class Chain:
         calls = self.calls["get_kv_connector_stats"]
         fault = self._fault
         plugins = {n.id: n.plugin.name for n in self.pipeline.nodes}
-        # Live views of each node's counters (NodeStats.take() resets them in place).
-        entries = [
-            (node_id, stats, vars(stats).values(), plugins[node_id])
-            for node_id, stats in self.stats.items()
-        ]
-        all_counters = [counters for _, _, counters, _ in entries]
+        entries = [(node_id, stats, plugins[node_id]) for node_id, stats in self.stats.items()]
+        changes = self._stats_changes
         nothing: dict[str, Any] | None = None if wrap is not None else {}
 
         def take_stats() -> Any:
-            own: dict[str, Any] = {}
+            own: dict[str, Any] | None = None
             for node_id, fn in calls:
                 try:
                     node_stats = fn()
@@ -596,18 +621,18 @@ class Chain:
                     fault(node_id, "get_kv_connector_stats", exc)
                     continue
                 if node_stats is not None:
+                    if own is None:
+                        own = {}
                     own[node_id] = node_stats
-            if not own:
-                # The usual step: no counter of any node set (cheaper to see than is_empty()).
-                for counters in all_counters:
-                    if any(counters):
-                        break
-                else:
-                    return nothing
+            if own is None and not changes.seen:
+                return nothing  # the usual step: no node counted anything
+            # Cleared before reading, so a count made meanwhile (a node's own
+            # thread) marks it again for the next report instead of being lost.
+            changes.seen = False
             out: dict[str, dict[str, Any]] = {}
-            for node_id, stats, counters, plugin in entries:
+            for node_id, stats, plugin in entries:
                 node_stats = own.get(node_id) if own else None
-                if node_stats is None and (not any(counters) or stats.is_empty()):
+                if node_stats is None and stats.is_empty():
                     continue
                 entry: dict[str, Any] = {"plugin": plugin, "counters": stats.take()}
                 if node_stats is not None:

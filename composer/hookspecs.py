@@ -147,7 +147,9 @@ class NodeSpec:
         """Scheduler, every step: the workers' output, with this node's own worker metadata.
 
         ``worker_meta`` is what this node's ``build_connector_worker_meta``
-        returned on the workers (combined with ``aggregate`` across workers), or None.
+        returned on the workers (combined with ``aggregate`` across workers), or None;
+        inside vLLM it is also ``connector_output.kv_connector_worker_meta`` during
+        the call, as MultiConnector's children see it.
         """
 
     @hookspec

@@ -2,11 +2,75 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections import UserDict
+from dataclasses import dataclass, field, fields
 
 
-@dataclass
+class Changes:
+    """Set by any write to the counters of the nodes that share it.
+
+    A chain's nodes share one, so that the per-step report costs a single check
+    on the usual step where nothing was counted; the report clears it.
+    """
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen = False
+
+
+class Counters(UserDict[str, float]):
+    """Named counters of a node (``stats.extra``); every write marks the node changed.
+
+    A UserDict rather than a dict subclass: every way of writing (``[k] = v``,
+    ``update``, ``setdefault``, ``add``) goes through ``__setitem__``.
+    """
+
+    def __init__(self, changes: Changes) -> None:
+        self.changes = changes
+        super().__init__()
+
+    def __setitem__(self, key: str, value: float) -> None:
+        self.data[key] = value
+        self.changes.seen = True
+
+    def __delitem__(self, key: str) -> None:
+        del self.data[key]
+        self.changes.seen = True
+
+    def add(self, key: str, amount: float = 1) -> None:
+        """Add ``amount`` to counter ``key`` (starting from 0)."""
+        self[key] = self.data.get(key, 0) + amount
+
+
+class Gauges(Counters):
+    """Current values (pool use, a server's chunk size): kept across reports.
+
+    Reported with the node's counters, latest value winning when steps or
+    workers are combined (counters are summed). Setting the value a gauge
+    already has is not a change.
+    """
+
+    #: Some gauge changed since the node's last report.
+    changed = False
+
+    def __setitem__(self, key: str, value: float) -> None:
+        if key not in self.data or self.data[key] != value:
+            self.data[key] = value
+            self.changed = self.changes.seen = True
+
+
+@dataclass(eq=False)
 class NodeStats:
+    """A node's counters since the last report (``self.stats`` of a plugin).
+
+    Plugins add to the fields (``self.stats.tokens_loaded += n``), count their
+    own events in ``extra`` (``self.stats.extra.add("evictions")``) and set
+    current values in ``gauges`` (``self.stats.gauges["pool_use"] = 0.3``).
+    """
+
+    #: Shared by a chain's nodes; first, so that every later write can mark it.
+    changes: Changes = field(default_factory=Changes, repr=False)
     lookups: int = 0
     hits: int = 0
     tokens_hit: int = 0
@@ -17,18 +81,37 @@ class NodeStats:
     errors: int = 0
     disabled: bool = False
     hook_seconds: dict[str, float] = field(default_factory=dict)
-    #: Plugin-specific counters (evictions, pool use, ...).
-    extra: dict[str, float] = field(default_factory=dict)
+    #: Plugin-specific counters (evictions, bytes copied, ...): summed, reset by each report.
+    extra: Counters = field(init=False)
+    #: Plugin-specific current values (pool use, ...): the latest wins, kept across reports.
+    gauges: Gauges = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.extra = Counters(self.changes)
+        self.gauges = Gauges(self.changes)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        self.changes.seen = True
 
     def add_time(self, hook: str, seconds: float) -> None:
         self.hook_seconds[hook] = self.hook_seconds.get(hook, 0.0) + seconds
+        self.changes.seen = True
 
     def take(self) -> dict[str, object]:
-        """The counters since the last call, as plain data; resets them."""
-        snapshot = asdict(self)
-        disabled = self.disabled
-        self.__init__()  # type: ignore[misc]
-        self.disabled = disabled
+        """The counters since the last call, as plain data; resets them (not ``disabled``)."""
+        snapshot: dict[str, object] = {}
+        for f in fields(self):
+            if f.name == "changes":
+                continue
+            value = getattr(self, f.name)
+            mapping = isinstance(value, dict | UserDict)
+            snapshot[f.name] = dict(value) if mapping else value
+            if f.name not in ("disabled", "gauges"):
+                # A reset is not a change: object.__setattr__ leaves ``changes`` alone.
+                object.__setattr__(self, f.name, {} if mapping else 0)
+        object.__setattr__(self, "extra", Counters(self.changes))
+        self.gauges.changed = False
         return snapshot
 
     def is_empty(self) -> bool:
@@ -40,16 +123,19 @@ class NodeStats:
                 self.errors,
                 self.hook_seconds,
                 self.extra,
+                self.gauges.changed,
             )
         )
 
 
 def merge(a: dict[str, object], b: dict[str, object]) -> dict[str, object]:
-    """Add two snapshots of the same node (from two steps or two workers)."""
+    """Add two snapshots of the same node (from two steps or two workers); ``b`` is the later."""
     out: dict[str, object] = dict(a)
     for key, value in b.items():
         old = out.get(key)
-        if isinstance(value, dict):
+        if key == "gauges" and isinstance(value, dict):
+            out[key] = {**old, **value} if isinstance(old, dict) else dict(value)
+        elif isinstance(value, dict):
             merged = dict(old) if isinstance(old, dict) else {}
             for k, v in value.items():
                 merged[k] = merged.get(k, 0) + v

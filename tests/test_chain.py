@@ -259,3 +259,21 @@ def test_per_layer_hooks_call_only_implementing_saving_nodes() -> None:
 def test_misspelled_hookimpl_is_an_error() -> None:
     with pytest.raises(pluggy.PluginValidationError, match="start_lod_kv"):
         chain({"m": {"plugin": "misspelled"}})
+
+
+def test_stats_are_reported_when_a_node_counts_and_not_otherwise() -> None:
+    c = chain({"a": {"plugin": "tier"}, "b": {"plugin": "tier"}})
+    assert c.take_stats() == {}  # nothing counted: the one-check path
+    c.stats["b"].extra.add("evictions", 2)
+    report = c.take_stats()
+    assert list(report) == ["b"] and report["b"]["counters"]["extra"] == {"evictions": 2}
+    assert c.take_stats() == {}  # reported once, then reset
+    c.stats["a"].gauges["pool_use"] = 0.5
+    assert c.take_stats()["a"]["counters"]["gauges"] == {"pool_use": 0.5}
+    c.stats["a"].gauges["pool_use"] = 0.5  # the same value again is no news
+    assert c.take_stats() == {}
+    c.get_num_new_matched_tokens(request(), 0)  # the chain's own counters
+    report = c.take_stats()
+    assert report["a"]["counters"]["lookups"] == 1
+    # gauges ride along with every report of their node
+    assert report["a"]["counters"]["gauges"] == {"pool_use": 0.5}

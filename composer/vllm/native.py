@@ -83,12 +83,6 @@ class NativeConnectorNode(Plugin):
         all: the connector keeps vLLM's do-nothing default for it.
         """
         c = self.connector
-        update = c.update_connector_output
-
-        def update_connector_output(connector_output: Any, worker_meta: Any) -> None:
-            connector_output.kv_connector_worker_meta = worker_meta
-            update(connector_output)
-
         hooks: dict[str, Any] = {
             # per layer
             "wait_for_layer_load": c.wait_for_layer_load,
@@ -107,7 +101,7 @@ class NativeConnectorNode(Plugin):
             "get_kv_connector_kv_cache_events": c.get_kv_connector_kv_cache_events,
             # scheduler, per step
             "build_connector_meta": c.build_connector_meta,
-            "update_connector_output": update_connector_output,
+            "update_connector_output": c.update_connector_output,
             "take_events": c.take_events,
             "has_pending_block_frees": c.has_pending_block_frees,
             "has_pending_push_work": c.has_pending_push_work,
@@ -164,8 +158,8 @@ class NativeConnectorNode(Plugin):
         return self.connector.build_connector_meta(scheduler_output)
 
     @hookimpl
-    def update_connector_output(self, connector_output: Any, worker_meta: Any) -> None:
-        connector_output.kv_connector_worker_meta = worker_meta
+    def update_connector_output(self, connector_output: Any) -> None:
+        # The chain has put this node's own worker metadata in the output.
         self.connector.update_connector_output(connector_output)
 
     @hookimpl

@@ -221,9 +221,7 @@ class LMCacheInProcessNode(Plugin):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         tokens, load_async = self.impl.get_num_new_matched_tokens(request.raw, num_computed_tokens)
         if tokens:
-            self.stats.extra["lookup_hit_tokens"] = (
-                self.stats.extra.get("lookup_hit_tokens", 0) + tokens
-            )
+            self.stats.extra.add("lookup_hit_tokens", tokens)
         return tokens, load_async
 
     @hookimpl

@@ -76,7 +76,7 @@ class LMCacheServerNode(NativeConnectorNode):
                     block_size=block_size,
                     transfer_mode=config.server.transfer_mode,
                 )
-                self.stats.extra["server_chunk_size"] = int(mp.get("chunk_size", 0))
+                self.stats.gauges["server_chunk_size"] = int(mp.get("chunk_size", 0))
         else:
             check_chunk_size(config.server_chunk_size(), block_size)
             self.shared = SharedServer(
@@ -91,7 +91,7 @@ class LMCacheServerNode(NativeConnectorNode):
                 ),
             )
             self.server = self.shared.acquire()
-            self.stats.extra["server_started"] = int(self.shared.started)
+            self.stats.gauges["server_started"] = int(self.shared.started)
             self.log.info(
                 "LMCache server " + ("started" if self.shared.started else "attached"),
                 url=self.server.url,
@@ -127,7 +127,7 @@ class LMCacheServerNode(NativeConnectorNode):
         for node_id, service in self.ctx.needs.items():
             instance_id = getattr(service, "lmcache_instance_id", None)
             if instance_id is not None:
-                self.stats.extra["model_registered"] = 1
+                self.stats.gauges["model_registered"] = 1
                 self.log.info(
                     "model available to LMCache", tracker=node_id, instance_id=instance_id
                 )

@@ -58,12 +58,12 @@ class ModelTrackerNode(Plugin):
         if model is None:
             # Nothing to track: dependents get ModelNotTracked from require().
             self.log.warning("model-tracker: vLLM handed over no model")
-            self.stats.extra["model_tracked"] = 0
+            self.stats.gauges["model_tracked"] = 0
             self._report(vllm_config)
             return
         summary = summarize(model)
         self.handle.set(model, summary)
-        self.stats.extra["model_tracked"] = 1
+        self.stats.gauges["model_tracked"] = 1
         self.log.info("model tracked: " + summary.line())
         self._register_with_lmcache(model)
         self._report(vllm_config)

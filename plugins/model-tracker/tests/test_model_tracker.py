@@ -125,7 +125,7 @@ def test_dependents_get_the_model_in_their_own_initialize_hook(tmp_path: Path) -
     assert isinstance(tracker, ModelTrackerNode) and tracker.service().model is model
     report = json.loads((tmp_path / "r.0").read_text())
     assert report["model_class"] == "TinyLM" and report["lmcache_instance_id"] is None
-    assert chain.take_stats()["tracker"]["counters"]["extra"] == {"model_tracked": 1}
+    assert chain.take_stats()["tracker"]["counters"]["gauges"] == {"model_tracked": 1}
 
 
 def test_the_scheduler_has_no_tracker() -> None:

@@ -147,7 +147,7 @@ class SchedulerHalf:
         if num_external_tokens == 0:
             if st.lookup is not None:  # first allocation of a request we looked up
                 self.stats.lookups += 1
-                self.stats.extra["misses"] = self.stats.extra.get("misses", 0) + 1
+                self.stats.extra.add("misses")
                 st.lookup = None
             return
         bs = self.block_size
@@ -240,9 +240,7 @@ class SchedulerHalf:
                 continue
             entry = self.index.allocate(key)
             if entry is None:  # every slot pinned or in flight: try again next step
-                self.stats.extra["save_skipped_full"] = (
-                    self.stats.extra.get("save_skipped_full", 0) + 1
-                )
+                self.stats.extra.add("save_skipped_full")
                 break
             if transfer is None:
                 transfer = Transfer(view.request_id, [], [], [[] for _ in st.block_ids], [])
@@ -290,9 +288,7 @@ class SchedulerHalf:
             bad = self.index.current(slot, gen)
             if bad is not None:
                 self.index.drop(bad)
-                self.stats.extra["dropped_bad_blocks"] = (
-                    self.stats.extra.get("dropped_bad_blocks", 0) + 1
-                )
+                self.stats.extra.add("dropped_bad_blocks")
         for rid, position in worker_meta.req_load_failed.items():
             st = self._reqs.get(rid)
             if st is not None:  # vLLM recomputes from there: save those blocks again
@@ -311,12 +307,12 @@ class SchedulerHalf:
         return True
 
     def _update_gauges(self) -> None:
-        extra = self.stats.extra
         new = self.index.evictions - self._evictions_seen
         if new:
-            extra["evictions"] = extra.get("evictions", 0) + new
+            self.stats.extra.add("evictions", new)
             self._evictions_seen = self.index.evictions
-        extra["pool_slots"] = self.num_slots
-        extra["pool_slots_used"] = self.index.used_slots
-        extra["pool_bytes_used"] = self.index.used_slots * self.layout.slot_bytes
-        extra["pool_use"] = self.index.used_slots / self.num_slots if self.num_slots else 0.0
+        gauges = self.stats.gauges
+        gauges["pool_slots"] = self.num_slots
+        gauges["pool_slots_used"] = self.index.used_slots
+        gauges["pool_bytes_used"] = self.index.used_slots * self.layout.slot_bytes
+        gauges["pool_use"] = self.index.used_slots / self.num_slots if self.num_slots else 0.0

@@ -109,7 +109,7 @@ class WorkerHalf:
             # Map the pool's pages in the background, ahead of the first save (the
             # executor runs tasks in order, so every save and load comes after it).
             self._executor.submit(self._prefault)
-        self.stats.extra["pool_bytes"] = self.pool.nbytes
+        self.stats.gauges["pool_bytes"] = self.pool.nbytes
         self.log.info(
             "offload-cpu worker pool",
             slots=num_slots, slot_bytes=slot_bytes, regions=len(plans),
@@ -309,8 +309,8 @@ class WorkerHalf:
                         kind = "load_exceptions"
                     if not result.stale[i]:  # corrupt data in a live slot: drop it
                         self._wmeta.load_failed.add((t.slots[j], t.gens[j]))
-                    self.stats.extra[kind] = self.stats.extra.get(kind, 0) + 1
-                    self.stats.extra["load_errors"] = self.stats.extra.get("load_errors", 0) + 1
+                    self.stats.extra.add(kind)
+                    self.stats.extra.add("load_errors")
                 i += 1
         bad = i - good
         if bad:
@@ -328,6 +328,6 @@ class WorkerHalf:
     def _add_time(self, what: str, seconds: float, total_bytes: int) -> None:
         extra = self.stats.extra
         key = f"{what}_copy_s"
-        extra[key] = extra.get(key, 0.0) + seconds
-        if extra[key] > 0:
-            extra[f"{what}_gib_s"] = total_bytes / extra[key] / GiB
+        extra.add(key, seconds)
+        if extra[key] > 0:  # throughput since the last report
+            self.stats.gauges[f"{what}_gib_s"] = total_bytes / extra[key] / GiB

@@ -384,10 +384,11 @@ def test_stats_report_pool_use_and_throughput() -> None:
     eng.finish("a")
     eng.add("b", a)
     eng.prefill("b")
-    s, w = eng.sched.stats.extra, eng.worker.stats.extra
+    s, w = eng.sched.stats.gauges, eng.worker.stats.gauges
     assert s["pool_slots"] == 10 and s["pool_slots_used"] == 3
     assert s["pool_bytes_used"] == 3 * SLOT and s["pool_use"] == pytest.approx(0.3)
     assert w["save_gib_s"] > 0 and w["load_gib_s"] > 0
+    assert eng.worker.stats.extra["save_copy_s"] > 0 and eng.worker.stats.extra["load_copy_s"] > 0
     assert eng.sched.stats.extra["misses"] == 1 and eng.sched.stats.hits == 1
 
 
