@@ -538,12 +538,12 @@ class Chain:
 
             def update_native_only(connector_output: Any) -> None:
                 chain_meta = connector_output.kv_connector_worker_meta
-                per_node = (
-                    chain_meta.per_node if isinstance(chain_meta, ChainWorkerMetadata) else {}
-                )
+                per_node = getattr(chain_meta, "per_node", None)
                 try:
                     for node_id, fn in native_calls:
-                        connector_output.kv_connector_worker_meta = per_node.get(node_id)
+                        connector_output.kv_connector_worker_meta = (
+                            per_node.get(node_id) if per_node else None
+                        )
                         try:
                             fn(connector_output)
                         except Exception as exc:

@@ -7,6 +7,8 @@ LMCache) take minutes and run real engines, so only their loading is checked.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bench import __main__ as bench_main
@@ -23,8 +25,13 @@ def test_unknown_benchmark_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
     assert "available:" in capsys.readouterr().err
 
 
-def test_dispatch_benchmark_runs_every_configuration() -> None:
+def test_dispatch_benchmark_runs_every_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     from bench import bench_dispatch
+
+    # The benchmark adds its plugin module to the environment: undone after the test.
+    monkeypatch.setenv(
+        "KV_COMPOSER_PLUGIN_MODULES", os.environ.get("KV_COMPOSER_PLUGIN_MODULES", "")
+    )
 
     report = bench_dispatch.run(rounds=3)
     for children in ("NoopConnector", "NoopFullConnector"):
