@@ -273,9 +273,7 @@ def test_graph_text(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_graph_mermaid_with_needs(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (files / "needs.yaml").write_text(
-        NATIVE + "    needs: [nixl]\n" + "load_order: [disk, nixl]\n"
-    )
+    (files / "needs.yaml").write_text(NATIVE + "    needs: [nixl]\n" + "load_order: [disk, nixl]\n")
     code, out, _ = run(capsys, "graph", "--format", "mermaid", "needs.yaml")
     assert code == 0
     assert out == textwrap.dedent(
@@ -419,6 +417,39 @@ def test_serve_and_demo_hand_their_arguments_over(monkeypatch: pytest.MonkeyPatc
         ("demo", None, None),
         ("demo", "p.yaml", None),
     ]
+
+
+def test_serve_refuses_a_bad_pipeline_and_becomes_vllm_serve_for_a_good_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from composer.serve import serve
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nnodes:\n  a:\n    plugin: vlm\n")
+    assert serve(str(bad), ["MODEL"]) == 2
+    assert f"{bad}:4:13: nodes.a.plugin: unknown plugin" in capsys.readouterr().err
+
+    class Exec(Exception):
+        pass
+
+    def fake_execv(path: str, argv: list[str]) -> None:
+        raise Exec(path, argv)
+
+    good = tmp_path / "good.yaml"
+    # (A pipeline of vLLM connectors alone, asking for nothing more, is exported
+    # as MultiConnector; annotate_outputs needs the composed connector.)
+    good.write_text(
+        "version: 1\nannotate_outputs: true\nnodes:\n"
+        "  a:\n    plugin: vllm\n    config: {connector: ExampleConnector}\n"
+    )
+    monkeypatch.setattr(os, "execv", fake_execv)
+    with pytest.raises(Exec) as replaced:
+        serve(str(good), ["MODEL", "--port", "8000"])
+    path, argv = replaced.value.args
+    assert argv[0] == path and argv[1:5] == ["-m", "composer.vllm.cli", "serve", "MODEL"]
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config["kv_connector"] == "ComposedConnector"
+    assert config["kv_connector_extra_config"]["pipeline"] == str(good.resolve())
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
