@@ -583,21 +583,16 @@ class Chain:
         if not calls:
             return _no_events
         fault = self._fault
-        if len(calls) == 1:
-            ((node_id, fn),) = calls
-
-            def take_events_one() -> Iterable[Any]:
-                try:
-                    yield from fn()
-                except Exception as exc:
-                    fault(node_id, "take_events", exc)
-
-            return take_events_one
 
         def take_events() -> Iterable[Any]:
             for node_id, fn in calls:
                 try:
-                    yield from fn()
+                    for event in fn():
+                        # vLLM's stored/removed events name the offloading tier
+                        # that made them in ``ownership``: the node, unless set.
+                        if getattr(event, "ownership", "") is None:
+                            event.ownership = node_id
+                        yield event
                 except Exception as exc:
                     fault(node_id, "take_events", exc)
 

@@ -180,7 +180,11 @@ class NodeSpec:
 
     @hookspec
     def take_events(self) -> Iterable[Any]:
-        """Scheduler, every step: new KV cache events. Combine: concatenated in node order."""
+        """Scheduler, every step: new KV cache events. Combine: concatenated in node order.
+
+        An event with an ``ownership`` field left None (vLLM's ``BlockStored``,
+        ``BlockRemoved``: the offloading tier that made it) gets the node id.
+        """
 
     @hookspec
     def has_pending_block_frees(self) -> bool:

@@ -277,3 +277,58 @@ def test_stats_are_reported_when_a_node_counts_and_not_otherwise() -> None:
     assert report["a"]["counters"]["lookups"] == 1
     # gauges ride along with every report of their node
     assert report["a"]["counters"]["gauges"] == {"pool_use": 0.5}
+
+
+class Evented(Plugin):
+    """Emits vLLM's own KV cache events."""
+
+    @hookimpl
+    def take_events(self) -> list[Any]:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        stored = BlockStored(
+            block_hashes=[1],
+            parent_block_hash=None,
+            token_ids=[1, 2, 3, 4],
+            block_size=4,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+        )
+        return [
+            stored,
+            BlockRemoved(block_hashes=[2], medium="CPU", ownership="lmcache"),
+            AllBlocksCleared(),
+        ]
+
+
+def test_kv_events_come_from_every_node_tagged_with_the_node_id() -> None:
+    registry = discover(extra=[_Module(), _EventsModule()], entry_points=False)
+    resolved = load_pipeline(
+        {"version": 1, "nodes": {"a": {"plugin": "evented"}, "b": {"plugin": "evented"}}},
+        registry=registry,
+    )
+    events = list(Chain(resolved, "scheduler", kv_cache_config=KV_CACHE_CONFIG).take_events())
+    assert [type(e).__name__ for e in events] == [
+        "BlockStored",
+        "BlockRemoved",
+        "AllBlocksCleared",
+    ] * 2
+    # A tier the event already names is kept; otherwise it is the node.
+    assert [getattr(e, "ownership", None) for e in events] == [
+        "a",
+        "lmcache",
+        None,
+        "b",
+        "lmcache",
+        None,
+    ]
+
+
+class _EventsModule:
+    __name__ = "events"
+
+    @staticmethod
+    @hookimpl
+    def register_plugin_types(register: Any) -> None:
+        register(PluginType(name="evented", node=Evented, capabilities=Capabilities()))
