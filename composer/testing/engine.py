@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,8 +114,29 @@ def run_engine(spec: EngineSpec) -> EngineResult:
         )
 
 
-def _kill_group(proc: subprocess.Popen[Any]) -> None:
-    """Stop the engine and every process it spawned (EngineCore, workers)."""
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (a zombie only waits to be reaped)."""
+    import psutil
+
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False
+
+
+def _kill_group(proc: subprocess.Popen[Any], grace_s: float = SHUTDOWN_GRACE_S) -> None:
+    """Stop the engine and every process it spawned (EngineCore, workers).
+
+    When the engine exited on its own, its children get time to finish their
+    teardown first: one killed half-way leaves vLLM's shared memory behind.
+    """
+    if proc.poll() is not None:
+        deadline = time.monotonic() + grace_s
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
@@ -124,15 +146,15 @@ def _kill_group(proc: subprocess.Popen[Any]) -> None:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             continue
-        # The leader is gone; make sure no child outlived it.
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
+        # The leader is gone; give the rest the same time before the next signal.
+        deadline = time.monotonic() + 10
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not _group_alive(proc.pid):
             return
 
 
 def _child(spec_path: str, out_path: str) -> None:
-    import time
 
     spec = EngineSpec(**json.loads(Path(spec_path).read_text()))
     t0 = time.perf_counter()
