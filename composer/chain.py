@@ -11,6 +11,7 @@ the vLLM adapter (:mod:`composer.vllm.connector`) wraps results in vLLM's types.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any, Literal
 import pluggy
 import structlog
 
+from composer.faults import LOAD_HOOKS, RECOVERABLE_HOOKS, NodeFailed, WorkerLedger
 from composer.hookspecs import PER_LAYER_HOOKS, PROJECT, NodeSpec
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.plugin import NodeContext
@@ -30,7 +32,6 @@ log = structlog.get_logger("kv_composer")
 VllmRole = Literal["scheduler", "worker"]
 Call = Callable[..., Any]
 
-LOAD_HOOKS = frozenset({"start_load_kv", "wait_for_layer_load"})
 SAVE_HOOKS = frozenset({"save_kv_layer", "wait_for_save"})
 #: Hooks vLLM calls every engine step: timed in per-node stats (``hook_seconds``)
 #: only with the pipeline's ``time_step_hooks``, like per-layer hooks with
@@ -61,10 +62,15 @@ class ChainMetadata:
     """What the scheduler half sends the worker half each step."""
 
     per_node: dict[str, Any] = field(default_factory=dict)
-    #: Request id -> async saves beyond the first still to finish (MultiConnector's rule).
-    extra_async_saves: dict[str, int] | None = None
+    #: Finished request id -> the nodes holding its blocks for a save; vLLM frees
+    #: them when the last one has finished (MultiConnector's rule).
+    holds: dict[str, tuple[str, ...]] | None = None
     #: Node id -> block ids it loads this step, so a failing load becomes load errors.
     loads: dict[str, set[int]] = field(default_factory=dict)
+    #: Request id -> the node that starts loading it asynchronously this step.
+    async_loads: dict[str, str] | None = None
+    #: Nodes switched off in the scheduler: the worker halves follow.
+    disabled: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -72,13 +78,15 @@ class ChainWorkerMetadata:
     """What the worker halves send back; one entry per node that returned something."""
 
     per_node: dict[str, Any] = field(default_factory=dict)
+    #: Nodes switched off in a worker: the scheduler half follows.
+    disabled: frozenset[str] = frozenset()
 
     def aggregate(self, other: ChainWorkerMetadata) -> ChainWorkerMetadata:
         merged = dict(self.per_node)
         for node_id, meta in other.per_node.items():
             mine = merged.get(node_id)
             merged[node_id] = meta if mine is None else mine.aggregate(meta)
-        return type(self)(merged)
+        return type(self)(merged, self.disabled | other.disabled)
 
 
 @dataclass
@@ -171,6 +179,7 @@ class Chain:
         #: Marked by any write to any node's counters; cleared by each report.
         self._stats_changes = Changes()
         self.policy: dict[str, str] = {}
+        self._plugin_names: dict[str, str] = {}
         self.log = log.bind(role=vllm_role)
         services: dict[str, Any] = {}
         for rnode in pipeline.nodes:
@@ -191,6 +200,7 @@ class Chain:
             self.nodes[rnode.id] = instance
             self.stats[rnode.id] = ctx.stats
             self.policy[rnode.id] = rnode.on_error
+            self._plugin_names[rnode.id] = rnode.plugin.name
             services[rnode.id] = instance.service()
             self.log.debug("node created", node=rnode.id, plugin=rnode.plugin.name)
         # A misspelled @hookimpl is an error, not a silently skipped node.
@@ -200,11 +210,21 @@ class Chain:
             self.pm.enable_tracing()
         self.disabled: set[str] = set()
         self.load_error_blocks: set[int] = set()
-        self._chosen: dict[str, tuple[str, int]] = {}
+        #: Request -> (node serving it, num_computed_tokens at lookup, async load).
+        self._chosen: dict[str, tuple[str, int, bool]] = {}
         self._served: dict[str, tuple[str, int]] = {}
         self._pending_loads: dict[str, set[int]] = {}
         self._step_loads: dict[str, set[int]] = {}
-        self._extra_async_saves: dict[str, int] = {}
+        # Scheduler side, sent with the next step's metadata.
+        self._new_holds: dict[str, tuple[str, ...]] = {}
+        self._new_async_loads: dict[str, str] = {}
+        # Worker side.
+        self.ledger = WorkerLedger()
+        #: Requests released or failed by the chain itself (a node switched off).
+        self._released: set[str] = set()
+        self._failed_recving: set[str] = set()
+        #: Switched off here, not yet told to the scheduler.
+        self._unreported_disabled: set[str] = set()
         self._block_size = _block_size(kv_cache_config)
         #: Called after the call lists change (a node switched off).
         self.on_rebind: list[Callable[[], None]] = []
@@ -328,6 +348,8 @@ class Chain:
         calls = self.calls
         fault = self._fault
         disabled = tuple(self.disabled)
+        off = frozenset(self.disabled)
+        ledger = self.ledger
 
         def handle_preemptions(metadata: ChainMetadata) -> None:
             per_node = metadata.per_node
@@ -341,8 +363,23 @@ class Chain:
         self.handle_preemptions = handle_preemptions
 
         def bind_connector_metadata(metadata: ChainMetadata) -> None:
-            if metadata.extra_async_saves:
-                self._extra_async_saves.update(metadata.extra_async_saves)
+            if metadata.disabled and not metadata.disabled <= off:
+                for node_id in sorted(metadata.disabled - off):
+                    self._switch_off(node_id, "switched off in the scheduler")
+                return self.bind_connector_metadata(metadata)  # re-bound without them
+            if metadata.holds:
+                for req_id, holders in metadata.holds.items():
+                    live = [n for n in holders if n not in off]
+                    if live:
+                        ledger.hold(req_id, live)
+                    else:
+                        self._released.add(req_id)
+            if metadata.async_loads:
+                for req_id, node_id in metadata.async_loads.items():
+                    if node_id in off:
+                        self._failed_recving.add(req_id)
+                    else:
+                        ledger.loading(node_id, req_id)
             loads = self._step_loads = metadata.loads
             for node_id in disabled:
                 # A switched-off node loads nothing: vLLM recomputes what it was to load.
@@ -408,11 +445,17 @@ class Chain:
                     continue
                 if meta is not None:
                     per_node[node_id] = meta
+            if self._unreported_disabled:
+                # The scheduler half of a node switched off here must stop too.
+                off, self._unreported_disabled = frozenset(self._unreported_disabled), set()
+                return worker_meta_type(per_node, off)
             return worker_meta_type(per_node) if per_node else None
 
         worker_meta_calls = calls["build_connector_worker_meta"]
         self.build_connector_worker_meta = (
-            build_connector_worker_meta if worker_meta_calls else _none
+            build_connector_worker_meta
+            if worker_meta_calls or self._unreported_disabled
+            else _none
         )
 
         def get_kv_connector_kv_cache_events() -> Any:
@@ -455,23 +498,18 @@ class Chain:
         return any_true
 
     def _make_start_load_kv(self) -> Call:
-        calls = self.calls["start_load_kv"]
+        # vLLM passes keyword arguments (0.32.0: none yet; later versions do) that a
+        # native connector takes as **kwargs: they reach every callable that takes them.
+        calls = [(n, fn, _takes_kwargs(fn)) for n, fn in self.calls["start_load_kv"]]
         fault = self._fault
-        if len(calls) == 1:
-            ((node_id, fn),) = calls
-
-            def start_load_kv_one(forward_context: Any, **kwargs: Any) -> None:
-                try:
-                    fn(forward_context)
-                except Exception as exc:
-                    fault(node_id, "start_load_kv", exc)
-
-            return start_load_kv_one
 
         def start_load_kv(forward_context: Any, **kwargs: Any) -> None:
-            for node_id, fn in calls:
+            for node_id, fn, takes_kwargs in calls:
                 try:
-                    fn(forward_context)
+                    if kwargs and takes_kwargs:
+                        fn(forward_context, **kwargs)
+                    else:
+                        fn(forward_context)
                 except Exception as exc:
                     fault(node_id, "start_load_kv", exc)
 
@@ -488,9 +526,19 @@ class Chain:
         ]
         results_type = self._transfer_results_type
         fault = self._fault
+        ledger = self.ledger
 
         def get_transfer_results(finished_req_ids: set[str]) -> Any:
             results = results_type()
+            if self._released:
+                # Held only by nodes that were switched off.
+                results.finished_sending.update(self._released)
+                self._released = set()
+            if self._failed_recving:
+                # Loading through a node that was switched off: vLLM recomputes them.
+                results.finished_recving.update(self._failed_recving)
+                results.failed_recving.update(self._failed_recving)
+                self._failed_recving = set()
             for node_id, fn, is_direct in entries:
                 try:
                     if is_direct:
@@ -504,17 +552,10 @@ class Chain:
                     fault(node_id, "get_transfer_results", exc)
                     continue
                 if recving:
+                    ledger.received(node_id, recving)
                     results.finished_recving.update(recving)
                 if sending:
-                    extra_saves = self._extra_async_saves
-                    for req_id in sending:
-                        extra = extra_saves.get(req_id)
-                        if extra is None:
-                            results.finished_sending.add(req_id)
-                        elif extra == 1:
-                            del extra_saves[req_id]
-                        else:
-                            extra_saves[req_id] = extra - 1
+                    results.finished_sending.update(ledger.sent(node_id, sending))
             return results
 
         return get_transfer_results
@@ -526,17 +567,31 @@ class Chain:
             (node_id, fn, "connector_output" in names, "worker_meta" in names)
             for node_id, fn, names in self._own_calls["update_connector_output"]
         ]
-        if not calls:
-            # (With nothing called, nothing is overwritten either.)
-            return _noop
         fault = self._fault
         swap = self._restore_worker_meta
+        off = frozenset(self.disabled)
+
+        def follow_workers(connector_output: Any) -> bool:
+            """Switch off here what a worker switched off; True if anything was."""
+            chain_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            gone = getattr(chain_meta, "disabled", None)
+            if not gone or gone <= off:
+                return False
+            for node_id in sorted(gone - off):
+                self._switch_off(node_id, "switched off in a worker")
+            return True
+
+        if not calls:
+            # (With nothing called, nothing is overwritten either.)
+            return follow_workers
         if swap and all(out and not meta for _, _, out, meta in calls):
             # Only native nodes (the usual case for vLLM's own connectors): the
             # loop MultiConnector runs, with no per-node argument choice.
             native_calls = [(node_id, fn) for node_id, fn, _, _ in calls]
 
             def update_native_only(connector_output: Any) -> None:
+                if follow_workers(connector_output):
+                    return self.update_connector_output(connector_output)  # re-bound
                 chain_meta = connector_output.kv_connector_worker_meta
                 per_node = getattr(chain_meta, "per_node", None)
                 try:
@@ -554,6 +609,8 @@ class Chain:
             return update_native_only
 
         def update_connector_output(connector_output: Any) -> None:
+            if follow_workers(connector_output):
+                return self.update_connector_output(connector_output)  # re-bound
             chain_meta = getattr(connector_output, "kv_connector_worker_meta", None)
             per_node = chain_meta.per_node if isinstance(chain_meta, ChainWorkerMetadata) else {}
             try:
@@ -673,9 +730,12 @@ class Chain:
                         per_node[node_id] = None
             meta = metadata_type(per_node=per_node, loads=self._pending_loads)
             self._pending_loads = {}
-            if self._extra_async_saves:
-                meta.extra_async_saves = self._extra_async_saves
-                self._extra_async_saves = {}
+            if self._new_holds:
+                meta.holds, self._new_holds = self._new_holds, {}
+            if self._new_async_loads:
+                meta.async_loads, self._new_async_loads = self._new_async_loads, {}
+            if self.disabled:
+                meta.disabled = frozenset(self.disabled)
             return meta
 
         return build_connector_meta
@@ -688,25 +748,83 @@ class Chain:
     # ------------------------------------------------------------------ #
 
     def _fault(self, node_id: str, hook: str, exc: BaseException) -> None:
-        """Apply the node's error policy; returns only if the engine should go on."""
+        """Apply the node's error policy (see :mod:`composer.faults`); returns only if
+        the engine goes on, with nothing the node failed to load served."""
         policy = self.policy.get(node_id, "fail")
-        self.stats[node_id].errors += 1
-        if hook in LOAD_HOOKS:
-            self.load_error_blocks |= self._step_loads.get(node_id, set())
+        stats = self.stats[node_id]
+        stats.errors += 1
+        stats.extra.add(f"errors_{hook}")
+        where = {"node": node_id, "hook": hook, "error": repr(exc)}
         if policy == "fail":
-            self.log.error("node failed", node=node_id, hook=hook, error=repr(exc))
-            raise exc
+            if hook in LOAD_HOOKS:
+                self.load_error_blocks |= self._step_loads.get(node_id, set())
+            self.log.error("node failed; on_error: fail stops the engine", **where)
+            raise NodeFailed(node_id, self._plugin_names.get(node_id, "?"), hook, exc) from exc
+        if policy == "recompute" and hook in RECOVERABLE_HOOKS:
+            if hook not in LOAD_HOOKS:
+                self.log.warning("node failed; only this call's result is lost", **where)
+                return
+            if not self.ledger.has_async_loads(node_id):
+                blocks = self._step_loads.get(node_id, set())
+                self.load_error_blocks |= blocks
+                stats.extra.add("blocks_recomputed", len(blocks))
+                self.log.warning(
+                    "node failed while loading; vLLM recomputes the blocks it was loading",
+                    blocks=len(blocks),
+                    **where,
+                )
+                return
+        if node_id in self.disabled:
+            return
+        if policy == "disable":
+            reason = "on_error: disable"
+        else:
+            reason = (
+                f"on_error: recompute cannot repair a fault in {hook} (the node's scheduler "
+                "and worker halves may be out of step, or a transfer still in flight), so "
+                "the node is switched off instead"
+            )
+        self._switch_off(node_id, reason, **where)
+
+    def _switch_off(self, node_id: str, reason: str, **where: Any) -> None:
+        """Take the node out of this process's chain for good, releasing what it held."""
+        if node_id in self.disabled:
+            return
+        self.disabled.add(node_id)
+        stats = self.stats[node_id]
+        stats.disabled = True
+        released = failed = blocks = 0
+        if self.vllm_role == "worker":
+            self._unreported_disabled.add(node_id)
+            step = self._step_loads.get(node_id, set())
+            blocks = len(step - self.load_error_blocks)
+            self.load_error_blocks |= step
+            done = self.ledger.release(node_id)
+            loading = self.ledger.drop_loads(node_id)
+            self._released |= done
+            self._failed_recving |= loading
+            released, failed = len(done), len(loading)
+        if blocks:
+            stats.extra.add("blocks_recomputed", blocks)
+        # Its shutdown stops its transfers: nothing of it writes into vLLM's blocks
+        # once the requests it was loading or holding are handed back.
+        for name, fn in self.calls.get("shutdown", ()):
+            if name == node_id:
+                try:
+                    fn()
+                except Exception as exc:
+                    self.log.error(
+                        "switched-off node's shutdown failed", node=node_id, error=repr(exc)
+                    )
         self.log.warning(
-            "node failed; its blocks are recomputed",
-            node=node_id,
-            hook=hook,
-            policy=policy,
-            error=repr(exc),
+            "node switched off",
+            reason=reason,
+            blocks_recomputed=blocks,
+            requests_recomputed=failed,
+            holds_released=released,
+            **{"node": node_id, **where},
         )
-        if policy == "disable" and node_id not in self.disabled:
-            self.disabled.add(node_id)
-            self.stats[node_id].disabled = True
-            self._bind()
+        self._bind()
 
     def _each(self, hook: str, *args: Any, default: Any = None) -> list[tuple[str, Any]]:
         """Call every node implementing ``hook``, timing it; a failed node yields ``default``.
@@ -796,7 +914,7 @@ class Chain:
         if chosen is None:
             self._chosen.pop(view.request_id, None)
             return 0, False
-        self._chosen[view.request_id] = (chosen[0], num_computed_tokens)
+        self._chosen[view.request_id] = (chosen[0], num_computed_tokens, chosen[2])
         return chosen[1], chosen[2]
 
     def chosen_node(self, request_id: str) -> str | None:
@@ -820,6 +938,10 @@ class Chain:
             loading = self._pending_loads.setdefault(chosen, set())
             for group in block_ids:
                 loading.update(group[first:last])
+            if entry and entry[2]:
+                # Async: the worker tracks it, so that a node switched off before
+                # it finishes loading reports it failed instead of leaving it waiting.
+                self._new_async_loads[view.request_id] = chosen
         for node_id, fn in self.calls["update_state_after_alloc"]:
             tokens = num_external_tokens if node_id == chosen else 0
             try:
@@ -841,12 +963,18 @@ class Chain:
     def _finish(
         self, request: Any, results: Iterable[tuple[str, Any]]
     ) -> tuple[bool, dict[str, Any] | None]:
-        async_saves = 0
+        holders: list[str] = []
         params: dict[str, Any] | None = None
         writer: dict[str, str] = {}
         for node_id, result in results:
+            if result is _FAULTED:
+                # It may still be saving from these blocks: they stay held until
+                # its worker half is switched off (the fault switched it off).
+                holders.append(node_id)
+                continue
             hold, node_params = result if result is not None else (False, None)
-            async_saves += bool(hold)
+            if hold:
+                holders.append(node_id)
             if node_params is None:
                 continue
             clash = sorted(set(writer) & set(node_params))
@@ -857,8 +985,8 @@ class Chain:
                 )
             writer.update(dict.fromkeys(node_params, node_id))
             params = {**(params or {}), **node_params}
-        if async_saves > 1:
-            self._extra_async_saves[request.request_id] = async_saves - 1
+        if holders:
+            self._new_holds[request.request_id] = tuple(holders)
         served = self._served.pop(request.request_id, None)
         if self.pipeline.annotate_outputs:
             params = {
@@ -869,13 +997,14 @@ class Chain:
                 },
             }
         self._chosen.pop(request.request_id, None)
-        return async_saves > 0, params
+        return bool(holders), params
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         view = RequestView(request)
-        return self._finish(request, self._each("request_finished", view, block_ids))
+        results = self._each("request_finished", view, block_ids, default=_FAULTED)
+        return self._finish(request, results)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -898,6 +1027,7 @@ class Chain:
                 results.append((node_id, fn(view, self._groups_for(node_id, block_ids))))
             except Exception as exc:
                 self._fault(node_id, "request_finished_all_groups", exc)
+                results.append((node_id, _FAULTED))
         return self._finish(request, results)
 
     def _groups_for(self, node_id: str, block_ids: tuple[list[int], ...]) -> tuple[list[int], ...]:
@@ -933,15 +1063,23 @@ class Chain:
     # ------------------------------------------------------------------ #
 
     def shutdown(self) -> None:
+        """Every node's shutdown runs; a failure is raised (after the others) only
+        for a node whose policy is ``fail``."""
         error: BaseException | None = None
         for node_id, fn in self.calls["shutdown"]:
             try:
                 fn()
             except Exception as exc:
+                self.stats[node_id].errors += 1
                 self.log.error("node shutdown failed", node=node_id, error=repr(exc))
-                error = exc
+                if self.policy.get(node_id, "fail") == "fail":
+                    error = exc
         if error is not None:
             raise error
+
+
+#: What a request_finished call that raised stands for.
+_FAULTED = object()
 
 
 def _timed(fn: Call, stats: NodeStats, hook: str) -> Call:
@@ -1051,6 +1189,14 @@ def _drop_args(fn: Call) -> Call:
 
 def _no_events() -> Iterable[Any]:
     return ()
+
+
+def _takes_kwargs(fn: Call) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _block_size(kv_cache_config: Any) -> int:

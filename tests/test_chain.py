@@ -166,7 +166,7 @@ def test_blocks_held_until_every_async_saver_is_done() -> None:
     )
     assert sched.request_finished(request(), [1, 2]) == (True, None)
     meta = sched.build_connector_meta(SimpleNamespace())
-    assert meta.extra_async_saves == {"r1": 1}
+    assert meta.holds == {"r1": ("a", "b")}
     assert meta.per_node == {"a": "meta-a", "b": "meta-b"}
     worker = chain(
         {
