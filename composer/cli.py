@@ -23,8 +23,16 @@ from pydantic import ByteSize
 from pydantic_core import to_jsonable_python
 
 from composer.discovery import PluginConflict, PluginLoadError, Registry, discover
-from composer.errors import PipelineInvalid, Problem
+from composer.errors import PipelineInvalid, Problem, escape
 from composer.export import CONNECTOR_NAME, as_multiconnector, kv_transfer_config
+from composer.loader import (
+    MAX_DEPTH,
+    MAX_FILE_BYTES,
+    MAX_NUMBER_CHARS,
+    MAX_VALUES,
+    FileProblem,
+    read_pipeline_stream,
+)
 from composer.logs import configure
 from composer.pipeline import SCHEMA_ID, ResolvedNode, ResolvedPipeline, typed_pipeline_model
 from composer.plugin_types import PluginType
@@ -56,9 +64,16 @@ def _load(file: str, registry: Registry) -> ResolvedPipeline:
     if file == "-":
         try:
             # Bytes, decoded strictly: the locale's decoder may keep bad bytes as surrogates.
-            text = sys.stdin.buffer.read().decode("utf-8")
-        except UnicodeDecodeError:
-            raise PipelineInvalid([Problem((), "input is not UTF-8 text", "<stdin>")]) from None
+            text = read_pipeline_stream(sys.stdin.buffer)
+        except FileProblem as exc:
+            message = exc.message.replace("pipeline file", "input")
+            raise PipelineInvalid(
+                [Problem((), message, "<stdin>", exc.line, exc.column)]
+            ) from None
+        except OSError as exc:
+            raise PipelineInvalid(
+                [Problem((), f"cannot read input: {exc.strerror or exc}", "<stdin>")]
+            ) from None
         return validate_text(text, file="<stdin>", registry=registry)
     return load_pipeline(file, registry=registry)
 
@@ -69,6 +84,7 @@ def _print_problems(problems: Sequence[Problem], stream: TextIO) -> None:
 
 
 def _plugin_label(node: ResolvedNode) -> str:
+    """Raw (user text included): callers escape it for their output."""
     if node.plugin.name == "vllm":
         return f"vllm ({getattr(node.config, 'connector', '?')})"
     return str(node.plugin.name)
@@ -142,8 +158,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
             continue
         names = ", ".join(n.id for n in r.pipeline.nodes)
         print(
-            f"{r.file}: ok ({_plural(len(r.pipeline.nodes), 'node')}: {names}; "
-            f"runs as {_runs_as(r.pipeline)})"
+            escape(
+                f"{r.file}: ok ({_plural(len(r.pipeline.nodes), 'node')}: {names}; "
+                f"runs as {_runs_as(r.pipeline)})"
+            )
         )
     if invalid:
         count = sum(len(r.problems) for r in invalid)
@@ -205,16 +223,17 @@ def _graph_data(p: ResolvedPipeline) -> dict[str, Any]:
 
 
 def _graph_text(p: ResolvedPipeline) -> str:
+    labels = {n.id: escape(_plugin_label(n)) for n in p.nodes}
     id_width = max((len(n.id) for n in p.nodes), default=0)
-    plugin_width = max((len(_plugin_label(n)) for n in p.nodes), default=0)
+    plugin_width = max((len(label) for label in labels.values()), default=0)
     lines = [
-        f"pipeline {p.file}",
+        f"pipeline {escape(p.file)}",
         f"  kv_role {p.kv_role}, hma {'on' if p.hma else 'off'}, runs as {_runs_as(p)}",
         "",
         "nodes (dependency order):",
     ]
     for n in p.nodes:
-        row = f"  {n.id:<{id_width}}  {_plugin_label(n):<{plugin_width}}  role {n.role}"
+        row = f"  {n.id:<{id_width}}  {labels[n.id]:<{plugin_width}}  role {n.role}"
         if n.on_error != "fail":
             row += f", on_error {n.on_error}"
         if n.needs:
@@ -231,12 +250,27 @@ def _graph_text(p: ResolvedPipeline) -> str:
     return "\n".join(lines)
 
 
+_MERMAID_SAFE = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-.,:()"
+)
+
+
+def mermaid_text(text: str) -> str:
+    """Text for inside a quoted Mermaid label: anything but letters, digits and a
+    little punctuation becomes an entity code (``#34;``), so a name cannot close
+    the label, start a new statement (``click``, ``%%{init}%%``) or carry HTML."""
+    return "".join(c if c in _MERMAID_SAFE else f"#{ord(c)};" for c in text)
+
+
 def _mermaid(p: ResolvedPipeline) -> str:
     # Mermaid ids are positional: node ids may contain '-', which Mermaid reads as an edge.
     ids = {n.id: f"n{i}" for i, n in enumerate(p.nodes)}
     lines = ["flowchart LR"]
     for n in p.nodes:
-        lines.append(f'  {ids[n.id]}["{n.id}<br/>{_plugin_label(n)}<br/>role: {n.role}"]')
+        label = "<br/>".join(
+            mermaid_text(part) for part in (n.id, _plugin_label(n), f"role: {n.role}")
+        )
+        lines.append(f'  {ids[n.id]}["{label}"]')
     for n in p.nodes:
         for dep in n.needs:
             if dep in ids:
@@ -262,9 +296,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         if i:
             print()
         origin = " ".join(x for x in (info["package"], info["version"]) if x) or "unknown package"
-        print(f"{info['name']}  ({origin})")
+        print(escape(f"{info['name']}  ({origin})"))
         if info["description"]:
-            print(f"  {info['description']}")
+            print(f"  {escape(info['description'])}")
         print(f"  roles: {', '.join(info['roles'])} (default {info['default_role']})")
         print(f"  runs in: {', '.join(info['vllm_roles'])}")
         caps = info["capabilities"]
@@ -282,7 +316,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         for name, f in fields.items():
             default = "required" if f["required"] else f"default {_show(f['default'])}"
             desc = f"  {f['description']}" if f["description"] else ""
-            print(f"    {name:<{width}}  {f['type']}, {default}{desc}")
+            print(escape(f"    {name:<{width}}  {f['type']}, {default}{desc}"))
     return EXIT_OK
 
 
@@ -403,6 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     p = add("validate", cmd_validate, "Validate pipeline files; report every problem.")
+    p.epilog = (
+        f"Limits (each reported where it is crossed): files of at most {MAX_FILE_BYTES:,} "
+        f"bytes, regular files or stdin only; nesting at most {MAX_DEPTH} levels; at most "
+        f"{MAX_VALUES:,} values once aliases are expanded; numbers of at most "
+        f"{MAX_NUMBER_CHARS} characters."
+    )
     p.add_argument("files", nargs="+", metavar="FILE", help="pipeline YAML file ('-' for stdin)")
     p.add_argument(
         "--deep",
@@ -462,12 +502,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_problems(exc.problems, sys.stderr)
         return EXIT_INVALID
     except CommandError as exc:
-        print(f"kvc: error: {exc}", file=sys.stderr)
+        print(f"kvc: error: {escape(str(exc))}", file=sys.stderr)
         return EXIT_INVALID
     except (
         MissingRuntime, PluginConflict, PluginLoadError, pluggy.PluginValidationError
     ) as exc:
-        print(f"kvc: error: {exc}", file=sys.stderr)
+        print(f"kvc: error: {escape(str(exc))}", file=sys.stderr)
         return EXIT_ENVIRONMENT
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away; say nothing more.

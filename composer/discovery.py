@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from importlib import metadata
 from types import ModuleType
+from typing import Any, TypeVar
 
 import pluggy
+from pydantic import BaseModel, ValidationError
 
 from composer import builtin
 from composer.hookspecs import PROJECT, DiscoverySpec
@@ -29,6 +31,35 @@ class PluginConflict(RuntimeError):
 
 class PluginLoadError(RuntimeError):
     """A plugin package failed to import or to register its types."""
+
+
+class PluginFailed(PluginLoadError):
+    """A plugin's own code (config validator, capabilities, check) raised: a plugin bug."""
+
+
+#: What a plugin's code may raise that is still the plugin's failure, not ours to
+#: crash on: ``sys.exit()`` inside an import or a hook included (it would end
+#: `kvc validate` with the plugin's exit code, e.g. 0 for an invalid file).
+PLUGIN_FAILURES = (Exception, SystemExit)
+
+_T = TypeVar("_T")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"SystemExit({exc.code!r})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def call_plugin(plugin: str, what: str, fn: Callable[..., _T], *args: Any) -> _T:
+    """Run a plugin's code; anything it raises (but a pydantic ValidationError, which is
+    about the user's input) becomes :class:`PluginFailed`."""
+    try:
+        return fn(*args)
+    except ValidationError:
+        raise
+    except PLUGIN_FAILURES as exc:
+        raise PluginFailed(f'plugin "{plugin}" failed while {what}: {_describe(exc)}') from exc
 
 
 @dataclass(frozen=True)
@@ -86,10 +117,10 @@ def discover(
                 continue
             try:
                 module = ep.load()
-            except Exception as exc:
+            except PLUGIN_FAILURES as exc:
                 raise PluginLoadError(
                     f'plugin entry point "{ep.name}" ({ep.value}, from {dist or "unknown"}) '
-                    f"failed to import: {type(exc).__name__}: {exc}; disable it with "
+                    f"failed to import: {_describe(exc)}; disable it with "
                     f"{DENY_ENV}={ep.name}"
                 ) from exc
             pm.register(module, name=ep.name)
@@ -98,10 +129,10 @@ def discover(
     for name in sorted(_split(os.environ.get(MODULES_ENV)) or ()):
         try:
             modules.append(importlib.import_module(name))
-        except Exception as exc:
+        except PLUGIN_FAILURES as exc:
             raise PluginLoadError(
                 f'plugin module "{name}" (from {MODULES_ENV}) failed to import: '
-                f"{type(exc).__name__}: {exc}"
+                f"{_describe(exc)}"
             ) from exc
     for i, obj in enumerate([*modules, *extra]):
         name = getattr(obj, "__name__", f"extra-{i}")
@@ -113,7 +144,10 @@ def discover(
     for impl in pm.hook.register_plugin_types.get_hookimpls():
         package, version = sources.get(impl.plugin_name, ("", ""))
 
-        def register(ptype: PluginType, _pkg: str = package, _ver: str = version) -> None:
+        def register(
+            ptype: PluginType, _pkg: str = package, _ver: str = version, _by: str = impl.plugin_name
+        ) -> None:
+            _check_type(ptype, _by)
             if ptype.name in types:
                 raise PluginConflict(
                     f'plugin type "{ptype.name}" is registered twice '
@@ -123,14 +157,31 @@ def discover(
 
         try:
             impl.function(register=register)
-        except PluginConflict:
+        except (PluginConflict, PluginLoadError):
             raise
-        except Exception as exc:
+        except PLUGIN_FAILURES as exc:
             raise PluginLoadError(
                 f'plugin "{impl.plugin_name}" failed in register_plugin_types: '
-                f"{type(exc).__name__}: {exc}"
+                f"{_describe(exc)}"
             ) from exc
     return Registry(dict(sorted(types.items())))
+
+
+def _check_type(ptype: object, by: str) -> None:
+    """Refuse a registration that validation could only crash on later."""
+    problem = ""
+    if not isinstance(ptype, PluginType):
+        problem = f"registered {type(ptype).__name__}, not a PluginType"
+    elif not isinstance(ptype.name, str) or not ptype.name:
+        problem = "a plugin type needs a non-empty string name"
+    elif not (isinstance(ptype.config, type) and issubclass(ptype.config, BaseModel)):
+        problem = f'plugin type "{ptype.name}": config must be a pydantic model class'
+    elif ptype.check is not None and not callable(ptype.check):
+        problem = f'plugin type "{ptype.name}": check must be callable'
+    elif ptype.capabilities_for is not None and not callable(ptype.capabilities_for):
+        problem = f'plugin type "{ptype.name}": capabilities_for must be callable'
+    if problem:
+        raise PluginLoadError(f'plugin "{by}" failed in register_plugin_types: {problem}')
 
 
 def _version(dist: str) -> str:

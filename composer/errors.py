@@ -14,6 +14,33 @@ Path = tuple[str | int, ...]
 
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+#: What a terminal would act on instead of showing: C0/C1 controls (newlines,
+#: ANSI escapes), Unicode format characters (bidi overrides, zero-width, tags),
+#: line/paragraph separators and lone surrogates (undecodable bytes).
+_UNSAFE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891"
+    "\u08e2\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb"
+    "\ud800-\udfff\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3"
+    "\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f]"
+)
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+#: Longest list of names a message spells out.
+MAX_LISTED = 20
+
+
+def escape(text: str) -> str:
+    """User text made safe for one line of human output, the way ``repr`` shows it.
+
+    Every character that could end the line, recolour or move the cursor, or
+    reorder what is shown becomes a visible escape (``\\n``, ``\\x1b``,
+    ``\\u202e``): a key or plugin name cannot forge another ``file:line:`` line.
+    """
+    return _UNSAFE.sub(lambda m: _SHORT.get(m.group()) or _code(m.group()), text)
+
+
+def _code(char: str) -> str:
+    n = ord(char)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 def dotted(path: Path) -> str:
@@ -23,10 +50,10 @@ def dotted(path: Path) -> str:
     for part in path:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif _NAME.match(part):
+        elif isinstance(part, str) and _NAME.match(part):
             out += f".{part}" if out else part
         else:
-            out += f"[{json.dumps(part, ensure_ascii=False)}]"
+            out += f"[{json.dumps(str(part), ensure_ascii=False)}]"
     return out or "<root>"
 
 
@@ -37,7 +64,9 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 
 def one_of(choices: Iterable[str]) -> str:
     names = sorted(str(c) for c in choices)
-    return ", ".join(f'"{c}"' for c in names) if names else "(none)"
+    shown = ", ".join(f'"{c}"' for c in names[:MAX_LISTED]) if names else "(none)"
+    # A thousand-node pipeline would otherwise list every node in every message.
+    return shown + (f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else "")
 
 
 @dataclass(frozen=True)
@@ -51,10 +80,10 @@ class Problem:
     column: int | None = None
 
     def __str__(self) -> str:
-        where = self.file
+        where = escape(self.file)
         if self.line is not None:
             where += f":{self.line}:{self.column}"
-        return f"{where}: {dotted(self.path)}: {self.message}"
+        return f"{where}: {escape(dotted(self.path))}: {escape(self.message)}"
 
     def as_dict(self) -> dict[str, object]:
         return {

@@ -2,61 +2,79 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, get_args
 
 from pydantic import BaseModel
 
-from composer.discovery import Registry
+from composer.discovery import Registry, call_plugin
 from composer.errors import Reporter, did_you_mean, one_of
 from composer.pipeline import LOADING_ROLES, SAVING_ROLES
 from composer.plugin_types import NodeRole
 
 
 def dependency_order(needs: Mapping[str, Sequence[str]]) -> list[str]:
-    """Node ids with every node after the nodes it needs; file order otherwise kept."""
+    """Node ids with every node after the nodes it needs; file order otherwise kept.
+
+    A depth-first post-order with an explicit stack: a ``needs`` chain as long
+    as the file allows must not reach Python's recursion limit.
+    """
     done: list[str] = []
     seen: set[str] = set()
-
-    def visit(node: str, stack: tuple[str, ...]) -> None:
-        if node in seen or node in stack or node not in needs:
-            return
-        for dep in needs[node]:
-            visit(dep, (*stack, node))
-        seen.add(node)
-        done.append(node)
-
-    for node in needs:
-        visit(node, ())
+    for root in needs:
+        if root in seen:
+            continue
+        stack: list[tuple[str, Iterator[str]]] = [(root, iter(needs[root]))]
+        on_stack = {root}
+        while stack:
+            node, deps = stack[-1]
+            for dep in deps:
+                if dep in needs and dep not in seen and dep not in on_stack:
+                    stack.append((dep, iter(needs[dep])))
+                    on_stack.add(dep)
+                    break
+            else:
+                stack.pop()
+                on_stack.discard(node)
+                seen.add(node)
+                done.append(node)
     return done
 
 
 def find_cycles(needs: Mapping[str, Sequence[str]]) -> list[list[str]]:
-    """Each elementary cycle once, as a path that ends where it starts."""
+    """Each elementary cycle met by a depth-first walk once, as a path that ends where it
+    starts (iterative, like :func:`dependency_order`)."""
     cycles: list[list[str]] = []
     found: set[frozenset[str]] = set()
-    state: dict[str, int] = {}  # 1 = on stack, 2 = done
-
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        stack.append(node)
-        for dep in needs.get(node, ()):
-            if dep not in needs:
-                continue
-            if state.get(dep) == 1:
-                cycle = stack[stack.index(dep) :] + [dep]
-                key = frozenset(cycle)
-                if key not in found:
-                    found.add(key)
-                    cycles.append(cycle)
-            elif state.get(dep) is None:
-                visit(dep, stack)
-        stack.pop()
-        state[node] = 2
-
-    for node in needs:
-        if node not in state:
-            visit(node, [])
+    state: dict[str, int] = {}  # 1 = on the path, 2 = done
+    for root in needs:
+        if root in state:
+            continue
+        path: list[str] = [root]
+        position = {root: 0}
+        state[root] = 1
+        stack: list[Iterator[str]] = [iter(needs[root])]
+        while stack:
+            for dep in stack[-1]:
+                if dep not in needs:
+                    continue
+                if state.get(dep) == 1:
+                    cycle = path[position[dep] :] + [dep]
+                    key = frozenset(cycle)
+                    if key not in found:
+                        found.add(key)
+                        cycles.append(cycle)
+                elif dep not in state:
+                    state[dep] = 1
+                    position[dep] = len(path)
+                    path.append(dep)
+                    stack.append(iter(needs[dep]))
+                    break
+            else:
+                stack.pop()
+                node = path.pop()
+                del position[node]
+                state[node] = 2
     return cycles
 
 
@@ -158,7 +176,9 @@ def _check_capabilities(
         if node.get("enabled") is False:
             continue
         ptype = registry[node["plugin"]]
-        caps[node_id] = ptype.resolve_capabilities(config)
+        caps[node_id] = call_plugin(
+            ptype.name, "resolving capabilities", ptype.resolve_capabilities, config
+        )
         role = roles.get(node_id)
         # A role that is no role at all has been reported by the Pipeline model.
         if role in get_args(NodeRole) and role not in ptype.roles:
@@ -239,5 +259,20 @@ def _check_capabilities(
     for node_id, config in configs.items():
         ptype = registry[nodes[node_id]["plugin"]]
         if ptype.check is not None:
-            for path, message in ptype.check(node_id, config, data):
+            found = call_plugin(
+                ptype.name, "checking the pipeline", _run_check, ptype.check, node_id, config, data
+            )
+            for path, message in found:
                 reporter.add(("nodes", node_id, *path), message)
+
+
+def _run_check(
+    check: Any, node_id: str, config: BaseModel, data: dict[str, Any]
+) -> list[tuple[tuple[str | int, ...], str]]:
+    # Consumed here, inside call_plugin: a generator raises only while iterated.
+    out: list[tuple[tuple[str | int, ...], str]] = []
+    for path, message in check(node_id, config, data):
+        if not isinstance(path, tuple) or not isinstance(message, str):
+            raise TypeError(f"check yielded {(path, message)!r}, not (path tuple, message)")
+        out.append((path, message))
+    return out

@@ -10,10 +10,17 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from composer.discovery import Registry, discover
+from composer.discovery import Registry, call_plugin, discover
 from composer.errors import PipelineInvalid, Problem, Reporter, did_you_mean, one_of
 from composer.graph import check_graph, dependency_order
-from composer.loader import Marks, load_yaml
+from composer.loader import (
+    MAX_DEPTH,
+    MAX_VALUES,
+    FileProblem,
+    Marks,
+    load_yaml,
+    read_pipeline_file,
+)
 from composer.pipeline import (
     LOADING_ROLES,
     SAVING_ROLES,
@@ -33,24 +40,19 @@ def load_pipeline(
 ) -> ResolvedPipeline:
     """Load and fully validate a pipeline from a file path, a mapping or a ``Pipeline``.
 
-    Raises :class:`~composer.errors.PipelineInvalid` listing every problem.
+    Raises :class:`~composer.errors.PipelineInvalid` listing every problem, and
+    :class:`~composer.discovery.PluginLoadError` when a plugin itself fails.
     """
     if isinstance(source, BaseModel):
         return validate_data(source.model_dump(exclude_unset=True), registry=registry)
     if isinstance(source, Mapping):
         return validate_data(dict(source), registry=registry)
-    path = FsPath(source)
+    file = str(FsPath(source))
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        reporter = Reporter(str(source), Marks())
-        reporter.add((), f"cannot read pipeline file: {exc.strerror or exc}")
-        raise PipelineInvalid(reporter.problems) from None
-    except UnicodeDecodeError:
-        reporter = Reporter(str(source), Marks())
-        reporter.add((), "pipeline file is not UTF-8 text")
-        raise PipelineInvalid(reporter.problems) from None
-    return validate_text(text, file=str(source), registry=registry, env=env)
+        text = read_pipeline_file(source)
+    except FileProblem as exc:
+        raise PipelineInvalid([Problem((), exc.message, file, exc.line, exc.column)]) from None
+    return validate_text(text, file=file, registry=registry, env=env)
 
 
 def validate_text(
@@ -85,6 +87,10 @@ def validate_data(
     if not isinstance(data, dict):
         reporter.add((), f"a pipeline is a mapping with version and nodes, not {_kind(data)}")
         reporter.raise_if_any()
+    if not reporter.marks.values:
+        # Data from Python rather than YAML: bound it as the loader bounds a file.
+        _check_plain_data(data, reporter)
+        reporter.raise_if_any()
 
     try:
         pipeline: Pipeline | None = Pipeline.model_validate(data)
@@ -115,7 +121,9 @@ def validate_data(
         elif not isinstance(raw_config, dict):
             continue  # the Pipeline model has reported it already
         try:
-            configs[node_id] = config_model.model_validate(raw_config)
+            configs[node_id] = call_plugin(
+                plugin, "validating its config", config_model.model_validate, raw_config
+            )
         except ValidationError as exc:
             _report_pydantic(reporter, exc, ("nodes", node_id, "config"), config_model)
 
@@ -144,7 +152,9 @@ def _resolve(
             role=node.role or ptype.default_role,
             on_error=node.on_error,
             needs=tuple(n for n in node.needs),
-            capabilities=ptype.resolve_capabilities(configs[node_id]),
+            capabilities=call_plugin(
+                ptype.name, "resolving capabilities", ptype.resolve_capabilities, configs[node_id]
+            ),
         )
     ordered = dependency_order({k: list(v.needs) for k, v in nodes.items()})
     load_order = (
@@ -173,6 +183,40 @@ def _resolve(
         source=pipeline.model_dump(mode="json", exclude_defaults=True) | {"version": 1},
         file=file,
     )
+
+
+def _check_plain_data(data: dict[str, Any], reporter: Reporter) -> None:
+    """Refuse cycles, nesting past :data:`MAX_DEPTH` and more than :data:`MAX_VALUES` values.
+
+    Iterative, so that neither this walk nor a cycle reaches a RecursionError.
+    """
+    count = 0
+    on_path: set[int] = set()
+    # (path, value, entering): a container is left after all its children.
+    stack: list[tuple[Path, Any, bool]] = [((), data, True)]
+    while stack:
+        path, value, entering = stack.pop()
+        if not isinstance(value, dict | list | tuple):
+            count += 1
+            continue
+        if not entering:
+            on_path.discard(id(value))
+            continue
+        count += 1
+        if id(value) in on_path:
+            reporter.add(path, "refers to a mapping or list that contains it (a cycle)")
+            continue
+        if len(path) >= MAX_DEPTH:
+            reporter.add(path, f"nested deeper than {MAX_DEPTH} levels")
+            continue
+        if count > MAX_VALUES:
+            reporter.add((), f"more than {MAX_VALUES:,} values")
+            return
+        on_path.add(id(value))
+        stack.append((path, value, False))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, child in items:
+            stack.append(((*path, key if isinstance(key, str | int) else repr(key)), child, True))
 
 
 # --------------------------------------------------------------------------- #

@@ -115,7 +115,7 @@ def test_validate_reports_every_problem_of_every_file(
         *BAD_LINES,
         "syntax.yaml:3:1: <root>: YAML syntax error: did not find expected node content "
         "(while parsing a flow node)",
-        "latin1.yaml: <root>: pipeline file is not UTF-8 text",
+        "latin1.yaml:1:17: <root>: pipeline file is not UTF-8 text: byte 0xe9 cannot be decoded",
         "nope.yaml: <root>: cannot read pipeline file: No such file or directory",
     ]
     assert err == "5 problems in 4 files\n"
@@ -179,7 +179,7 @@ def test_validate_reads_stdin(
     stdin(b"version: 1 # caf\xe9\n")
     assert run(capsys, "validate", "-") == (
         2,
-        "<stdin>: <root>: input is not UTF-8 text\n",
+        "<stdin>:1:17: <root>: input is not UTF-8 text: byte 0xe9 cannot be decoded\n",
         "1 problem in 1 file\n",
     )
 

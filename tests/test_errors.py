@@ -101,8 +101,8 @@ def test_unsupported_tag_is_reported_and_nothing_is_constructed(problems: Check)
 
 
 def test_empty_file_and_non_mapping_documents(problems: Check) -> None:
-    assert problems("") == ["p.yaml: <root>: the pipeline file is empty"]
-    assert problems("# only a comment\n") == ["p.yaml: <root>: the pipeline file is empty"]
+    assert problems("") == ["p.yaml:1:1: <root>: the pipeline file is empty"]
+    assert problems("# only a comment\n") == ["p.yaml:1:1: <root>: the pipeline file is empty"]
     assert problems("- a\n- b\n") == [
         "p.yaml:1:1: <root>: a pipeline is a mapping with version and nodes, not a list"
     ]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from composer import PipelineInvalid, Registry, load_pipeline
-from composer.loader import expand_env, load_yaml
+from composer.loader import EnvProblem, expand_env, load_yaml
 
 
 def test_marks_locate_values_and_keys() -> None:
@@ -64,7 +64,9 @@ def test_more_than_one_document_is_a_syntax_error() -> None:
 
 def test_deep_nesting_is_reported() -> None:
     _, _, problems = load_yaml("a: " + "[" * 5000 + "]" * 5000)
-    assert [p.message for p in problems] == ["YAML nesting is too deep"]
+    assert [(p.message, p.line, p.column) for p in problems] == [
+        ("YAML error: nested deeper than 100 levels", 1, 103)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -85,7 +87,7 @@ def test_expand_env(text: str, env: dict[str, str], expected: str) -> None:
 
 
 def test_expand_env_raises_for_unset() -> None:
-    with pytest.raises(KeyError, match="A"):
+    with pytest.raises(EnvProblem, match=r"\$\{A\} is not set"):
         expand_env("${A}", {})
 
 
@@ -111,7 +113,9 @@ def test_load_pipeline_reports_unreadable_files(tmp_path: Path, registry: Regist
     latin1.write_bytes("version: 1\n# caf\xe9\n".encode("latin-1"))
     with pytest.raises(PipelineInvalid) as info:
         load_pipeline(latin1, registry=registry)
-    assert str(info.value) == f"{latin1}: <root>: pipeline file is not UTF-8 text"
+    assert str(info.value) == (
+        f"{latin1}:2:6: <root>: pipeline file is not UTF-8 text: byte 0xe9 cannot be decoded"
+    )
 
     with pytest.raises(PipelineInvalid) as info:
         load_pipeline(tmp_path, registry=registry)
