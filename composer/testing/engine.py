@@ -54,6 +54,10 @@ class EngineResult:
     rounds: list[list[RequestResult]]
     startup_s: float
     log_tail: str = ""
+    #: The engine's whole log (stdout and stderr of every vLLM process).
+    log: str = ""
+    #: The engine and every process it started exited on their own (no signal sent).
+    clean_exit: bool = True
 
     def tokens(self, round_index: int) -> list[list[int]]:
         return [r.tokens for r in self.rounds[round_index]]
@@ -64,7 +68,9 @@ SHUTDOWN_GRACE_S = 60.0
 
 
 class EngineFailed(RuntimeError):
-    pass
+    #: As on EngineResult.
+    log: str = ""
+    clean_exit: bool = True
 
 
 def run_engine(spec: EngineSpec) -> EngineResult:
@@ -95,22 +101,27 @@ def run_engine(spec: EngineSpec) -> EngineResult:
             except subprocess.TimeoutExpired:
                 pass
             finally:
-                _kill_group(proc)
+                signalled = _kill_group(proc)
         text = log_file.read_text(errors="replace")
         tail = text[-6000:]
         if proc.returncode != 0 or not out_file.exists():
             # The root cause is usually the first error line, far above the tail.
             errors = [line for line in text.splitlines() if "Error" in line][:8]
-            raise EngineFailed(
+            failure = EngineFailed(
                 f"vLLM engine exited with {proc.returncode}; first errors:\n"
                 + "\n".join(errors)
                 + f"\n--- log tail ---\n{tail}"
             )
+            failure.log = text
+            failure.clean_exit = not signalled
+            raise failure
         data = json.loads(out_file.read_text())
         return EngineResult(
             rounds=[[RequestResult(**r) for r in rnd] for rnd in data["rounds"]],
             startup_s=data["startup_s"],
             log_tail=tail,
+            log=text,
+            clean_exit=not signalled,
         )
 
 
@@ -127,8 +138,9 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _kill_group(proc: subprocess.Popen[Any], grace_s: float = SHUTDOWN_GRACE_S) -> None:
-    """Stop the engine and every process it spawned (EngineCore, workers).
+def _kill_group(proc: subprocess.Popen[Any], grace_s: float = SHUTDOWN_GRACE_S) -> bool:
+    """Stop the engine and every process it spawned (EngineCore, workers); True
+    if a signal was needed.
 
     When the engine exited on its own, its children get time to finish their
     teardown first: one killed half-way leaves vLLM's shared memory behind.
@@ -137,11 +149,13 @@ def _kill_group(proc: subprocess.Popen[Any], grace_s: float = SHUTDOWN_GRACE_S) 
         deadline = time.monotonic() + grace_s
         while _group_alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
+        if not _group_alive(proc.pid):
+            return False
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            return sig != signal.SIGTERM
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -151,7 +165,8 @@ def _kill_group(proc: subprocess.Popen[Any], grace_s: float = SHUTDOWN_GRACE_S) 
         while _group_alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         if not _group_alive(proc.pid):
-            return
+            return True
+    return True
 
 
 def _child(spec_path: str, out_path: str) -> None:
