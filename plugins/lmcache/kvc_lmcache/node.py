@@ -11,7 +11,9 @@ at start-up instead of a worker waiting out ``mq_timeout``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -20,7 +22,18 @@ from composer.hookspecs import hookimpl
 from composer.plugin import NodeContext, Plugin
 from composer.vllm.native import NativeConnectorNode
 from kvc_lmcache.config import TCP_URL, LMCacheConfig
-from kvc_lmcache.server import ServerError, ServerInfo, ServerSettings, SharedServer, check_server
+from kvc_lmcache.server import (
+    ServerError,
+    ServerGone,
+    ServerInfo,
+    ServerSettings,
+    ServerWatcher,
+    SharedServer,
+    check_server,
+    http_probe,
+    pid_probe,
+    tcp_probe,
+)
 
 CONNECTOR = "LMCacheMPConnector"
 
@@ -113,6 +126,151 @@ class LMCacheServerNode(NativeConnectorNode):
         # NativeConnectorNode's Plugin.__init__ set the native config; keep ours.
         self.config = config
         self.native_config = native
+        #: Read at the top of every hook that would reach the server.
+        self.server_alive = True
+        #: Outages seen by this process (the stats counter is reset by each report).
+        self.down_events = 0
+        self.stats.gauges["server_alive"] = 1
+        self._down_since = 0.0
+        self._lock = threading.Lock()
+        self.watcher = self._make_watcher().start()
+
+    # -- liveness ---------------------------------------------------------------- #
+
+    def _make_watcher(self) -> ServerWatcher:
+        if self.server.pid is not None:
+            # Started here or by the engine's other process: its pid is exact.
+            return ServerWatcher(
+                pid_probe(self.server.pid),
+                on_change=self._server_changed,
+                on_tick=self._server_tick,
+                name=f"kvc-lmcache-watch-{self.node_id}",
+            )
+        http_url = self.config.server.http_url
+        probe = (
+            http_probe(http_url.rstrip("/"))
+            if http_url
+            else tcp_probe(self.server.host, self.server.port)
+        )
+        # Two failed probes in a row: one slow answer on a busy host is no outage.
+        return ServerWatcher(
+            probe,
+            failures=2,
+            on_change=self._server_changed,
+            on_tick=self._server_tick,
+            name=f"kvc-lmcache-watch-{self.node_id}",
+        )
+
+    def _server_changed(self, alive: bool) -> None:
+        if alive:
+            # Back: LMCache's own heartbeat re-registers the KV caches and ends
+            # its degraded mode; _server_tick resumes once it has.
+            self.log.info("LMCache server answers again", url=self.server.url)
+            return
+        with self._lock:
+            # LMCache's own degraded mode first, then the flag: a hook that sees
+            # the flag down finds LMCache no longer talking to the server.
+            _degrade(self.connector)
+            _fail_pending(self.connector, self.server.url)
+            self.server_alive = False
+            self.down_events += 1
+            self._down_since = time.monotonic()
+        self.stats.gauges["server_alive"] = 0
+        self.stats.extra.add("server_down")
+        self.log.warning(
+            "LMCache server is down: lookups answer 0, loads and saves fail "
+            "(on_error applies) until it is back",
+            url=self.server.url,
+            http=self.server.http_url or self.config.server.http_url,
+            pid=self.server.pid,
+            vllm_role=self.ctx.vllm_role,
+            owned=self.shared is not None,
+        )
+
+    def _server_tick(self, alive: bool) -> None:
+        if not alive:
+            # Requests LMCache sent since the last tick would each wait out
+            # mq_timeout: end those waits now.
+            _fail_pending(self.connector, self.server.url)
+            return
+        if not self.server_alive and _lmcache_healthy(self.connector):
+            with self._lock:
+                self.server_alive = True
+            self.stats.gauges["server_alive"] = 1
+            self.log.warning(
+                "LMCache server is back: resuming",
+                url=self.server.url,
+                down_s=round(time.monotonic() - self._down_since, 2),
+                vllm_role=self.ctx.vllm_role,
+            )
+
+    def _gone(self, hook: str) -> ServerGone:
+        where = self.server.url
+        if self.server.pid is not None:
+            where += f" (pid {self.server.pid}, started by this engine)"
+        return ServerGone(
+            f"lmcache: the LMCache server at {where} is down; {hook} skipped it "
+            "(the node's on_error applies)"
+        )
+
+    def _bound_requests(self, direction: str) -> bool:
+        """Does this step's metadata ask LMCache to move KV in ``direction``?"""
+        try:
+            metadata = self.connector._get_connector_metadata()
+        except AssertionError:
+            return False
+        return any(
+            getattr(r, "direction", None) == direction for r in getattr(metadata, "requests", ())
+        )
+
+    def direct_hooks(self) -> dict[str, Any]:
+        hooks = super().direct_hooks()
+        # The two per-step worker hooks that reach the server check liveness
+        # first. The per-layer hooks stay bound straight to the connector:
+        # LMCache's MP connector does nothing in them (no server, no cost).
+        hooks["start_load_kv"] = self.start_load_kv
+        hooks["wait_for_save"] = self.wait_for_save
+        return hooks
+
+    @hookimpl
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        if self.server_alive:
+            return self.connector.get_num_new_matched_tokens(request.raw, num_computed_tokens)
+        # LMCache is in its degraded mode (no server I/O): it still creates the
+        # request's tracker, which update_state_after_alloc requires. Even a
+        # hit it remembers from before the outage is not claimed.
+        self.connector.get_num_new_matched_tokens(request.raw, num_computed_tokens)
+        return 0, False
+
+    @hookimpl
+    def start_load_kv(self, forward_context: Any) -> None:
+        if self.server_alive:
+            try:
+                self.connector.start_load_kv(forward_context)
+            except Exception as exc:
+                if self.server_alive:
+                    raise
+                raise self._gone("start_load_kv") from exc
+            return
+        # Degraded LMCache drops the retrieves and reports them finished and
+        # failed (its blocks are recomputed); the error applies on_error.
+        self.connector.start_load_kv(forward_context)
+        if self._bound_requests("RETRIEVE"):
+            raise self._gone("start_load_kv")
+
+    @hookimpl
+    def wait_for_save(self) -> None:
+        if self.server_alive:
+            try:
+                self.connector.wait_for_save()
+            except Exception as exc:
+                if self.server_alive:
+                    raise
+                raise self._gone("wait_for_save") from exc
+            return
+        self.connector.wait_for_save()
+        if self._bound_requests("STORE"):
+            raise self._gone("wait_for_save")
 
     def release_server(self) -> None:
         if self.shared is not None:
@@ -153,10 +311,120 @@ class LMCacheServerNode(NativeConnectorNode):
 
     @hookimpl
     def shutdown(self) -> None:
+        t0 = time.perf_counter()
+        self.watcher.stop()
+        alive = self.server_alive and self.watcher.check()
         try:
+            if not alive:
+                # LMCache's shutdown waits mq_timeout for the dead server to
+                # acknowledge the unregistration, then closes sockets that may
+                # hold unsent messages: neither must hold the process.
+                _quiet(self.connector)
             self.connector.shutdown()
         finally:
             self.release_server()
+            self.log.info(
+                "lmcache node shut down",
+                server_alive=alive,
+                seconds=round(time.perf_counter() - t0, 3),
+                vllm_role=self.ctx.vllm_role,
+            )
+
+
+# -- LMCache's adapters (lmcache 0.5.6) --------------------------------------------- #
+# LMCache's MP adapters already have a degraded mode (health events cleared: no
+# lookups, retrieves dropped and reported failed, stores dropped, no session
+# ends), entered by their own heartbeat after up to twice its interval (10 s by
+# default) and left by it after re-registering the KV caches. The watcher only
+# enters it sooner; every access is guarded, so another LMCache layout degrades
+# to LMCache's own behaviour instead of failing.
+
+
+def _adapters(connector: Any) -> list[Any]:
+    return [
+        a
+        for a in (
+            getattr(connector, "worker_adapter", None),
+            getattr(connector, "scheduler_adapter", None),
+        )
+        if a is not None
+    ]
+
+
+def _health_events(adapter: Any) -> list[threading.Event]:
+    events = list((getattr(adapter, "_health_events", None) or {}).values())
+    single = getattr(adapter, "_health_event", None)
+    if single is not None:
+        events.append(single)
+    return [e for e in events if isinstance(e, threading.Event)]
+
+
+def _clients(adapter: Any) -> list[Any]:
+    clients = list((getattr(adapter, "req_clients", None) or {}).values())
+    single = getattr(adapter, "req_client", None)
+    if single is not None:
+        clients.append(single)
+    return [getattr(c, "_message_queue_client", c) for c in clients]
+
+
+def _degrade(connector: Any) -> None:
+    for adapter in _adapters(connector):
+        for event in _health_events(adapter):
+            event.clear()
+        # Its heartbeat (started lazily) is what brings it back.
+        start = getattr(adapter, "_ensure_heartbeat_started", None)
+        if callable(start):
+            with contextlib.suppress(Exception):
+                start()
+
+
+def _lmcache_healthy(connector: Any) -> bool:
+    return all(bool(getattr(a, "is_healthy", True)) for a in _adapters(connector))
+
+
+def _fail_pending(connector: Any, url: str) -> None:
+    """End every wait on an unanswered request now, as its mq_timeout would."""
+    try:
+        from lmcache.v1.mp_observability.errors import LMCacheTimeoutError
+
+        error: type[TimeoutError] = LMCacheTimeoutError
+    except ImportError:  # pragma: no cover - another LMCache layout
+        error = TimeoutError
+    for adapter in _adapters(connector):
+        for client in _clients(adapter):
+            pending = getattr(client, "pending_futures", None)
+            if not pending:
+                continue
+            for _ in range(3):
+                try:
+                    entries = list(pending.values())
+                    break
+                except RuntimeError:  # changed size under the polling thread
+                    continue
+            else:
+                continue
+            for entry in entries:
+                future = entry[0] if isinstance(entry, tuple) else entry
+                if hasattr(future, "query") and not future.query():
+                    with contextlib.suppress(Exception):
+                        future.set_exception(error(f"the LMCache server at {url} is down"))
+
+
+def _quiet(connector: Any) -> None:
+    """Make LMCache's shutdown skip a dead server: no waits, no lingering sockets."""
+    import zmq
+
+    for adapter in _adapters(connector):
+        if hasattr(adapter, "_mq_timeout"):
+            adapter._mq_timeout = 0.0
+        for event in _health_events(adapter):
+            event.clear()
+        for client in _clients(adapter):
+            sock = getattr(client, "socket", None)
+            if sock is not None:
+                with contextlib.suppress(Exception):
+                    sock.setsockopt(zmq.LINGER, 0)
+    _fail_pending(connector, "(shutting down)")
 
 
 def _device(raw: dict[str, Any]) -> str:

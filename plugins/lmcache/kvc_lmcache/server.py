@@ -19,6 +19,7 @@ import ctypes
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -26,11 +27,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,10 @@ PR_SET_PDEATHSIG = 1
 
 class ServerError(RuntimeError):
     """The LMCache server could not be started, reached, or does not fit the engine."""
+
+
+class ServerGone(ServerError):
+    """The LMCache server died (or stopped answering) while the engine runs."""
 
 
 @dataclass(frozen=True)
@@ -156,13 +162,22 @@ def _is_server(pid: int | None, port: int | None) -> bool:
     return b"server" in argv and str(port).encode() in argv and any(b"lmcache" in a for a in argv)
 
 
-def start_server(settings: ServerSettings, log_file: Path, host: str = LOOPBACK) -> ServerInfo:
+def start_server(
+    settings: ServerSettings,
+    log_file: Path,
+    host: str = LOOPBACK,
+    *,
+    port: int | None = None,
+    http_port: int | None = None,
+) -> ServerInfo:
     """Start ``lmcache server`` on free loopback ports; return once it is healthy.
 
-    Raises :class:`ServerError` with the tail of its log if it exits or is not
-    healthy within ``settings.startup_timeout`` (and then stops it).
+    ``port`` / ``http_port`` pin the ports (a server restarted where clients
+    expect it). Raises :class:`ServerError` with the tail of its log if it
+    exits or is not healthy within ``settings.startup_timeout`` (and then stops it).
     """
-    port, http_port = free_port(host), free_port(host)
+    port = port or free_port(host)
+    http_port = http_port or free_port(host)
     while http_port == port:
         http_port = free_port(host)
     argv = server_argv(settings, host, port, http_port)
@@ -349,3 +364,122 @@ def check_server(
             "the server with --supported-transfer-mode auto"
         )
     return dict(mp)
+
+
+# -- liveness ------------------------------------------------------------------ #
+
+#: Seconds between liveness probes: a dead server is noticed within about two.
+WATCH_INTERVAL = 0.5
+#: A network probe waits at most this long; a dead loopback server refuses at once.
+PROBE_TIMEOUT = 1.0
+
+
+def pid_probe(pid: int) -> Callable[[], bool]:
+    """Liveness of a server this engine started: its process runs (exact, no network).
+
+    The engine's other process (not the server's parent) sees a killed server
+    as a zombie until its parent reaps it: that counts as dead too.
+    """
+
+    def probe() -> bool:
+        if not _alive(pid):
+            return False
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True  # no procfs: signal 0 is all there is
+        return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+    return probe
+
+
+def http_probe(http_url: str, timeout: float = PROBE_TIMEOUT) -> Callable[[], bool]:
+    """Liveness of a given server with an HTTP frontend: ``GET /healthcheck``."""
+    return lambda: healthy(http_url, timeout)
+
+
+def tcp_probe(host: str, port: int, timeout: float = PROBE_TIMEOUT) -> Callable[[], bool]:
+    """Liveness of a given server without an HTTP frontend: its ZMQ port accepts a connection."""
+
+    def probe() -> bool:
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                return True
+        except OSError:
+            return False
+
+    return probe
+
+
+class ServerWatcher:
+    """Probes a server every ``interval`` seconds on a daemon thread.
+
+    ``alive`` is a plain attribute (one read on a hot path). ``on_change(alive)``
+    runs on the watcher thread on every transition: down after ``failures``
+    failed probes in a row (1 for an exact probe such as a pid, more for a
+    network one, so one slow answer on a busy machine is not an outage), up
+    after one good probe. ``on_tick(alive)`` runs after every probe.
+    Callback errors are swallowed: the watcher must outlive them.
+    """
+
+    def __init__(
+        self,
+        probe: Callable[[], bool],
+        *,
+        interval: float = WATCH_INTERVAL,
+        failures: int = 1,
+        on_change: Callable[[bool], None] | None = None,
+        on_tick: Callable[[bool], None] | None = None,
+        name: str = "kvc-lmcache-watch",
+    ) -> None:
+        self.probe = probe
+        self.interval = interval
+        self.failures = max(1, failures)
+        self.on_change = on_change
+        self.on_tick = on_tick
+        self.alive = True
+        self.changes = 0
+        self._failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> ServerWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            # A probe waits at most PROBE_TIMEOUT; never hold shutdown longer than that.
+            self._thread.join(timeout=self.interval + PROBE_TIMEOUT + 1.0)
+
+    def check(self) -> bool:
+        """Probe once now (on the caller's thread); updates ``alive`` like a tick."""
+        try:
+            ok = bool(self.probe())
+        except Exception:
+            ok = False
+        if ok:
+            self._failed = 0
+        else:
+            self._failed += 1
+        alive = ok or (self.alive and self._failed < self.failures)
+        if alive != self.alive:
+            self.alive = alive
+            self.changes += 1
+            self._call(self.on_change, alive)
+        self._call(self.on_tick, alive)
+        return alive
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.check()
+
+    @staticmethod
+    def _call(callback: Callable[[bool], None] | None, alive: bool) -> None:
+        if callback is None:
+            return
+        try:
+            callback(alive)
+        except Exception:
+            logging.getLogger(__name__).exception("lmcache server watcher callback failed")
