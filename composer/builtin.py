@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from composer.hookspecs import hookimpl
+from composer.pipeline import Port
 from composer.plugin_types import Capabilities, PluginType
 
 # What is known of vLLM's own connectors without importing vLLM. The name
@@ -53,7 +54,7 @@ class VllmConnectorConfig(BaseModel):
     )
     engine_id: str | None = None
     kv_buffer_device: str | None = None
-    kv_port: int | None = None
+    kv_port: Port | None = Field(None, description="TCP port, 1 to 65535.")
     extra_config: dict[str, Any] = Field(
         default_factory=dict, description="The connector's kv_connector_extra_config."
     )

@@ -6,14 +6,18 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
+    AfterValidator,
+    AllowInfNan,
     BaseModel,
     BeforeValidator,
+    ByteSize,
     ConfigDict,
     Field,
     StringConstraints,
     create_model,
 )
 from pydantic.json_schema import JsonDict
+from pydantic_core import PydanticCustomError
 
 from composer.plugin_types import Capabilities, NodeRole, PluginType
 
@@ -27,6 +31,44 @@ LoadPolicy = Literal["first_hit", "longest_hit"]
 KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]
 
 SCHEMA_ID = "https://kv-composer.dev/schemas/pipeline.schema.json"
+
+
+# --------------------------------------------------------------------------- #
+# Strict value types for configs. pydantic's lax mode reads YAML's true as 1 and
+# accepts .inf / .nan as floats; a pipeline means neither.
+# --------------------------------------------------------------------------- #
+
+
+def _no_bool(kind: str, message: str) -> BeforeValidator:
+    def check(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise PydanticCustomError(kind, message)
+        return value
+
+    return BeforeValidator(check)
+
+
+def _positive_size(value: ByteSize) -> ByteSize:
+    if value <= 0:
+        raise PydanticCustomError("greater_than", "Input should be greater than {gt}", {"gt": 0})
+    return value
+
+
+#: An integer; true/false refused.
+Int = Annotated[int, _no_bool("int_type", "Input should be a valid integer")]
+#: A finite number; true/false, .inf and .nan refused.
+Number = Annotated[
+    float, _no_bool("float_type", "Input should be a valid number"), AllowInfNan(False)
+]
+#: A TCP port, 1 to 65535.
+Port = Annotated[Int, Field(ge=1, le=65535)]
+#: A size in bytes greater than 0 ("8GiB", 1048576); true/false refused.
+PositiveByteSize = Annotated[
+    ByteSize,
+    _no_bool("byte_size", "Input should be a size"),
+    AfterValidator(_positive_size),
+    Field(json_schema_extra={"exclusiveMinimum": 0}),
+]
 
 
 def _none_as_empty(value: Any) -> Any:
@@ -66,7 +108,9 @@ class Pipeline(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="KV Composer pipeline")
 
-    version: Literal[1] = Field(description="Pipeline file format version.")
+    version: Annotated[Literal[1], _no_bool("literal_error", "Input should be 1")] = Field(
+        description="Pipeline file format version."
+    )
     kv_role: KVRole = Field("kv_both", description="vLLM kv_role of the composed connector.")
     nodes: dict[NodeId, Node] = Field(
         min_length=1, description="Nodes by id.", json_schema_extra=_NODES_SCHEMA

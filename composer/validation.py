@@ -238,6 +238,7 @@ _EXPECTED = {
     "int_from_float": "an integer",
     "float_type": "a number",
     "float_parsing": "a number",
+    "finite_number": "a finite number",
     "bool_type": "true or false",
     "bool_parsing": "true or false",
     "byte_size": 'a size such as 8GiB, 512MB or a number of bytes',

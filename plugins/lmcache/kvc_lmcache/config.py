@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from composer.errors import did_you_mean
+from composer.pipeline import Int, Number
 
 TCP_URL = re.compile(r"^tcp://(?P<host>[^:/\s]+):(?P<port>\d{1,5})$")
 HTTP_URL = re.compile(r"^https?://[^:/\s]+:\d{1,5}/?$")
@@ -53,7 +54,7 @@ IN_PROCESS_ONLY = tuple(f for f in ENGINE_FIELDS if f != "chunk_size")
 class ServerConfig(BaseModel):
     """LMCache multiprocess mode: a ``lmcache server`` process and vLLM's LMCacheMPConnector."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     url: str | None = Field(
         default=None,
@@ -70,11 +71,11 @@ class ServerConfig(BaseModel):
         default=True,
         description="With url: null, start and own a local server (loopback, free ports).",
     )
-    l1_size_gb: float = Field(default=1.0, gt=0, description="Started server: --l1-size-gb.")
+    l1_size_gb: Number = Field(default=1.0, gt=0, description="Started server: --l1-size-gb.")
     eviction_policy: Literal["LRU", "ARC", "IsolatedLRU", "noop"] = Field(
         default="LRU", description="Started server: --eviction-policy."
     )
-    chunk_size: int | None = Field(
+    chunk_size: Int | None = Field(
         default=None,
         ge=1,
         description=(
@@ -91,15 +92,15 @@ class ServerConfig(BaseModel):
             "at start-up), so keep auto or engine_driven there."
         ),
     )
-    mq_timeout: float = Field(
+    mq_timeout: Number = Field(
         default=30.0,
         gt=0,
         description="lmcache.mp.mq_timeout, seconds (LMCache's own default is 300).",
     )
-    heartbeat_interval: float | None = Field(
+    heartbeat_interval: Number | None = Field(
         default=None, gt=0, description="lmcache.mp.heartbeat_interval, seconds."
     )
-    startup_timeout: float = Field(
+    startup_timeout: Number = Field(
         default=120.0, gt=0, description="Seconds to wait for a started server to be healthy."
     )
     extra_args: list[str] = Field(
@@ -151,7 +152,7 @@ class ServerConfig(BaseModel):
 class LMCacheConfig(BaseModel):
     """LMCache as a pipeline node: a multiprocess server (default) or an in-process engine."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mode: Literal["server", "in_process"] = Field(
         default="server",
@@ -162,11 +163,13 @@ class LMCacheConfig(BaseModel):
     )
     server: ServerConfig = Field(default_factory=ServerConfig, description="Server mode options.")
 
-    chunk_size: int = Field(default=256, ge=1, description="Tokens per LMCache chunk.")
+    chunk_size: Int = Field(default=256, ge=1, description="Tokens per LMCache chunk.")
     local_cpu: bool = Field(default=True, description="in_process: keep chunks in CPU memory.")
-    max_local_cpu_size: float = Field(default=5.0, ge=0, description="in_process: GB of CPU cache.")
+    max_local_cpu_size: Number = Field(
+        default=5.0, ge=0, description="in_process: GB of CPU cache."
+    )
     local_disk: str | None = Field(default=None, description="in_process: local disk cache path.")
-    max_local_disk_size: float = Field(default=0.0, ge=0, description="in_process: GB on disk.")
+    max_local_disk_size: Number = Field(default=0.0, ge=0, description="in_process: GB on disk.")
     remote_url: str | None = Field(default=None, description="in_process: remote backend URL.")
     remote_serde: str | None = Field(default="naive", description="in_process: remote serde.")
     save_unfull_chunk: bool = Field(
@@ -178,17 +181,17 @@ class LMCacheConfig(BaseModel):
         default=False,
         description="in_process: CacheBlend; needs a model-tracker node in `needs`.",
     )
-    blend_recompute_ratios: list[float] | None = None
-    blend_thresholds: list[float] | None = None
-    blend_check_layers: list[int] | None = None
-    blend_min_tokens: int = Field(default=256, ge=0)
+    blend_recompute_ratios: list[Number] | None = None
+    blend_thresholds: list[Number] | None = None
+    blend_check_layers: list[Int] | None = None
+    blend_min_tokens: Int = Field(default=256, ge=0)
     blend_special_str: str = " # # "
     extra: dict[str, Any] = Field(
         default_factory=dict,
         description="Other LMCache engine config fields by name (checked against LMCache's).",
     )
 
-    kv_cache_group: int | None = Field(
+    kv_cache_group: Int | None = Field(
         default=None,
         ge=0,
         description=(

@@ -6,13 +6,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
+from composer.pipeline import Int, PositiveByteSize
+
 
 class OffloadCPUConfig(BaseModel):
     """A CPU memory tier for whole KV cache blocks, keyed by a chained hash of their tokens."""
 
     model_config = ConfigDict(extra="forbid")
 
-    capacity: ByteSize = Field(
+    capacity: PositiveByteSize = Field(
         default=ByteSize(4 * 1024**3),
         description=(
             "Host memory of the block pool per worker, e.g. 8GiB. Slots = capacity // bytes "
@@ -29,7 +31,7 @@ class OffloadCPUConfig(BaseModel):
             '"all": also the full blocks produced while decoding.'
         ),
     )
-    min_blocks: int = Field(
+    min_blocks: Int = Field(
         default=1,
         ge=1,
         description="Serve a hit only when at least this many blocks can be loaded.",
