@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
+from functools import partial
+from typing import Any, cast
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
+import pytest
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from composer.hookspecs import NodeSpec
+from composer.testing.multiconnector import make_vllm_config, pipeline_for
 from composer.vllm.connector import ComposedConnector
+from composer.vllm.registration import register
 
 
 def public_members(cls: type) -> set[str]:
@@ -44,3 +58,148 @@ def test_every_base_class_method_has_a_hook_or_is_composer_level() -> None:
     }
     uncovered = sorted(public_members(KVConnectorBase_V1) - hooks - composer_level)
     assert uncovered == [], f"base-class methods with no lifecycle hook: {uncovered}"
+
+
+# --------------------------------------------------------------------------- #
+# Parity with MultiConnector on what vLLM hands a connector and asks of it.
+# --------------------------------------------------------------------------- #
+
+
+class RecordingConnector(KVConnectorBase_V1):
+    """An out-of-tree connector (found by module path) recording what it is given."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.pool = extra.get("pool")
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.calls.append(("start_load_kv", (forward_context,), kwargs))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self.calls.append(("save_kv_layer", (layer_name, kv_layer, attn_metadata), kwargs))
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        return KVConnectorMetadata()
+
+    def get_mem_pool_context(self) -> Any:
+        return nullcontext(self.pool) if self.pool else None
+
+
+class RecordingHMAConnector(RecordingConnector, SupportsHMA):
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+        return False, None
+
+
+def child(cls: type, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": cls.__name__,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": __name__,
+        "kv_connector_extra_config": extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def registered() -> None:
+    register()
+
+
+def composed(children: list[dict[str, Any]]) -> ComposedConnector:
+    config = make_vllm_config(children, disable_hybrid_kv_cache_manager=True)
+    no_cache = KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[])
+    return ComposedConnector(config, KVConnectorRole.WORKER, no_cache)
+
+
+def _importable(name: str) -> bool:
+    try:
+        KVConnectorFactory.get_connector_class_by_name(name)
+    except ImportError:  # MoRIIO needs msgpack, not part of vLLM's CPU build
+        return False
+    return True
+
+
+IN_TREE = sorted(n for n in KVConnectorFactory._registry if _importable(n))
+
+
+@pytest.mark.parametrize("name", [*IN_TREE, "RecordingConnector", "RecordingHMAConnector"])
+def test_hma_support_of_a_native_node_is_its_connector_class(registered: None, name: str) -> None:
+    if name.startswith("Recording"):
+        spec = child(globals()[name])
+    else:
+        spec = {"kv_connector": name, "kv_role": "kv_both"}
+        if name == "MultiConnector":
+            spec["kv_connector_extra_config"] = {"connectors": [child(RecordingHMAConnector)]}
+    expected = KVConnectorFactory.supports_hma_config(KVTransferConfig(**spec))
+    transfer = KVTransferConfig(
+        kv_connector="ComposedConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"pipeline": pipeline_for([spec])},
+    )
+    assert ComposedConnector.all_nodes_support_hma(transfer) is expected
+    # vLLM's own question about the composed connector gets the same answer.
+    assert KVConnectorFactory.supports_hma_config(transfer) is expected
+
+
+@pytest.mark.parametrize(
+    ("kinds", "hybrid_off"),
+    [
+        ((RecordingHMAConnector, RecordingConnector), True),
+        ((RecordingConnector, RecordingHMAConnector), True),
+        ((RecordingConnector, RecordingConnector), True),
+        ((RecordingHMAConnector, RecordingHMAConnector), False),
+    ],
+)
+def test_vllm_switches_the_hybrid_manager_off_unless_every_node_supports_hma(
+    registered: None, kinds: tuple[type, ...], hybrid_off: bool
+) -> None:
+    config = make_vllm_config([child(k) for k in kinds])
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is hybrid_off
+
+
+KWARGS = {"request_ids": ["r1"], "num_tokens": 7}
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("via", ["instance", "class"])
+def test_keyword_arguments_reach_every_native_node(registered: None, nodes: int, via: str) -> None:
+    connector = composed([child(RecordingConnector) for _ in range(nodes)])
+    call = (
+        (lambda name: getattr(connector, name))
+        if via == "instance"
+        else (lambda name: partial(getattr(ComposedConnector, name), connector))
+    )
+    call("start_load_kv")("fc", **KWARGS)
+    call("save_kv_layer")("layer.0", "kv", "attn", **KWARGS)
+    call("start_load_kv")("fc")
+    call("save_kv_layer")("layer.0", "kv", "attn")
+    for sub in connector.sub_connectors:
+        assert cast(RecordingConnector, sub).calls == [
+            ("start_load_kv", ("fc",), KWARGS),
+            ("save_kv_layer", ("layer.0", "kv", "attn"), KWARGS),
+            ("start_load_kv", ("fc",), {}),
+            ("save_kv_layer", ("layer.0", "kv", "attn"), {}),
+        ]
+
+
+def test_several_memory_pools_are_refused_in_multiconnectors_words(registered: None) -> None:
+    one = composed([child(RecordingConnector, pool="a"), child(RecordingConnector)])
+    assert one.get_mem_pool_context() is not None
+    two = composed([child(RecordingConnector, pool="a"), child(RecordingConnector, pool="b")])
+    with pytest.raises(ValueError, match="Multiple connectors provide a KV cache memory pool"):
+        two.get_mem_pool_context()

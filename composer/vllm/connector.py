@@ -8,6 +8,8 @@ no node is ever silently skipped.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
@@ -35,9 +37,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from composer.builtin import VllmConnectorConfig
 from composer.chain import Chain, ChainMetadata, ChainWorkerMetadata
-from composer.pipeline import ResolvedPipeline
+from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.stats import merge
 from composer.validation import load_pipeline
+from composer.vllm.native import NO_KWARGS, NativeConnectorNode
 
 if TYPE_CHECKING:
     import torch
@@ -67,10 +70,42 @@ class ComposedWorkerMetadata(ChainWorkerMetadata, KVConnectorWorkerMetadata):  #
 
 @dataclass
 class ComposedStats(KVConnectorStats):
-    """Stats per **node id**: ``{node: {"plugin", "counters", "node"?}}``."""
+    """Stats per **node id**: ``{node: {"plugin", "counters", "node"?, "connector"?}}``.
+
+    ``node`` is what the node's own ``get_kv_connector_stats`` returned; for a
+    native node that is its connector's ``KVConnectorStats``, shipped as that
+    class's ``to_dict()`` payload and rebuilt in that class on the other side
+    (``connector``: the name and module path to find it), as MultiConnector does.
+    """
+
+    @property
+    def native(self) -> dict[str, KVConnectorStats]:
+        """Each node's own stats object by node id (MultiKVConnectorStats.data)."""
+        out: dict[str, KVConnectorStats] = {}
+        for node_id, entry in self.data.items():
+            own = entry.get("node")
+            if isinstance(own, KVConnectorStats):
+                out[node_id] = own
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for node_id, entry in self.data.items():
+            own = entry.get("node")
+            if isinstance(own, KVConnectorStats):
+                entry = {**entry, "node": own.to_dict()}
+            out[node_id] = entry
+        return out
 
     def reset(self) -> None:
-        self.data = {}
+        # As MultiKVConnectorStats: every node keeps its entry, emptied in place.
+        for entry in self.data.values():
+            entry["counters"] = _zeroed(entry.get("counters", {}))
+            own = entry.get("node")
+            if isinstance(own, KVConnectorStats):
+                own.reset()
+            elif own is not None:
+                del entry["node"]
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for node_id, entry in other.data.items():
@@ -78,37 +113,68 @@ class ComposedStats(KVConnectorStats):
             if mine is None:
                 self.data[node_id] = entry
                 continue
-            mine["counters"] = merge(mine["counters"], entry["counters"])
+            mine["counters"] = merge(mine.get("counters", {}), entry.get("counters", {}))
             if "node" in entry:
                 own = mine.get("node")
                 mine["node"] = (
                     entry["node"] if own is None else _merge_node_stats(own, entry["node"])
                 )
+            if "connector" in entry:
+                mine.setdefault("connector", entry["connector"])
         return self
 
-    def reduce(self) -> dict[str, int | float]:
-        flat: dict[str, int | float] = {}
+    def reduce(self) -> dict[str, Any]:
+        # Per node, as MultiKVConnectorStats reduces per connector: the chain's
+        # counters and the node's own reduced stats side by side.
+        out: dict[str, Any] = {}
         for node_id, entry in self.data.items():
-            for key, value in entry["counters"].items():
+            flat: dict[str, Any] = {}
+            for key, value in entry.get("counters", {}).items():
                 if isinstance(value, bool):
                     continue
                 if isinstance(value, int | float) and value:
-                    flat[f"{node_id}.{key}"] = value
+                    flat[key] = value
                 elif isinstance(value, dict):
                     for sub, v in value.items():
-                        flat[f"{node_id}.{key}.{sub}"] = v
+                        flat[f"{key}.{sub}"] = v
             own = entry.get("node")
             if isinstance(own, KVConnectorStats):
-                for key, value in own.reduce().items():
-                    flat[f"{node_id}.{key}"] = value
+                if not own.is_empty():
+                    flat.update(own.reduce())
             elif isinstance(own, dict):
-                for key, value in own.items():
-                    if isinstance(value, int | float):
-                        flat[f"{node_id}.{key}"] = value
-        return flat
+                flat.update((k, v) for k, v in own.items() if isinstance(v, int | float))
+            if flat:
+                out[node_id] = flat
+        return out
 
     def is_empty(self) -> bool:
-        return not self.data
+        return all(_entry_is_empty(entry) for entry in self.data.values())
+
+
+def _zeroed(counters: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in counters.items():
+        if isinstance(value, bool):
+            out[key] = value  # a state (disabled), not a count
+        elif isinstance(value, int | float):
+            out[key] = type(value)(0)
+        elif isinstance(value, dict):
+            out[key] = {}
+        else:
+            out[key] = value
+    return out
+
+
+def _entry_is_empty(entry: dict[str, Any]) -> bool:
+    for value in entry.get("counters", {}).values():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int | float | dict) and value:
+            return False
+    own = entry.get("node")
+    if isinstance(own, KVConnectorStats):
+        return own.is_empty()
+    return not own
 
 
 def _merge_node_stats(a: Any, b: Any) -> Any:
@@ -119,21 +185,116 @@ def _merge_node_stats(a: Any, b: Any) -> Any:
     return b
 
 
+def _native_stats_class_owner(connector: dict[str, Any]) -> type[KVConnectorBase_V1]:
+    """The connector class whose ``build_kv_connector_stats`` rebuilds a node's stats."""
+    module_path = connector.get("module_path")
+    if module_path:
+        return cast(
+            type[KVConnectorBase_V1],
+            getattr(importlib.import_module(module_path), connector["name"]),
+        )
+    # Unknown names raise vLLM's own "Connector '...' is not registered." error.
+    return cast(
+        type[KVConnectorBase_V1], KVConnectorFactory.get_connector_class_by_name(connector["name"])
+    )
+
+
+def rebuild_stats(data: dict[str, Any] | None) -> ComposedStats:
+    """The stats of ``ComposedStats.to_dict()`` again, each native node's in its own class.
+
+    A native node whose connector builds no stats object from the payload (its
+    class keeps vLLM's default) loses its own part, as in MultiConnector; the
+    entry stays while it has counters.
+    """
+    out: dict[str, Any] = {}
+    for node_id, entry in (data or {}).items():
+        own = entry.get("node")
+        connector = entry.get("connector")
+        if own is not None and not isinstance(own, KVConnectorStats) and connector:
+            entry = dict(entry)
+            rebuilt = _native_stats_class_owner(connector).build_kv_connector_stats(data=own)
+            if rebuilt is None:
+                del entry["node"]
+                if _entry_is_empty(entry):
+                    continue
+            else:
+                entry["node"] = rebuilt
+        out[node_id] = entry
+    return ComposedStats(data=out)
+
+
 @lru_cache(maxsize=16)
 def _load(source: str) -> ResolvedPipeline:
     spec = json.loads(source)
     return load_pipeline(spec)
 
 
-def pipeline_from_extra_config(extra: dict[str, Any]) -> ResolvedPipeline:
-    """The pipeline named by ``kv_connector_extra_config["pipeline"]`` (path or inline)."""
+def _pipeline_key(extra: dict[str, Any]) -> str:
     spec = extra.get("pipeline")
     if spec is None:
         raise ValueError(
             'ComposedConnector needs kv_connector_extra_config["pipeline"]: '
             "a pipeline file path or the pipeline inline (see `kvc export`)"
         )
-    return _load(json.dumps(spec, sort_keys=True))
+    return json.dumps(spec, sort_keys=True)
+
+
+def pipeline_from_extra_config(extra: dict[str, Any]) -> ResolvedPipeline:
+    """The pipeline named by ``kv_connector_extra_config["pipeline"]`` (path or inline)."""
+    return _load(_pipeline_key(extra))
+
+
+def runtime_pipeline(extra: dict[str, Any]) -> ResolvedPipeline:
+    """The pipeline as it runs: native nodes' HMA support from their connector classes."""
+    return _runtime(_pipeline_key(extra))
+
+
+@lru_cache(maxsize=16)
+def _runtime(source: str) -> ResolvedPipeline:
+    pipeline = _load(source)
+    nodes = []
+    for node in pipeline.nodes:
+        if node.plugin.name == "vllm":
+            # Validation only has a table of vLLM's connectors (it must not import
+            # vLLM); what vLLM itself goes by is the class: SupportsHMA or not.
+            hma = KVConnectorFactory.supports_hma_config(_native_transfer_config(node, pipeline))
+            if hma != node.capabilities.hma:
+                caps = node.capabilities.model_copy(update={"hma": hma})
+                node = dataclasses.replace(node, capabilities=caps)
+        nodes.append(node)
+    mode = pipeline.source.get("hma", "auto")
+    hma = mode != "off" and all(n.capabilities.hma for n in nodes)
+    if mode == "on" and not hma:
+        lacking = [n.id for n in nodes if not n.capabilities.hma]
+        raise ValueError(
+            f'{pipeline.file}: hma: "hma: on" needs every node to support HMA, but the '
+            f"connector classes of nodes {lacking} do not implement vLLM's SupportsHMA"
+        )
+    return dataclasses.replace(pipeline, nodes=tuple(nodes), hma=hma)
+
+
+def _native_transfer_config(node: ResolvedNode, pipeline: ResolvedPipeline) -> Any:
+    # The class decides (SupportsHMA), found as vLLM finds it; a MultiConnector
+    # node answers for its children.
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    from composer.export import native_child_config
+
+    child = native_child_config(cast(VllmConnectorConfig, node.config), pipeline.kv_role)
+    return KVTransferConfig(**child)
+
+
+def _native_identities(pipeline: ResolvedPipeline) -> dict[str, dict[str, str]]:
+    """Per native node, what finds its connector class again in another process."""
+    out: dict[str, dict[str, str]] = {}
+    for node in pipeline.nodes:
+        if node.plugin.name == "vllm":
+            config = cast(VllmConnectorConfig, node.config)
+            ident = {"name": config.connector}
+            if config.module_path:
+                ident["module_path"] = config.module_path
+            out[node.id] = ident
+    return out
 
 
 def _native_classes(
@@ -184,12 +345,15 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         assert vllm_config.kv_transfer_config is not None
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        self.pipeline = pipeline_from_extra_config(extra)
+        self.pipeline = runtime_pipeline(extra)
         _deep_check(self.pipeline)
         vllm_role = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         # The class is SupportsHMA, so vLLM leaves its hybrid manager on; that is
         # harmless with one KV cache group, and refused with several unless every
         # node supports HMA.
+        # vLLM switches its hybrid manager off unless every node supports HMA
+        # (all_nodes_support_hma, as for MultiConnector); it is on here only where
+        # the user turned it on.
         hma_on = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         if hma_on and len(kv_cache_config.kv_cache_groups) > 1 and not self.pipeline.hma:
             lacking = [n.id for n in self.pipeline.nodes if not n.capabilities.hma]
@@ -208,7 +372,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             metadata_type=ComposedMetadata,
             worker_metadata_type=ComposedWorkerMetadata,
             transfer_results_type=KVConnectorTransferResults,
-            stats_type=ComposedStats,
+            stats_type=_stats_type(_native_identities(self.pipeline)),
             restore_worker_meta=True,
         )
         self.chain.on_rebind.append(self._bind_hot_paths)
@@ -233,6 +397,13 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         chain = self.chain
         for name in _BOUND_TO_CHAIN:
             setattr(self, name, getattr(chain, name))
+        # vLLM may pass keyword arguments (the GPU model runner's start_load_kv
+        # does): native nodes get them, as MultiConnector's children do.
+        self._native_kwargs = [
+            n.call_kwargs for n in chain.nodes.values() if isinstance(n, NativeConnectorNode)
+        ]
+        self.start_load_kv = self._kwargs_passing("start_load_kv", chain.start_load_kv)  # type: ignore[method-assign]
+        self.save_kv_layer = self._kwargs_passing("save_kv_layer", chain.save_kv_layer)  # type: ignore[method-assign]
 
         chain_preempt = chain.handle_preemptions
         chain_bind = chain.bind_connector_metadata
@@ -255,6 +426,23 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.bind_connector_metadata = bind_connector_metadata  # type: ignore[method-assign]
         self.clear_connector_metadata = clear_connector_metadata  # type: ignore[method-assign]
 
+    def _kwargs_passing(self, hook: str, dispatch: Any) -> Any:
+        targets = self._native_kwargs
+
+        def call(*args: Any, **kwargs: Any) -> None:
+            if not kwargs:
+                dispatch(*args)
+                return
+            for kw in targets:
+                kw[hook] = kwargs
+            try:
+                dispatch(*args)
+            finally:
+                for kw in targets:
+                    kw[hook] = NO_KWARGS
+
+        return call
+
     # ------------------------------------------------------------------ #
     # properties
     # ------------------------------------------------------------------ #
@@ -265,6 +453,20 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _native_connectors(self) -> list[KVConnectorBase_V1]:
         return [n.connector for n in self.chain.nodes.values() if hasattr(n, "connector")]
+
+    @property
+    def sub_connectors(self) -> list[KVConnectorBase_V1]:
+        """The native nodes' connectors, in node order (as MultiConnector's)."""
+        return self._native_connectors()
+
+    @classmethod
+    def all_nodes_support_hma(cls, kv_transfer_config: Any) -> bool:
+        """Whether vLLM may keep its hybrid KV cache manager on for this pipeline.
+
+        vLLM asks ``KVConnectorFactory.supports_hma_config``, which KV Composer's
+        vLLM plugin routes here (MultiConnector has the same special case there).
+        """
+        return runtime_pipeline(kv_transfer_config.kv_connector_extra_config).hma
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
@@ -306,7 +508,15 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.chain.initialize_worker_connector(model, self._vllm_config, self._kv_cache_config)
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:
-        return self.chain.get_mem_pool_context()
+        # MultiConnector's rule and wording: KV cache lives in one pool.
+        found = [(n, c) for n, c in self.chain._each("get_mem_pool_context") if c is not None]
+        if len(found) > 1:
+            raise ValueError(
+                f"Multiple connectors provide a KV cache memory pool {[n for n, _ in found]}; "
+                "KV cache is allocated once and can only live in one pool. "
+                "Configure custom_mem_pool on at most one connector."
+            )
+        return found[0][1] if found else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from composer.vllm.canonical import build
@@ -360,7 +570,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         super().clear_connector_metadata()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self.chain.start_load_kv(forward_context)
+        self._kwargs_passing("start_load_kv", self.chain.start_load_kv)(forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.chain.wait_for_layer_load(layer_name)
@@ -372,7 +582,9 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        self.chain.save_kv_layer(layer_name, kv_layer, attn_metadata)
+        self._kwargs_passing("save_kv_layer", self.chain.save_kv_layer)(
+            layer_name, kv_layer, attn_metadata, **kwargs
+        )
 
     def wait_for_save(self) -> None:
         self.chain.wait_for_save()
@@ -542,7 +754,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
-        return ComposedStats(data=dict(data) if data else {})
+        return rebuild_stats(data)
 
     @classmethod
     def build_prom_metrics(
@@ -585,11 +797,25 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
         self.per_node = per_node
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        # Each node's metrics get the flat payload that node's connector ships
+        # (its stats' to_dict()), as vLLM hands a lone connector's metrics.
         for node_id, entry in transfer_stats_data.items():
             prom = self.per_node.get(node_id)
             own = entry.get("node") if isinstance(entry, dict) else None
             if prom is not None and own is not None:
-                prom.observe(own.data if isinstance(own, KVConnectorStats) else own, engine_idx)
+                payload = own.to_dict() if isinstance(own, KVConnectorStats) else own
+                prom.observe(payload, engine_idx)
+
+
+def _stats_type(natives: dict[str, dict[str, str]]) -> Any:
+    def stats_type(data: dict[str, Any]) -> ComposedStats:
+        for node_id, ident in natives.items():
+            entry = data.get(node_id)
+            if entry is not None and "node" in entry:
+                entry["connector"] = ident
+        return ComposedStats(data=data)
+
+    return stats_type
 
 
 def _deep_check(pipeline: ResolvedPipeline) -> None:

@@ -8,6 +8,8 @@ hook forwards vLLM's raw objects to it unchanged, exactly as MultiConnector does
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, cast
 
 from vllm.config.kv_transfer import KVTransferConfig
@@ -44,6 +46,10 @@ SKIP_IF_DEFAULT: dict[str, tuple[str, ...]] = {
 }
 
 
+#: What a native node passes on as keyword arguments when vLLM passed none.
+NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
+
+
 def _is_base_default(connector: Any, name: str) -> bool:
     method = getattr(connector, name, None)
     return getattr(method, "__func__", None) is getattr(KVConnectorBase_V1, name, None)
@@ -74,6 +80,12 @@ class NativeConnectorNode(Plugin):
             temp.scheduler_config = copy.copy(temp.scheduler_config)
             temp.scheduler_config.disable_hybrid_kv_cache_manager = True
         self.connector = KVConnectorFactory.create_connector(temp, role, ctx.kv_cache_config)
+        #: The keyword arguments vLLM passed to the composed connector's call of
+        #: each hook, set by the composed connector for the call's duration.
+        self.call_kwargs: dict[str, Mapping[str, Any]] = {
+            "start_load_kv": NO_KWARGS,
+            "save_kv_layer": NO_KWARGS,
+        }
 
     def direct_hooks(self) -> dict[str, Any]:
         """Hooks bound straight to the connector: no wrapper on the per-layer and per-step paths.
@@ -83,14 +95,22 @@ class NativeConnectorNode(Plugin):
         all: the connector keeps vLLM's do-nothing default for it.
         """
         c = self.connector
+        kw = self.call_kwargs
+
+        def save_kv_layer(layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
+            c.save_kv_layer(layer_name, kv_layer, attn_metadata, **kw["save_kv_layer"])
+
+        def start_load_kv(forward_context: Any) -> None:
+            c.start_load_kv(forward_context, **kw["start_load_kv"])
+
         hooks: dict[str, Any] = {
             # per layer
             "wait_for_layer_load": c.wait_for_layer_load,
-            "save_kv_layer": c.save_kv_layer,
+            "save_kv_layer": save_kv_layer,
             # worker, per step
             "handle_preemptions": c.handle_preemptions,
             "bind_connector_metadata": c.bind_connector_metadata,
-            "start_load_kv": c.start_load_kv,
+            "start_load_kv": start_load_kv,
             "wait_for_save": c.wait_for_save,
             "finish_forward": c.finish_forward,
             "clear_connector_metadata": c.clear_connector_metadata,
@@ -219,7 +239,7 @@ class NativeConnectorNode(Plugin):
 
     @hookimpl
     def start_load_kv(self, forward_context: Any) -> None:
-        self.connector.start_load_kv(forward_context)
+        self.connector.start_load_kv(forward_context, **self.call_kwargs["start_load_kv"])
 
     @hookimpl
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -227,7 +247,9 @@ class NativeConnectorNode(Plugin):
 
     @hookimpl
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
-        self.connector.save_kv_layer(layer_name, kv_layer, attn_metadata)
+        self.connector.save_kv_layer(
+            layer_name, kv_layer, attn_metadata, **self.call_kwargs["save_kv_layer"]
+        )
 
     @hookimpl
     def wait_for_save(self) -> None:
