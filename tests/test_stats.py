@@ -3,8 +3,23 @@
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorLogging,
+    KVConnectorStats,
+)
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from composer.stats import NodeStats, merge
+from composer.testing.multiconnector import pipeline_for
 from composer.vllm.connector import ComposedConnector, ComposedStats
 
 
@@ -29,17 +44,17 @@ def test_stats_are_kept_per_node_id_and_summed_across_workers_and_steps() -> Non
     merged = a.aggregate(b)
     reduced = merged.reduce()
     # Two nodes of the same plugin type stay apart (MultiConnector merges by class).
-    assert reduced["cpu.tokens_loaded"] == 96
-    assert reduced["cpu.errors"] == 1
-    assert reduced["cpu2.tokens_saved"] == 96
-    assert reduced["cpu.hook_seconds.start_load_kv"] == 1.0
+    assert reduced["cpu"]["tokens_loaded"] == 96
+    assert reduced["cpu"]["errors"] == 1
+    assert reduced["cpu2"]["tokens_saved"] == 96
+    assert reduced["cpu"]["hook_seconds.start_load_kv"] == 1.0
 
 
 def test_stats_survive_the_trip_to_the_logger_process() -> None:
     stats = ComposedStats(data={"cpu": {"plugin": "offload-cpu", "counters": snapshot(hits=2)}})
     payload = pickle.loads(pickle.dumps(stats.to_dict()))
     rebuilt = ComposedConnector.build_kv_connector_stats(payload)
-    assert rebuilt is not None and rebuilt.reduce()["cpu.hits"] == 2
+    assert rebuilt is not None and rebuilt.reduce()["cpu"]["hits"] == 2
     assert ComposedConnector.build_kv_connector_stats(None).is_empty()  # type: ignore[union-attr]
 
 
@@ -78,3 +93,210 @@ def test_every_way_of_writing_a_counter_marks_the_node_changed() -> None:
     stats.changes.seen = False
     stats.take()  # a reset is not a change
     assert not stats.changes.seen and stats.gauges == {"g": 1}
+
+
+# --------------------------------------------------------------------------- #
+# A native node's own stats, across vLLM's process boundary (engine -> frontend).
+# --------------------------------------------------------------------------- #
+
+
+class OutOfTreeStats(KVConnectorStats):
+    def reset(self) -> None:
+        self.data = {"moved": []}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data["moved"] = self.data.get("moved", []) + other.data["moved"]
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {"Moved": sum(self.data.get("moved", []))}
+
+    def is_empty(self) -> bool:
+        return not self.data.get("moved")
+
+
+class OutOfTreeConnector(KVConnectorBase_V1):
+    """Found by module path only: its stats class is known to no registry."""
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return OutOfTreeStats(data=data if data is not None else {"moved": []})
+
+
+def _importable(name: str) -> bool:
+    try:
+        KVConnectorFactory.get_connector_class_by_name(name)
+    except ImportError:  # MoRIIO needs msgpack, not part of vLLM's CPU build
+        return False
+    return True
+
+
+def _own_stats(cls: type) -> bool:
+    return cls.build_kv_connector_stats.__func__ is not (  # type: ignore[attr-defined]
+        KVConnectorBase_V1.build_kv_connector_stats.__func__  # type: ignore[attr-defined]
+    )
+
+
+#: Every connector of the installed vLLM that has its own stats class, and one
+#: out-of-tree connector: (connector identity as a node records it, its class).
+WITH_OWN_STATS = [
+    ({"name": name}, KVConnectorFactory.get_connector_class_by_name(name))
+    for name in sorted(KVConnectorFactory._registry)
+    if _importable(name) and _own_stats(KVConnectorFactory.get_connector_class_by_name(name))
+] + [({"name": "OutOfTreeConnector", "module_path": __name__}, OutOfTreeConnector)]
+
+NIXL = {
+    "transfer_duration": [1.0, 2.0],
+    "post_duration": [0.1, 0.2],
+    "bytes_transferred": [1024, 2048],
+    "num_descriptors": [10, 20],
+    "num_failed_transfers": [],
+    "num_failed_notifications": [],
+    "num_failed_handshakes": [],
+    "num_kv_expired_reqs": [],
+    "num_notifications_after_expiry": [],
+}
+
+
+def across_processes(stats: ComposedStats) -> dict[str, Any]:
+    """What vLLM's frontend receives: the scheduler's to_dict(), through msgpack."""
+    outputs = EngineCoreOutputs(scheduler_stats=SchedulerStats(kv_connector_stats=stats.to_dict()))
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outputs))
+    assert decoded.scheduler_stats is not None
+    return cast(dict[str, Any], decoded.scheduler_stats.kv_connector_stats)
+
+
+def native_entry(connector: dict[str, str], own: KVConnectorStats) -> dict[str, Any]:
+    return {"plugin": "vllm", "counters": snapshot(lookups=1), "node": own, "connector": connector}
+
+
+@pytest.mark.parametrize(
+    ("connector", "cls"), WITH_OWN_STATS, ids=[c["name"] for c, _ in WITH_OWN_STATS]
+)
+def test_a_native_nodes_stats_are_rebuilt_in_their_own_class(
+    connector: dict[str, str], cls: type[KVConnectorBase_V1]
+) -> None:
+    own = cls.build_kv_connector_stats(data=None)
+    assert own is not None
+    stats = ComposedStats(data={"node-a": native_entry(connector, own)})
+    rebuilt = ComposedConnector.build_kv_connector_stats(across_processes(stats))
+    assert isinstance(rebuilt, ComposedStats)
+    assert type(rebuilt.native["node-a"]) is type(own)
+    assert rebuilt.native["node-a"].to_dict() == own.to_dict()
+    assert rebuilt.data["node-a"]["counters"]["lookups"] == 1
+
+
+def test_what_the_frontend_logs_and_observes_is_each_nodes_own_reduced_stats() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlKVConnectorStats
+
+    stats = ComposedStats(
+        data={
+            "nixl": native_entry({"name": "NixlConnector"}, NixlKVConnectorStats(data=NIXL)),
+            "mine": native_entry(
+                {"name": "OutOfTreeConnector", "module_path": __name__},
+                OutOfTreeStats(data={"moved": [3, 4]}),
+            ),
+        }
+    )
+    payload = across_processes(stats)
+    # Prometheus: each node's metrics get the flat dict its connector ships.
+    assert payload["nixl"]["node"] == NIXL
+    logging = KVConnectorLogging(
+        KVTransferConfig(
+            kv_connector="ComposedConnector",
+            kv_connector_module_path="composer.vllm.connector",
+            kv_role="kv_both",
+        )
+    )
+    logging.observe(payload)
+    logging.observe(payload)  # a second interval: aggregated in each node's class
+    accumulated = logging.transfer_stats_accumulator
+    assert isinstance(accumulated, ComposedStats) and not accumulated.is_empty()
+    reduced = accumulated.reduce()
+    assert reduced["nixl"]["Num successful transfers"] == 4
+    assert reduced["nixl"]["lookups"] == 2
+    assert reduced["mine"]["Moved"] == 14
+
+
+def test_reset_empties_every_node_in_place_and_is_empty_looks_inside() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlKVConnectorStats
+
+    stats = ComposedStats(
+        data={
+            "nixl": native_entry({"name": "NixlConnector"}, NixlKVConnectorStats(data=dict(NIXL))),
+            "cpu": {"plugin": "offload-cpu", "counters": snapshot(tokens_loaded=5)},
+        }
+    )
+    assert not stats.is_empty()
+    stats.reset()
+    assert stats.is_empty() and set(stats.data) == {"nixl", "cpu"}
+    assert stats.native["nixl"].data["transfer_duration"] == []
+    stats.native["nixl"].data["transfer_duration"].append(1.0)
+    assert not stats.is_empty()
+    stats.reset()
+    stats.data["cpu"]["counters"]["tokens_loaded"] = 1
+    assert not stats.is_empty()
+
+
+def test_a_node_without_a_stats_class_keeps_only_its_counters() -> None:
+    stats = ComposedStats(
+        data={
+            "plain": native_entry({"name": "ExampleConnector"}, KVConnectorStats(data={"x": [1]})),
+        }
+    )
+    rebuilt = ComposedConnector.build_kv_connector_stats(across_processes(stats))
+    assert isinstance(rebuilt, ComposedStats)
+    assert rebuilt.native == {} and rebuilt.data["plain"]["counters"]["lookups"] == 1
+
+
+class _Metric:
+    """Stands in for a prometheus_client metric class (no global registry)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.seen: list[Any] = []
+
+    def labels(self, *args: Any, **kwargs: Any) -> _Metric:
+        return self
+
+    def observe(self, value: Any) -> None:
+        self.seen.append(value)
+
+    def inc(self, value: Any = 1) -> None:
+        self.seen.append(value)
+
+    def set(self, value: Any) -> None:
+        self.seen.append(value)
+
+
+def test_each_native_nodes_prometheus_metrics_observe_their_own_payload() -> None:
+    from prometheus_client import Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlKVConnectorStats
+
+    pipeline = pipeline_for(
+        [
+            {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+            {"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
+        ]
+    )
+    parent = KVTransferConfig(
+        kv_connector="ComposedConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"pipeline": pipeline},
+    )
+    prom = ComposedConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=parent),  # type: ignore[arg-type]
+        {Gauge: _Metric, Counter: _Metric, Histogram: _Metric},
+        ["engine"],
+        {0: ["0"]},
+    )
+    assert prom is not None
+    stats = ComposedStats(
+        data={
+            "NixlConnector": native_entry(
+                {"name": "NixlConnector"}, NixlKVConnectorStats(data=NIXL)
+            ),
+            "ExampleConnector": {"plugin": "vllm", "counters": snapshot(lookups=1)},
+        }
+    )
+    # NIXL's own observe raised KeyError on anything but its flat dict.
+    prom.observe(across_processes(stats), engine_idx=0)
