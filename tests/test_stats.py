@@ -181,8 +181,8 @@ def test_a_native_nodes_stats_are_rebuilt_in_their_own_class(
     stats = ComposedStats(data={"node-a": native_entry(connector, own)})
     rebuilt = ComposedConnector.build_kv_connector_stats(across_processes(stats))
     assert isinstance(rebuilt, ComposedStats)
-    assert type(rebuilt.native["node-a"]) is type(own)
-    assert rebuilt.native["node-a"].to_dict() == own.to_dict()
+    assert type(rebuilt.data["node-a"]["node"]) is type(own)
+    assert rebuilt.data["node-a"]["node"].to_dict() == own.to_dict()
     assert rebuilt.data["node-a"]["counters"]["lookups"] == 1
 
 
@@ -230,8 +230,8 @@ def test_reset_empties_every_node_in_place_and_is_empty_looks_inside() -> None:
     assert not stats.is_empty()
     stats.reset()
     assert stats.is_empty() and set(stats.data) == {"nixl", "cpu"}
-    assert stats.native["nixl"].data["transfer_duration"] == []
-    stats.native["nixl"].data["transfer_duration"].append(1.0)
+    assert stats.data["nixl"]["node"].data["transfer_duration"] == []
+    stats.data["nixl"]["node"].data["transfer_duration"].append(1.0)
     assert not stats.is_empty()
     stats.reset()
     stats.data["cpu"]["counters"]["tokens_loaded"] = 1
@@ -246,7 +246,8 @@ def test_a_node_without_a_stats_class_keeps_only_its_counters() -> None:
     )
     rebuilt = ComposedConnector.build_kv_connector_stats(across_processes(stats))
     assert isinstance(rebuilt, ComposedStats)
-    assert rebuilt.native == {} and rebuilt.data["plain"]["counters"]["lookups"] == 1
+    assert "node" not in rebuilt.data["plain"]
+    assert rebuilt.data["plain"]["counters"]["lookups"] == 1
 
 
 class _Metric:
