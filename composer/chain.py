@@ -549,7 +549,8 @@ class Chain:
                     else:
                         sending, recving = fn(finished_req_ids)
                 except Exception as exc:
-                    fault(node_id, "get_transfer_results", exc)
+                    hook = "get_transfer_results" if is_direct else "get_finished"
+                    fault(node_id, hook, exc)
                     continue
                 if recving:
                     ledger.received(node_id, recving)
