@@ -133,6 +133,7 @@ class LMCacheServerNode(NativeConnectorNode):
         self.stats.gauges["server_alive"] = 1
         self._down_since = 0.0
         self._lock = threading.Lock()
+        self._shut_down = False
         self.watcher = self._make_watcher().start()
 
     # -- liveness ---------------------------------------------------------------- #
@@ -311,9 +312,21 @@ class LMCacheServerNode(NativeConnectorNode):
 
     @hookimpl
     def shutdown(self) -> None:
+        # Also called when the chain switches the node off: once is enough.
+        if self._shut_down:
+            return
+        self._shut_down = True
         t0 = time.perf_counter()
         self.watcher.stop()
-        alive = self.server_alive and self.watcher.check()
+        try:
+            answers = bool(self.watcher.probe())
+        except Exception:
+            answers = False
+        # No second chance for a network probe here: one unanswered probe is
+        # reason enough not to wait on the server.
+        alive = self.server_alive and answers
+        if self.server_alive and not answers:
+            self._server_changed(False)
         try:
             if not alive:
                 # LMCache's shutdown waits mq_timeout for the dead server to
