@@ -57,8 +57,16 @@ def dotted(path: Path) -> str:
     return out or "<root>"
 
 
+#: Most names a did-you-mean hint compares against: each comparison is quadratic in
+#: the names' length, and a file can ask once per node.
+MAX_HINT_CHOICES = 200
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    names = list(choices)
+    if len(names) > MAX_HINT_CHOICES or len(str(word)) > 200:
+        return ""
+    close = difflib.get_close_matches(str(word), names, n=1, cutoff=0.6)
     return f' (did you mean "{close[0]}"?)' if close else ""
 
 

@@ -48,6 +48,13 @@ def _no_bool(kind: str, message: str) -> BeforeValidator:
     return BeforeValidator(check)
 
 
+def _exactly_int(value: Any) -> Any:
+    # Literal[1] would take true and 1.0, which equal 1 in Python.
+    if type(value) is not int:
+        raise PydanticCustomError("literal_error", "Input should be 1")
+    return value
+
+
 def _positive_size(value: ByteSize) -> ByteSize:
     if value <= 0:
         raise PydanticCustomError("greater_than", "Input should be greater than {gt}", {"gt": 0})
@@ -108,7 +115,7 @@ class Pipeline(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="KV Composer pipeline")
 
-    version: Annotated[Literal[1], _no_bool("literal_error", "Input should be 1")] = Field(
+    version: Annotated[Literal[1], BeforeValidator(_exactly_int)] = Field(
         description="Pipeline file format version."
     )
     kv_role: KVRole = Field("kv_both", description="vLLM kv_role of the composed connector.")
