@@ -1072,7 +1072,10 @@ class Chain:
                 fn()
             except Exception as exc:
                 self.stats[node_id].errors += 1
-                self.log.error("node shutdown failed", node=node_id, error=repr(exc))
+                self.stats[node_id].extra.add("errors_shutdown")
+                self.log.error(
+                    "node shutdown failed", node=node_id, hook="shutdown", error=repr(exc)
+                )
                 if self.policy.get(node_id, "fail") == "fail":
                     error = exc
         if error is not None:

@@ -1,0 +1,308 @@
+"""Every hook x every ``on_error`` policy, in the chain (no vLLM needed).
+
+The engine-level matrix (``tests/e2e/test_fault_matrix.py``) proves tokens,
+blocks and shutdown on real vLLM for the hooks vLLM calls on CPU; here every
+hook of the spec is failed once, in both vLLM processes, and what the chain
+does is checked exactly: who is switched off, what becomes a load error, what
+is released, what is counted and logged.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ConfigDict
+
+from composer import Capabilities, Plugin, PluginType, discover, hookimpl, load_pipeline
+from composer.chain import Chain
+from composer.faults import LOAD_HOOKS, RECOVERABLE_HOOKS, NodeFailed, WorkerLedger
+from composer.hookspecs import NodeSpec
+
+SHUTDOWNS: list[str] = []
+
+
+class FaultConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    fail_in: str = ""
+    hit: int = 0
+    load_async: bool = False
+    hold: bool = False
+
+
+def _spec_hooks() -> list[str]:
+    return sorted(n for n, _ in inspect.getmembers(NodeSpec) if not n.startswith("_"))
+
+
+class Everything(Plugin):
+    """Implements every hook of the spec; raises in ``fail_in``."""
+
+    def _maybe_fail(self, hook: str) -> None:
+        if self.config.fail_in == hook:
+            raise RuntimeError(f"boom in {hook}")
+
+
+def _make_hook(hook: str) -> Any:
+    params = [p for p in inspect.signature(getattr(NodeSpec, hook)).parameters if p != "self"]
+
+    def impl(self: Everything, *args: Any) -> Any:
+        self._maybe_fail(hook)
+        if hook == "shutdown":
+            SHUTDOWNS.append(self.node_id)
+        if hook == "get_num_new_matched_tokens":
+            return self.config.hit, self.config.load_async
+        if hook in ("request_finished", "request_finished_all_groups"):
+            return self.config.hold, None
+        if hook == "get_finished":
+            return None, None
+        if hook in ("get_block_ids_with_load_errors",):
+            return set()
+        if hook in ("take_events",):
+            return []
+        if hook in ("has_pending_block_frees", "has_pending_push_work"):
+            return False
+        return None
+
+    # pluggy reads the argument names: give the function the spec's signature.
+    ns: dict[str, Any] = {"impl": impl}
+    exec(  # noqa: S102 - a test building hookimpls with the spec's own argument names
+        f"def {hook}(self, {', '.join(params)}):\n    return impl(self, {', '.join(params)})",
+        ns,
+    )
+    return hookimpl(ns[hook])
+
+
+# Without get_transfer_results, whose nodes the chain asks instead of get_finished.
+ALL_HOOKS = [h for h in _spec_hooks() if h != "get_transfer_results"]
+for _hook in ALL_HOOKS:
+    setattr(Everything, _hook, _make_hook(_hook))
+
+
+@hookimpl
+def register_plugin_types(register: Any) -> None:
+    register(
+        PluginType(
+            name="everything",
+            node=Everything,
+            config=FaultConfig,
+            capabilities=Capabilities(hma=True),  # so request_finished_all_groups is called
+        )
+    )
+
+
+class _Module:
+    register_plugin_types = staticmethod(register_plugin_types)
+    __name__ = "fault_fakes"
+
+
+REGISTRY = discover(extra=[_Module()], entry_points=False)
+KV_CACHE_CONFIG = SimpleNamespace(
+    kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4))]
+)
+
+
+def _chain(role: str, policy: str, fail_in: str = "", **config: Any) -> Chain:
+    SHUTDOWNS.clear()
+    nodes = {
+        "bad": {
+            "plugin": "everything",
+            "on_error": policy,
+            "config": {"fail_in": fail_in, "hit": 4, **config},
+        },
+        "good": {"plugin": "everything", "config": {"hold": config.get("hold", False)}},
+    }
+    pipeline = load_pipeline({"version": 1, "nodes": nodes}, registry=REGISTRY)
+    return Chain(pipeline, role, kv_cache_config=KV_CACHE_CONFIG)  # type: ignore[arg-type]
+
+
+def _request(rid: str = "r1") -> Any:
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(20)), num_tokens=20)
+
+
+class _Blocks:
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return ([10, 11, 12, 13, 14],)
+
+
+def _call(chain: Chain, hook: str) -> Any:
+    """Drive ``hook`` through the chain the way vLLM calls it."""
+    req = _request()
+    step = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set())
+    calls: dict[str, Any] = {
+        "initialize_worker_connector": lambda: chain.initialize_worker_connector(None, None, None),
+        "get_mem_pool_context": chain.get_mem_pool_context,
+        "register_kv_caches": lambda: chain.register_kv_caches(None, {}),
+        "set_host_xfer_buffer_ops": lambda: chain.set_host_xfer_buffer_ops(None),
+        "get_handshake_metadata": chain.get_handshake_metadata,
+        "bind_kv_cache_manager": lambda: chain.bind_kv_cache_manager(None),
+        "bind_gpu_block_pool": lambda: chain.bind_gpu_block_pool(None),
+        "on_new_request": lambda: chain.on_new_request(req),
+        "get_num_new_matched_tokens": lambda: chain.get_num_new_matched_tokens(req, 0),
+        "update_state_after_alloc": lambda: chain.update_state_after_alloc(req, _Blocks(), 8),
+        # Asked of the node serving the request only: "bad" (hit) is chosen first.
+        "get_loaded_kv_cache_group_ids": lambda: (
+            chain.get_num_new_matched_tokens(req, 0),
+            chain.ask_chosen("get_loaded_kv_cache_group_ids", req),
+        ),
+        "get_external_cache_hit_sources": lambda: (
+            chain.get_num_new_matched_tokens(req, 0),
+            chain.ask_chosen("get_external_cache_hit_sources", req, 8),
+        ),
+        "build_connector_meta": lambda: chain.build_connector_meta(step),
+        "update_connector_output": lambda: chain.update_connector_output(
+            SimpleNamespace(kv_connector_worker_meta=None)
+        ),
+        "request_finished": lambda: chain.request_finished(req, [10, 11]),
+        "request_finished_all_groups": lambda: chain.request_finished_all_groups(req, ([10],)),
+        "register_finished_partial_tail": lambda: chain.register_finished_partial_tail(
+            req, [10], None
+        ),
+        "take_events": lambda: list(chain.take_events()),
+        "has_pending_block_frees": chain.has_pending_block_frees,
+        "has_pending_push_work": chain.has_pending_push_work,
+        "get_finished_count": chain.get_finished_count,
+        "set_xfer_handshake_metadata": lambda: chain.broadcast("set_xfer_handshake_metadata", {}),
+        "set_xfer_handshake_metadata_pp_aware": lambda: chain.broadcast(
+            "set_xfer_handshake_metadata_pp_aware", {}
+        ),
+        "reset_cache": chain.reset_cache,
+        "handle_preemptions": lambda: chain.handle_preemptions(_meta(chain)),
+        "bind_connector_metadata": lambda: chain.bind_connector_metadata(_meta(chain)),
+        "start_load_kv": lambda: chain.start_load_kv(None),
+        "wait_for_layer_load": lambda: chain.wait_for_layer_load("layer0"),
+        "save_kv_layer": lambda: chain.save_kv_layer("layer0", None, None),
+        "wait_for_save": chain.wait_for_save,
+        "finish_forward": chain.finish_forward,
+        "reset_capture_state": lambda: chain.broadcast("reset_capture_state"),
+        "clear_connector_metadata": chain.clear_connector_metadata,
+        "get_finished": lambda: chain.get_transfer_results(set()),
+        "get_transfer_results": lambda: chain.get_transfer_results(set()),
+        "get_block_ids_with_load_errors": chain.get_block_ids_with_load_errors,
+        "build_connector_worker_meta": chain.build_connector_worker_meta,
+        "get_kv_connector_stats": chain.take_stats,
+        "get_kv_connector_kv_cache_events": chain.get_kv_connector_kv_cache_events,
+        "shutdown": chain.shutdown,
+    }
+    return calls[hook]()
+
+
+def _meta(chain: Chain, **fields: Any) -> Any:
+    from composer.chain import ChainMetadata
+
+    return ChainMetadata(per_node={}, loads={"bad": {10, 11}}, **fields)
+
+
+def test_every_spec_hook_is_driven() -> None:
+    """A hook added to the spec without a case here fails this test."""
+    chain = _chain("worker", "recompute")
+    for hook in ALL_HOOKS:
+        _call(chain, hook)
+
+
+@pytest.mark.parametrize("hook", ALL_HOOKS)
+def test_fail_stops_with_the_node_hook_and_plugin_named(hook: str) -> None:
+    for role in ("scheduler", "worker"):
+        chain = _chain(role, "fail", hook)
+        if not chain.implemented(hook):
+            continue
+        with pytest.raises((NodeFailed, RuntimeError)) as raised:
+            _call(chain, hook)
+        if hook != "shutdown":  # shutdown re-raises the node's own error after the others ran
+            assert isinstance(raised.value, NodeFailed)
+            assert f'node "bad" (plugin everything) failed in {hook}' in str(raised.value)
+
+
+@pytest.mark.parametrize("hook", ALL_HOOKS)
+@pytest.mark.parametrize("policy", ["recompute", "disable"])
+def test_recompute_keeps_the_node_only_where_recompute_undoes_the_fault(
+    hook: str, policy: str
+) -> None:
+    for role in ("scheduler", "worker"):
+        chain = _chain(role, policy, hook)
+        if not chain.implemented(hook):
+            continue
+        if role == "worker" and hook in LOAD_HOOKS:
+            chain.bind_connector_metadata(_meta(chain))
+        out = _call(chain, hook)  # never raises
+        if hook == "get_kv_connector_stats":
+            counted = out["bad"]["counters"]  # the report takes the counters
+        else:
+            counted = chain.stats["bad"].take()
+        assert counted["errors"] == 1 and counted["extra"][f"errors_{hook}"] == 1
+        stays = policy == "recompute" and hook in RECOVERABLE_HOOKS or hook == "shutdown"
+        assert ("bad" in chain.disabled) is not stays, (role, hook)
+        assert "good" not in chain.disabled
+        if not stays:
+            assert SHUTDOWNS == ["bad"], "a switched-off node's shutdown stops its transfers"
+            assert chain.implemented(hook) in ([], ["good"])
+        if role == "worker" and hook in LOAD_HOOKS:
+            # The blocks it was loading this step are recomputed, whatever the policy.
+            assert chain.get_block_ids_with_load_errors() == {10, 11}
+
+
+def test_scheduler_switch_off_reaches_the_worker_releasing_holds_and_failing_async_loads() -> None:
+    sched = _chain("scheduler", "recompute", "request_finished", hit=8, load_async=True, hold=True)
+    worker = _chain("worker", "recompute", "", hold=True)
+    # r0 is loading asynchronously through "bad"; r1 finishes while "bad" fails.
+    assert sched.get_num_new_matched_tokens(_request("r0"), 0) == (8, True)
+    sched.update_state_after_alloc(_request("r0"), _Blocks(), 8)
+    worker.bind_connector_metadata(sched.build_connector_meta(SimpleNamespace()))
+    worker.clear_connector_metadata()
+    hold, _ = sched.request_finished(_request("r1"), [10, 11])
+    assert hold and sched.disabled == {"bad"}
+    meta = sched.build_connector_meta(SimpleNamespace())
+    assert meta.disabled == {"bad"} and meta.holds == {"r1": ("bad", "good")}
+    worker.bind_connector_metadata(meta)
+    assert worker.disabled == {"bad"} and SHUTDOWNS == ["bad", "bad"]  # both halves
+    results = worker.get_transfer_results(set())
+    # r0 can never finish loading through "bad": vLLM recomputes it.
+    assert results.finished_recving == {"r0"} and results.failed_recving == {"r0"}
+    # r1 is still held by "good"; "bad" let go of it.
+    assert results.finished_sending == set()
+    assert worker.ledger.held() == 1
+
+
+def test_worker_switch_off_reaches_the_scheduler() -> None:
+    sched = _chain("scheduler", "disable", "", hit=8)
+    worker = _chain("worker", "disable", "wait_for_save")
+    worker.wait_for_save()
+    assert worker.disabled == {"bad"}
+    meta = worker.build_connector_worker_meta()
+    assert meta is not None and meta.disabled == {"bad"}
+    assert worker.build_connector_worker_meta() is None  # told once
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
+    assert sched.disabled == {"bad"}
+    # The scheduler half no longer claims hits for a node that cannot load them.
+    assert sched.get_num_new_matched_tokens(_request(), 0) == (0, False)
+
+
+def test_async_load_fault_under_recompute_switches_the_node_off() -> None:
+    """A failed async load may still be writing into vLLM's blocks: the node's
+    shutdown must stop it before vLLM recomputes into them."""
+    worker = _chain("worker", "recompute", "start_load_kv")
+    worker.bind_connector_metadata(_meta(worker, async_loads={"r0": "bad"}))
+    worker.start_load_kv(None)
+    assert worker.disabled == {"bad"} and SHUTDOWNS == ["bad"]
+    results = worker.get_transfer_results(set())
+    assert results.finished_recving == {"r0"} == results.failed_recving
+
+
+def test_ledger_frees_a_request_when_its_last_holder_finishes_or_is_switched_off() -> None:
+    ledger = WorkerLedger()
+    ledger.hold("r1", ["a", "b"])
+    assert ledger.sent("a", {"r1"}) == set()
+    assert ledger.sent("c", {"r1"}) == set()  # not a holder: no effect
+    assert ledger.sent("b", {"r1"}) == {"r1"}
+    assert ledger.sent("a", {"r2"}) == {"r2"}  # never held: passed on (MultiConnector)
+    ledger.hold("r3", ["a", "b"])
+    ledger.hold("r4", ["b"])
+    assert ledger.release("b") == {"r4"}
+    assert ledger.sent("a", {"r3"}) == {"r3"}
+    assert ledger.held() == 0
+    ledger.loading("a", "r5")
+    ledger.received("a", {"r5"})
+    assert not ledger.has_async_loads("a")
+    ledger.loading("a", "r6")
+    assert ledger.drop_loads("a") == {"r6"}
