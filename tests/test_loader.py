@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from composer import PipelineInvalid, Registry, load_pipeline
-from composer.loader import EnvProblem, expand_env, load_yaml
+from composer.loader import (
+    MAX_DEPTH,
+    MAX_FILE_BYTES,
+    MAX_NUMBER_CHARS,
+    MAX_VALUES,
+    EnvProblem,
+    FileProblem,
+    decode_pipeline,
+    expand_env,
+    load_yaml,
+    read_pipeline_file,
+)
 
 
 def test_marks_locate_values_and_keys() -> None:
@@ -143,3 +158,257 @@ def test_text_that_is_not_valid_unicode() -> None:
     assert [(p.message, p.line, p.column) for p in problems] == [
         ("the text is not valid Unicode", 2, 11)
     ]
+
+
+# --------------------------------------------------------------------------- #
+# hostile input: every limit applies while loading and is located
+# --------------------------------------------------------------------------- #
+
+
+def _bomb(fan: int, levels: int) -> str:
+    lines = [f"a0: &a0 [{', '.join(['x'] * fan)}]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * fan)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + f"\nkey: *a{levels}\n"
+
+
+def _merge_doubling(levels: int) -> str:
+    text = "b0: &b0 {k0: 0}\n"
+    for i in range(1, levels + 1):
+        text += f"b{i}: &b{i}\n  <<: [*b{i - 1}, *b{i - 1}]\n  k{i}: {i}\n"
+    return text
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        # 10**9 values: stops at the alias whose expansion crosses MAX_VALUES.
+        (_bomb(10, 9), (5, 45)),
+        (_bomb(2, 40), (15, 18)),
+        (_bomb(100, 4), (3, 50)),
+        ("m0: &m0 {a: 1, b: 2}\n" + "".join(
+            f"m{i}: &m{i} {{{', '.join(f'k{j}: *m{i - 1}' for j in range(10))}}}\n"
+            for i in range(1, 8)
+        ), (6, 14)),
+        (_merge_doubling(40), (39, 14)),
+    ],
+    ids=["laughs-10x9", "laughs-2x40", "laughs-100x4", "mappings", "merge-doubling"],
+)
+def test_alias_expansion_stops_at_the_limit_where_it_is_crossed(
+    text: str, where: tuple[int, int]
+) -> None:
+    data, _, problems = load_yaml(text)
+    assert data is None
+    assert [(p.message, (p.line, p.column)) for p in problems] == [
+        (
+            f"YAML error: the document expands to more than {MAX_VALUES:,} values "
+            "(an alias counts every value it stands for, at each use)",
+            where,
+        )
+    ]
+
+
+def test_aliases_within_the_limit_expand() -> None:
+    data, _, problems = load_yaml(_bomb(10, 3))
+    assert problems == []
+    assert len(data["key"]) == 10 and data["key"][0][0][0] == ["x"] * 10
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["a: &a [1, *a]\n", "a: &a {b: *a}\n", "a: &a {b: {c: [*a]}}\n", "a: &a {<<: *a}\n"],
+)
+def test_an_alias_inside_its_own_anchor_is_refused(text: str) -> None:
+    _, _, problems = load_yaml(text)
+    assert [p.message for p in problems] == [
+        "YAML error: alias 'a' is inside the node it refers to"
+    ]
+    assert problems[0].line == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("a: " + "[" * 30000 + "]" * 30000, (1, 103)),
+        ("a: " + "{a: " * 30000 + "1" + "}" * 30000, (1, 400)),
+        ("".join(" " * i + f"k{i}:\n" for i in range(200)) + " " * 200 + "x\n", (101, 101)),
+        ("a:\n" + "- " * 500 + "x\n", (2, 199)),
+    ],
+    ids=["flow-sequences", "flow-mappings", "block-mappings", "block-sequences"],
+)
+def test_nesting_past_the_limit_is_located_not_a_crash(text: str, where: tuple[int, int]) -> None:
+    _, _, problems = load_yaml(text)
+    assert [(p.message, (p.line, p.column)) for p in problems] == [
+        (f"YAML error: nested deeper than {MAX_DEPTH} levels", where)
+    ]
+
+
+def test_nesting_up_to_the_limit_loads() -> None:
+    data, _, problems = load_yaml("[" * MAX_DEPTH + "]" * MAX_DEPTH)
+    assert problems == []
+    for _ in range(MAX_DEPTH - 1):
+        data = data[0]
+    assert data == []
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("!!int abc", "'abc' is not a valid !!int"),
+        ("!!float abc", "'abc' is not a valid !!float"),
+        ("!!bool maybe", "'maybe' is not a valid !!bool"),
+        ("!!int 0xZZ", "'0xZZ' is not a valid !!int"),
+        ("!!int ''", "'' is not a valid !!int"),
+        ("!!int _", "'_' is not a valid !!int"),
+        ("!!float ''", "'' is not a valid !!float"),
+        ("!!int 1:x", "'1:x' is not a valid !!int"),
+        ("!!int {a: 1}", "YAML tag !!int does not fit this value"),
+        ("!!map x", "YAML tag !!map does not fit this value"),
+        ("!!seq x", "YAML tag !!seq does not fit this value"),
+        ("!!str [a]", "YAML tag !!str does not fit this value"),
+        ("!!binary aGk=", "unsupported YAML tag !!binary"),
+        ("!mine x", "unsupported YAML tag !mine"),
+    ],
+)
+def test_every_tag_error_is_located_at_its_value(value: str, message: str) -> None:
+    data, _, problems = load_yaml(f"version: 1\nport: {value}\n")
+    assert [(p.message, p.path, p.line, p.column) for p in problems] == [
+        (message, ("port",), 2, 7)
+    ]
+    assert data == {"version": 1, "port": None}
+
+
+def test_a_bad_tag_on_a_key_is_located_too() -> None:
+    _, _, problems = load_yaml("a: 1\n!!bool maybe: 2\n")
+    assert [(p.message, p.line, p.column) for p in problems] == [
+        ("'maybe' is not a valid !!bool", 2, 1),
+        ("mapping keys must be plain scalars", 2, 1),
+    ]
+
+
+@pytest.mark.parametrize(
+    "number",
+    ["9" * 5000, "-" + "9" * 5000, "0x" + "f" * 200, "1" * 200 + ".5", "1." + "5" * 200 + "e+5",
+     "_".join(["999"] * 100)],
+)
+def test_numbers_wider_than_the_limit_are_refused_where_they_are(number: str) -> None:
+    _, _, problems = load_yaml(f"a: 1\nb: {number}\n? {number}\n: 1\n")
+    message = (
+        f"number with {len(number):,} characters; at most {MAX_NUMBER_CHARS} are read "
+        "(quote it if it is text)"
+    )
+    assert [(p.message, p.line, p.column) for p in problems] == [
+        (message, 2, 4),
+        (message, 3, 3),
+        ("mapping keys must be plain scalars", 3, 3),
+    ]
+
+
+def test_an_expanded_variable_too_wide_for_a_number_stays_text() -> None:
+    data, _, problems = load_yaml("a: ${BIG}\n", env={"BIG": "9" * 5000})
+    assert problems == [] and data == {"a": "9" * 5000}
+
+
+def test_an_environment_value_that_is_not_utf8_is_reported_at_its_use() -> None:
+    # os.environ keeps undecodable bytes as lone surrogates.
+    _, _, problems = load_yaml("a: 1\nb: x${BAD}\n", env={"BAD": "caf\udce9"})
+    assert [(p.message, p.line, p.column) for p in problems] == [
+        ("environment variable ${BAD} is not UTF-8 text", 2, 4)
+    ]
+
+
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}|\$\$")
+
+
+def _reference_expand(text: str, env: dict[str, str]) -> str:
+    """The regular-expression expansion the scanner replaced (quadratic on long input)."""
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, default = m.group(1), m.group(2)
+        if name in env and (env[name] != "" or default is None):
+            return env[name]
+        if default is not None:
+            return default
+        raise EnvProblem(name)
+
+    return _REFERENCE.sub(sub, text)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(text=st.text(alphabet="${}:-AB_1 x", max_size=40))
+def test_expand_env_means_what_the_regular_expression_meant(text: str) -> None:
+    env = {"A": "a", "B": "", "A_1": "z"}
+    try:
+        expected: str | None = _reference_expand(text, env)
+    except EnvProblem:
+        expected = None
+    try:
+        got: str | None = expand_env(text, env)
+    except EnvProblem:
+        got = None
+    assert got == expected
+
+
+def test_expand_env_on_long_unclosed_references_keeps_the_text() -> None:
+    for text in ("${A:-" * 20000, "${" * 20000, "$${" * 20000, "${" + "A" * 20000):
+        assert expand_env(text, {"A": "x"}) == text.replace("$$", "$")
+
+
+def test_a_merge_override_is_not_a_duplicate_key() -> None:
+    data, _, problems = load_yaml(
+        "base: &base {x: 1, y: 2}\n"
+        "one:\n  <<: *base\n  x: 3\n"
+        "two:\n  x: 4\n  <<: [*base, {z: 5, y: 6}]\n"
+        "three: {<<: [{x: 7}, *base]}\n"
+    )
+    assert problems == []
+    assert data["one"] == {"x": 3, "y": 2}
+    assert data["two"] == {"x": 4, "y": 2, "z": 5}
+    assert data["three"] == {"x": 7, "y": 2}
+
+
+def test_a_real_duplicate_beside_a_merge_is_still_reported() -> None:
+    _, _, problems = load_yaml("base: &base {x: 1}\none:\n  <<: *base\n  y: 1\n  y: 2\n")
+    assert [(p.message, p.line) for p in problems] == [
+        ('duplicate key "y" (first defined at line 4)', 5)
+    ]
+
+
+@pytest.mark.parametrize("value", ["1", "[1, 2]", "[{a: 1}, x]"])
+def test_merging_what_is_not_a_mapping_is_located(value: str) -> None:
+    _, _, problems = load_yaml(f"a: 1\nb:\n  <<: {value}\n")
+    assert problems and all(
+        p.message == "<< merges a mapping or a list of mappings" and p.line == 3
+        for p in problems
+    )
+
+
+def test_files_over_the_size_limit_are_refused_before_reading(tmp_path: Path) -> None:
+    exact = tmp_path / "exact.yaml"
+    exact.write_bytes(b"a: 1\n" + b"#" * (MAX_FILE_BYTES - 6) + b"\n")
+    assert read_pipeline_file(exact).startswith("a: 1\n")
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * (MAX_FILE_BYTES + 1))
+    with pytest.raises(FileProblem, match=r"too large \(1,048,577 bytes; at most 1,048,576"):
+        read_pipeline_file(big)
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo", "directory"])
+def test_non_regular_files_are_refused_without_reading(tmp_path: Path, kind: str) -> None:
+    if kind == "dev-zero":
+        path = Path("/dev/zero")
+    elif kind == "fifo":
+        path = tmp_path / "pipe.yaml"
+        os.mkfifo(path)  # no writer: reading would block forever
+    else:
+        path = tmp_path
+    expected = "Is a directory" if kind == "directory" else "not a regular file"
+    with pytest.raises(FileProblem, match=f"cannot read pipeline file: {expected}"):
+        read_pipeline_file(path)
+
+
+def test_undecodable_bytes_are_located_by_line_and_character() -> None:
+    with pytest.raises(FileProblem) as info:
+        decode_pipeline("a: 1\nb: é\xe9".encode("utf-8", "surrogateescape")[:-1] + b"\xff\n")
+    assert (info.value.line, info.value.column) == (2, 5)
