@@ -46,7 +46,9 @@ def load_pipeline(
     if isinstance(source, BaseModel):
         return validate_data(source.model_dump(exclude_unset=True), registry=registry)
     if isinstance(source, Mapping):
-        return validate_data(dict(source), registry=registry)
+        # The caller's dict itself, not a copy: a cycle back to it must be seen as one.
+        data = source if isinstance(source, dict) else dict(source)
+        return validate_data(data, registry=registry)
     file = str(FsPath(source))
     try:
         text = read_pipeline_file(source)

@@ -6,12 +6,29 @@ builtin ``vllm`` type's ``capabilities`` field declares the rest.
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from pydantic import BaseModel, Field, field_validator
 
-from composer import Pipeline, PipelineInvalid, ResolvedPipeline, validate_text
+from composer import (
+    Pipeline,
+    PipelineInvalid,
+    PluginType,
+    Registry,
+    ResolvedPipeline,
+    discover,
+    hookimpl,
+    load_pipeline,
+    validate_text,
+)
+from composer.discovery import PluginLoadError
+from composer.errors import escape
 
 Check = Callable[..., list[str]]
 Valid = Callable[..., ResolvedPipeline]
@@ -597,3 +614,232 @@ def test_problems_carry_the_file_name_given(registry: object) -> None:
         "path": "nodes",
         "message": "a pipeline needs at least one node",
     }
+
+
+# --------------------------------------------------------------------------- #
+# hostile input: strict values, escaped output, Python data, plugin failures
+# --------------------------------------------------------------------------- #
+
+_NATIVE = """\
+version: 1
+nodes:
+  n:
+    plugin: vllm
+    config: {connector: X, kv_port: %s}
+"""
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("true", "expected an integer, got true"),
+        ("false", "expected an integer, got false"),
+        ("-1", "input should be greater than or equal to 1 (got -1)"),
+        ("0", "input should be greater than or equal to 1 (got 0)"),
+        ("65536", "input should be less than or equal to 65535 (got 65536)"),
+        ("99999999", "input should be less than or equal to 65535 (got 99999999)"),
+        (".inf", "expected a finite number, got inf"),
+    ],
+)
+def test_kv_port_is_a_port(problems: Check, value: str, message: str) -> None:
+    assert problems(_NATIVE % value) == [f"p.yaml:5:37: nodes.n.config.kv_port: {message}"]
+
+
+def test_kv_port_range_ends_are_valid(valid: Valid) -> None:
+    for port in ("1", "65535"):
+        assert valid(_NATIVE % port).nodes[0].config.kv_port == int(port)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("value", ["true", "false", "1.0", "'1'", "-1", "2", ".inf", "null"])
+def test_version_is_exactly_the_integer_1(problems: Check, value: str) -> None:
+    shown = {"'1'": '"1"', ".inf": "inf"}.get(value, value)
+    assert problems(_NATIVE.replace("version: 1", f"version: {value}") % "8000") == [
+        f"p.yaml:1:10: version: pipeline format version {shown} is not supported; expected 1"
+    ]
+
+
+_UNSAFE_TEXT = [
+    "\n", "\r", "\x1b", "\x07", "\x08", "\x00", "\x7f", "\x85", "\x9b", "\u202e", "\u2066",
+    "\u200b", "\u2028", "\u2029", "\ufeff", "\U000e0041", "\udce9",
+]
+#: What a YAML file can carry (a lone surrogate it cannot; the loader tests cover those).
+_YAML_UNSAFE_TEXT = [c for c in _UNSAFE_TEXT if not 0xD800 <= ord(c) <= 0xDFFF]
+
+
+@pytest.mark.parametrize("char", _UNSAFE_TEXT, ids=[f"U+{ord(c):04X}" for c in _UNSAFE_TEXT])
+def test_escape_makes_every_unsafe_character_visible(char: str) -> None:
+    shown = escape(f"a{char}b")
+    assert char not in shown and shown.startswith("a\\") and shown.endswith("b")
+    assert shown.isprintable() and shown.isascii()
+
+
+def test_escape_leaves_ordinary_text_alone() -> None:
+    text = 'plain "quoted" \\ back-slash, caf\u00e9 \u4e2d\u6587 \U0001f600'
+    assert escape(text) == text
+
+
+@pytest.mark.parametrize(
+    "char", _YAML_UNSAFE_TEXT, ids=[f"U+{ord(c):04X}" for c in _YAML_UNSAFE_TEXT]
+)
+def test_user_text_cannot_forge_or_restyle_problem_lines(problems: Check, char: str) -> None:
+    fake = f"{char}p.yaml:1:1: <root>: all good{char}"
+    # In a double-quoted YAML string, as an escape: the file itself stays printable.
+    escaped = "".join(c if c.isascii() and c.isprintable() else f"\\U{ord(c):08x}" for c in fake)
+    found = problems(
+        f"""\
+        version: 1
+        nodes:
+          n:
+            plugin: "{escaped}"
+          m:
+            plugin: cache
+            config: {{capacity: 1GiB}}
+            "{escaped}": 1
+        """
+    )
+    assert len(found) == 2
+    for line in found:
+        assert "\n" not in line and char not in line and line.isprintable()
+    assert found[0].startswith('p.yaml:4:13: nodes.n.plugin: unknown plugin "')
+    assert found[1].startswith("p.yaml:8:5: nodes.m[")
+
+
+def test_a_self_referencing_dict_is_pipeline_invalid(registry: Registry) -> None:
+    data: dict[str, Any] = {"version": 1, "nodes": {"a": {"plugin": "cache"}}}
+    data["nodes"]["a"]["config"] = data
+    with pytest.raises(PipelineInvalid) as info:
+        load_pipeline(data, registry=registry)
+    assert [str(p) for p in info.value.problems] == [
+        "<pipeline>: nodes.a.config: refers to a mapping or list that contains it (a cycle)"
+    ]
+    cyclic_list: list[Any] = []
+    cyclic_list.append(cyclic_list)
+    with pytest.raises(PipelineInvalid, match=r"needs\[0\]: refers to a mapping or list"):
+        load_pipeline({"version": 1, "nodes": {"a": {"plugin": "cache", "needs": cyclic_list}}},
+                      registry=registry)
+
+
+def test_deep_or_huge_python_data_is_pipeline_invalid(registry: Registry) -> None:
+    deep: dict[str, Any] = {}
+    inner = deep
+    for _ in range(10000):
+        inner["x"] = {}
+        inner = inner["x"]
+    with pytest.raises(PipelineInvalid, match="nested deeper than 100 levels"):
+        load_pipeline({"version": 1, "nodes": {"a": {"plugin": "cache", "config": deep}}},
+                      registry=registry)
+    with pytest.raises(PipelineInvalid, match="more than 100,000 values"):
+        load_pipeline({"version": 1, "nodes": {}, "x": list(range(200_000))}, registry=registry)
+
+
+def test_shared_python_values_are_not_cycles(valid: Valid, registry: Registry) -> None:
+    config = {"capacity": "1GiB"}
+    pipeline = load_pipeline(
+        {"version": 1, "nodes": {"a": {"plugin": "cache", "config": config},
+                                 "b": {"plugin": "cache", "config": config}}},
+        registry=registry,
+    )
+    assert [n.id for n in pipeline.nodes] == ["a", "b"]
+
+
+def _chain(count: int, last: str) -> str:
+    text = "version: 1\nnodes:\n"
+    for i in range(count):
+        need = f"n{i + 1}" if i + 1 < count else last
+        needs = f", needs: [{need}]" if need else ""
+        text += f"  n{i}: {{plugin: cache, config: {{capacity: 1GiB}}{needs}}}\n"
+    return text
+
+
+def test_a_needs_chain_thousands_long_orders_without_recursion(valid: Valid) -> None:
+    pipeline = valid(_chain(3000, ""))
+    assert [n.id for n in pipeline.nodes] == [f"n{i}" for i in reversed(range(3000))]
+
+
+def test_a_cycle_thousands_long_is_one_problem(problems: Check) -> None:
+    found = problems(_chain(3000, "n0"))
+    assert len(found) == 1
+    assert found[0].startswith("p.yaml:3:57: nodes.n0.needs[0]: dependency cycle: n0 -> n1 -> ")
+    assert found[0].endswith(" -> n2999 -> n0")
+
+
+def test_messages_list_at_most_twenty_names(problems: Check) -> None:
+    found = problems(_chain(100, "missing"))
+    assert found == [
+        'p.yaml:102:58: nodes.n99.needs[0]: node "missing" does not exist; nodes: '
+        + ", ".join(f'"{n}"' for n in sorted(f"n{i}" for i in range(100))[:20])
+        + " and 80 more"
+    ]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    ["raise", "exit", "bad-yield"],
+)
+@pytest.mark.parametrize("where", ["check", "validator", "capabilities"])
+def test_a_failing_plugin_is_an_environment_error_not_a_crash(
+    failure: str, where: str
+) -> None:
+    def fail() -> Any:
+        if failure == "exit":
+            sys.exit(0)
+        if failure == "raise" or where != "check":
+            raise RuntimeError("plugin bug")
+        return [("not", "a tuple path")]
+
+    class Config(BaseModel):
+        x: int = Field(1, validate_default=True)
+
+        @field_validator("x")
+        @classmethod
+        def _x(cls, value: int) -> int:
+            return fail() if where == "validator" else value  # type: ignore[no-any-return]
+
+    class Types:
+        @hookimpl
+        def register_plugin_types(self, register: Callable[[PluginType], None]) -> None:
+            register(
+                PluginType(
+                    name="buggy",
+                    node="x:Y",
+                    config=Config,
+                    check=(lambda *_: fail()) if where == "check" else None,
+                    capabilities_for=(lambda _: fail()) if where == "capabilities" else None,
+                )
+            )
+
+    registry = discover(extra=[Types()], entry_points=False)
+    with pytest.raises(PluginLoadError, match=r'^plugin "buggy" failed while '):
+        validate_text("version: 1\nnodes: {a: {plugin: buggy}}\n", registry=registry)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "problem"),
+    [
+        ({"config": dict}, 'plugin type "odd": config must be a pydantic model class'),
+        ({"config": "Config"}, 'plugin type "odd": config must be a pydantic model class'),
+        ({"check": 3}, 'plugin type "odd": check must be callable'),
+        ({"capabilities_for": "x"}, 'plugin type "odd": capabilities_for must be callable'),
+        ({"name": ""}, "a plugin type needs a non-empty string name"),
+    ],
+)
+def test_a_malformed_plugin_type_is_refused_at_discovery(
+    kwargs: dict[str, Any], problem: str
+) -> None:
+    class Types:
+        @hookimpl
+        def register_plugin_types(self, register: Callable[[PluginType], None]) -> None:
+            register(PluginType(**{"name": "odd", "node": "x:Y", **kwargs}))
+
+    with pytest.raises(PluginLoadError, match=re.escape(problem)):
+        discover(extra=[Types()], entry_points=False)
+
+
+def test_a_plugin_module_that_exits_while_imported_is_an_environment_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "kvc_exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KV_COMPOSER_PLUGIN_MODULES", "kvc_exits_on_import")
+    with pytest.raises(PluginLoadError, match=r"failed to import: SystemExit\(0\)"):
+        discover(entry_points=False)
