@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from composer.cli import main
+from composer.cli import main, mermaid_text
+from composer.loader import MAX_FILE_BYTES
 from composer.pipeline import SCHEMA_ID
 
 NATIVE = """\
@@ -324,7 +327,7 @@ def test_plugins(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "    connector         str, required  Name in vLLM's KVConnectorFactory, e.g. "
         "NixlConnector.\n" in out
     )
-    assert "    kv_port           int | None, default null\n" in out
+    assert "    kv_port           int | None, default null  TCP port, 1 to 65535.\n" in out
 
     code, out, _ = run(capsys, "plugins", "--json")
     (vllm,) = json.loads(out)
@@ -489,3 +492,147 @@ def test_console_script_exit_codes_and_no_tracebacks(files: Path, kvc: str) -> N
     exported = kv("export", "bad.yaml")
     assert (exported.returncode, exported.stdout) == (2, "")
     assert exported.stderr.splitlines() == BAD_LINES
+
+
+# --------------------------------------------------------------------------- #
+# hostile input through the CLI
+# --------------------------------------------------------------------------- #
+
+_INJECTIONS = [
+    '"]\n  click n0 call alert(1)\n  x["',
+    "<img src=x onerror=alert(1)>",
+    "%%{init: {'securityLevel': 'loose'}}%%",
+    "a\\nb #quot; ]) --> n0",
+    "\x1b[31m\u202e`ls`",
+]
+
+
+@pytest.mark.parametrize("name", _INJECTIONS)
+def test_mermaid_labels_cannot_inject_statements_or_html(
+    files: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    escaped = "".join(c if c.isascii() and c.isprintable() else f"\\U{ord(c):08x}" for c in name)
+    escaped = escaped.replace("\\", "\\\\").replace('"', '\\"').replace("\\\\U", "\\U")
+    (files / "inject.yaml").write_text(
+        f'version: 1\nnodes:\n  n:\n    plugin: vllm\n    config: {{connector: "{escaped}"}}\n'
+    )
+    code, out, _ = run(capsys, "graph", "--format", "mermaid", "inject.yaml")
+    assert code == 0
+    lines = out.splitlines()
+    label = mermaid_text(f"vllm ({name})")
+    assert lines[:2] == ["flowchart LR", f'  n0["n<br/>{label}<br/>role: both"]']
+    # Inside the label: only letters, digits, a little punctuation and entity codes.
+    label = lines[1][len('  n0["') : -len('"]')]
+    assert re.fullmatch(r"([A-Za-z0-9 _.,:()-]|#\d+;|<br/>)*", label), label
+    assert len(lines) == 6  # the node, the load and save hubs and their edges: nothing added
+
+
+def test_mermaid_text_round_trips_through_entity_codes() -> None:
+    for text in _INJECTIONS:
+        decoded = re.sub(r"#(\d+);", lambda m: chr(int(m.group(1))), mermaid_text(text))
+        assert decoded == text
+
+
+def test_graph_text_and_ok_lines_escape_user_text(
+    files: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (files / "evil.yaml").write_text(
+        'version: 1\nnodes:\n  n:\n    plugin: vllm\n'
+        '    config: {connector: "X\\nfile.yaml:1:1: forged\\e[2J\\u202e"}\n'
+    )
+    code, out, _ = run(capsys, "graph", "evil.yaml")
+    assert code == 0
+    assert "  n  vllm (X\\nfile.yaml:1:1: forged\\x1b[2J\\u202e)  role both" in out.splitlines()
+    assert "\x1b" not in out and "\u202e" not in out
+    (files / "new\nline.yaml").write_text(NATIVE)
+    code, out, _ = run(capsys, "validate", "new\nline.yaml")
+    assert (code, out) == (0, "new\\nline.yaml: ok (2 nodes: nixl, disk; runs as MultiConnector)\n")
+
+
+def _kvc_limited(
+    kvc: str, *argv: str, cwd: Path, stdin: bytes | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (512 * 1024**2, 512 * 1024**2))
+
+    # The timeout only keeps a regression (a hang) from stalling the suite.
+    return subprocess.run(
+        [kvc, *argv],
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        timeout=60,
+        preexec_fn=limit,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_non_regular_and_oversized_files_exit_2_without_reading(files: Path, kvc: str) -> None:
+    os.mkfifo(files / "fifo.yaml")  # no writer: a blocking read would wait forever
+    (files / "big.yaml").write_bytes(b"#" * (MAX_FILE_BYTES + 1))
+    done = _kvc_limited(
+        kvc, "validate", "/dev/zero", "fifo.yaml", "big.yaml", ".", "native.yaml", cwd=files
+    )
+    assert done.returncode == 2
+    assert done.stdout.decode().splitlines() == [
+        "/dev/zero: <root>: cannot read pipeline file: not a regular file",
+        "fifo.yaml: <root>: cannot read pipeline file: not a regular file",
+        "big.yaml: <root>: pipeline file too large (1,048,577 bytes; at most 1,048,576 bytes "
+        "are read)",
+        ".: <root>: cannot read pipeline file: Is a directory",
+        "native.yaml: ok (2 nodes: nixl, disk; runs as MultiConnector)",
+    ]
+    assert done.stderr.decode() == "4 problems in 4 files\n"
+
+
+def test_oversized_stdin_exits_2(files: Path, kvc: str) -> None:
+    done = _kvc_limited(kvc, "validate", "-", cwd=files, stdin=b"#" * (MAX_FILE_BYTES * 3))
+    assert (done.returncode, done.stdout.decode()) == (
+        2,
+        "<stdin>: <root>: input too large (more; at most 1,048,576 bytes are read)\n",
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        ("import sys\nsys.exit(0)\n", "failed to import: SystemExit(0)"),
+        ("1/0\n", "failed to import: ZeroDivisionError"),
+        (
+            "from composer import PluginType, hookimpl\n"
+            "@hookimpl\n"
+            "def register_plugin_types(register):\n"
+            "    register(PluginType(name='odd', node='x:Y', config=dict))\n",
+            'plugin type "odd": config must be a pydantic model class',
+        ),
+        (
+            "from pydantic import BaseModel\n"
+            "from composer import PluginType, hookimpl\n"
+            "class C(BaseModel):\n    pass\n"
+            "def check(node_id, config, data):\n    raise RuntimeError('bug')\n"
+            "@hookimpl\n"
+            "def register_plugin_types(register):\n"
+            "    register(PluginType(name='cache', node='x:Y', config=C, check=check))\n",
+            'plugin "cache" failed while checking the pipeline: RuntimeError: bug',
+        ),
+    ],
+    ids=["sys-exit-0", "raises", "config-not-a-model", "check-raises"],
+)
+def test_a_broken_plugin_module_is_an_environment_error_exit_1(
+    files: Path, kvc: str, module: str, message: str
+) -> None:
+    (files / "kvc_hostile_plugin.py").write_text(module)
+    (files / "p.yaml").write_text(
+        "version: 1\nnodes:\n  c:\n    plugin: cache\n    config: {}\n  x:\n    plugin: nope\n"
+    )
+    done = _kvc_limited(
+        kvc,
+        "validate",
+        "p.yaml",
+        cwd=files,
+        env={"KV_COMPOSER_PLUGIN_MODULES": "kvc_hostile_plugin", "PYTHONPATH": str(files)},
+    )
+    err = done.stderr.decode()
+    assert done.returncode == 1, err
+    assert err.startswith("kvc: error: ") and message in err and "Traceback" not in err
+    assert done.stdout == b""
