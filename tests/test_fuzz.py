@@ -72,7 +72,16 @@ WORDS = [
     "${MIN_BLOCKS}", "${UNSET}", "${EMPTY:-3}", "$$", "!!str 1", "!!binary aGk=", "&a x",
     "*a", "*nope", "<<: {}", '"\\u00e9"', "'it''s'", "|\n  text", ">-\n  text", "---", "...",
     "\u00e9\u4e2d\U0001f600", "\x00", "\ufeff", "\udce9",
+    # Hostile: tags the constructors trust, wide numbers, recursive and exploding aliases,
+    # merges, long unclosed references, terminal escapes and bidi overrides.
+    "!!int abc", "!!float x", "!!bool maybe", "!!int 0xZZ", "!!int ''", "!!map x", "!!seq 1",
+    "9" * 200, "0x" + "f" * 150, "&r [*r]", "&m {<<: *m}", "<<: *a", "<<: [1]",
+    "&b [&c [x, x, x, x], *c, *c, *c, *c]", "${A:-" * 50, "${" * 50, r'"\e[2J"',
+    r'"\u202e"', r'"a\nb: 1"', "[" * 150, "{a: " * 150,
 ]
+SYNTAX += list("\x1b\u202e\u2028\x85")  # raw controls and bidi characters too
+# What must never reach a terminal raw from a problem line.
+UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
 JSON_LIKE = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
     lambda children: st.lists(children, max_size=4)
@@ -150,6 +159,7 @@ def test_mutated_pipelines_never_crash(text: str) -> None:
         n_lines = text.count("\n") + 1
         for problem in exc.problems:
             rendered = str(problem)
+            assert not UNSAFE.search(rendered), rendered
             if problem.line is None:
                 assert UNLOCATED.match(rendered), rendered
             else:
