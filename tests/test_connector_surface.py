@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from composer.hookspecs import NodeSpec
-from composer.testing.multiconnector import make_vllm_config, pipeline_for
+from composer.testing.multiconnector import make_vllm_config, node_ids, pipeline_for
 from composer.vllm.connector import ComposedConnector
 from composer.vllm.registration import register
 
@@ -203,3 +203,11 @@ def test_several_memory_pools_are_refused_in_multiconnectors_words(registered: N
     two = composed([child(RecordingConnector, pool="a"), child(RecordingConnector, pool="b")])
     with pytest.raises(ValueError, match="Multiple connectors provide a KV cache memory pool"):
         two.get_mem_pool_context()
+
+
+def test_inline_pipelines_keep_their_node_order(registered: None) -> None:
+    # The file order is the default load order (MultiConnector's: config order).
+    kinds = [RecordingHMAConnector, RecordingConnector, RecordingHMAConnector]
+    connector = composed([child(k, tag=i) for i, k in enumerate(kinds)])
+    assert connector.pipeline.load_order == tuple(node_ids([child(k) for k in kinds]))
+    assert [type(c) for c in connector.sub_connectors] == kinds

@@ -236,7 +236,8 @@ def _pipeline_key(extra: dict[str, Any]) -> str:
             'ComposedConnector needs kv_connector_extra_config["pipeline"]: '
             "a pipeline file path or the pipeline inline (see `kvc export`)"
         )
-    return json.dumps(spec, sort_keys=True)
+    # Not sorted: node order is the default load order, as in the file.
+    return json.dumps(spec)
 
 
 def pipeline_from_extra_config(extra: dict[str, Any]) -> ResolvedPipeline:

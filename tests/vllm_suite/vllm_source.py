@@ -75,9 +75,7 @@ def tests_root(release: str | None = None) -> Path:
             members = [
                 m
                 for m in tar.getmembers()
-                if m.isfile()
-                and m.name.startswith(prefix)
-                and _wanted(m.name[len(prefix) :])
+                if m.isfile() and m.name.startswith(prefix) and _wanted(m.name[len(prefix) :])
             ]
             for member in members:
                 member.name = member.name[len(prefix) :]

@@ -1,0 +1,42 @@
+"""vLLM's own ``tests/v1/kv_connector/unit/test_multi_connector.py``, run against
+ComposedConnector (see :mod:`multi_connector_adapter` for what is adapted).
+
+The file is the installed vLLM version's, from its sdist on PyPI (fetched with
+pip on first use and kept in the virtualenv); a failed download fails this
+module. Its tests run here under their own names; the ones listed in
+``NOT_APPLICABLE`` (a GPU or a Hugging Face download) do not, for the reason
+given there.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+from multi_connector_adapter import NOT_APPLICABLE, collected, load, vllm_test_names
+
+_vllm = load()
+globals().update(collected(_vllm))
+# vLLM's conftest for these tests: the CPU attention backend accepts their block size.
+from tests.v1.kv_connector.unit.conftest import _mock_cpu_backend_block_sizes  # noqa: E402, F401
+
+
+@pytest.fixture(autouse=True)
+def _own_temp_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # vLLM's recording connector logs to files in the temp dir: keep each test's
+    # apart from other runs on the same machine. (Not pytest's tmp_path: vLLM's
+    # test parses "connector_" out of the file paths, and tmp_path has the test's
+    # name in it.)
+    folder = tempfile.mkdtemp(prefix="kvc-vllm-suite-")
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    yield
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_every_vllm_test_runs_here_or_says_why_not() -> None:
+    names = vllm_test_names(_vllm)
+    assert set(NOT_APPLICABLE) <= names, "a not-applicable test is gone from vLLM's file"
+    here = {n for n in globals() if n in names}
+    assert here == names - set(NOT_APPLICABLE)
