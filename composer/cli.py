@@ -173,12 +173,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _deep_problems(pipeline: ResolvedPipeline, file: str) -> list[Problem]:
     from composer.deep_check import deep_check
-    from composer.loader import load_yaml
+    from composer.loader import load_yaml, read_pipeline_file
 
     marks = None
     if file != "-":
         # The file was read successfully a moment ago; its marks locate the problems.
-        _, marks, _ = load_yaml(Path(file).read_text(encoding="utf-8"))
+        try:
+            _, marks, _ = load_yaml(read_pipeline_file(file))
+        except FileProblem:  # replaced since: report without locations
+            marks = None
     try:
         return deep_check(pipeline, marks=marks)
     except ImportError as exc:
@@ -487,6 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):
+        # A name the terminal's encoding cannot show is written as an escape, not a crash.
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -636,3 +636,27 @@ def test_a_broken_plugin_module_is_an_environment_error_exit_1(
     assert done.returncode == 1, err
     assert err.startswith("kvc: error: ") and message in err and "Traceback" not in err
     assert done.stdout == b""
+
+
+def test_validate_help_states_the_limits(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "Limits (each reported where it is crossed): files of at most 1,048,576 bytes, regular "
+        "files or stdin only; nesting at most 100 levels; at most 100,000 values once aliases "
+        "are expanded; numbers of at most 100 characters." in text
+    )
+
+
+def test_a_terminal_that_cannot_show_a_name_gets_an_escape_not_a_crash(
+    files: Path, kvc: str
+) -> None:
+    (files / "caf\u00e9.yaml").write_text('version: 1\nnodes:\n  n:\n    plugin: "\u4e2d"\n')
+    done = _kvc_limited(
+        kvc, "validate", "caf\u00e9.yaml", cwd=files, env={"PYTHONIOENCODING": "ascii"}
+    )
+    assert done.returncode == 2
+    assert done.stdout.decode().startswith(
+        'caf\\xe9.yaml:4:13: nodes.n.plugin: unknown plugin "\\u4e2d"'
+    )
+    assert b"Traceback" not in done.stderr
