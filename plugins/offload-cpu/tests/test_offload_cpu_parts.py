@@ -130,7 +130,9 @@ def test_host_pool_round_trip(slots: list[int], kind: str, blocks: str) -> None:
     for r in caches.regions:
         r.tensor.copy_(torch.randint(-128, 128, r.tensor.shape, dtype=torch.int8))
     pool = HostPool(plans, 48, pin=False)
-    assert pool.prefault() >= 0 and not any(bool(p.any()) for p in pool.pools)
+    before = [p.clone() for p in pool.pools]
+    assert pool.prefault() >= 0 and pool.faulted_slots == 48
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.pools, strict=True))  # kept
     src = list(range(10, 10 + len(slots)))
     expect = torch.cat([r.tensor[src] for r in caches.regions], dim=1)
     pool.save(slots, [src], with_checksums=True)
