@@ -16,7 +16,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from composer.hookspecs import NodeSpec
 from composer.testing.multiconnector import make_vllm_config, node_ids, pipeline_for
@@ -99,6 +103,28 @@ class RecordingConnector(KVConnectorBase_V1):
 
     def get_mem_pool_context(self) -> Any:
         return nullcontext(self.pool) if self.pool else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return RecordedStats(data={"moved": [1, 2]})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return RecordedStats(data=data if data is not None else {"moved": []})
+
+
+class RecordedStats(KVConnectorStats):
+    def reset(self) -> None:
+        self.data = {"moved": []}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data["moved"] += other.data["moved"]
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {"Moved": sum(self.data["moved"])}
+
+    def is_empty(self) -> bool:
+        return not self.data["moved"]
 
 
 class RecordingHMAConnector(RecordingConnector, SupportsHMA):
@@ -211,3 +237,19 @@ def test_inline_pipelines_keep_their_node_order(registered: None) -> None:
     connector = composed([child(k, tag=i) for i, k in enumerate(kinds)])
     assert connector.pipeline.load_order == tuple(node_ids([child(k) for k in kinds]))
     assert [type(c) for c in connector.sub_connectors] == kinds
+
+
+def test_a_native_nodes_stats_leave_the_engine_able_to_be_rebuilt(registered: None) -> None:
+    connector = composed([child(RecordingConnector), child(RecordingHMAConnector)])
+    stats = connector.get_kv_connector_stats()
+    assert stats is not None
+    # The scheduler's to_dict(), through vLLM's msgpack to the frontend process.
+    outputs = EngineCoreOutputs(scheduler_stats=SchedulerStats(kv_connector_stats=stats.to_dict()))
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(outputs))
+    assert decoded.scheduler_stats is not None
+    rebuilt = ComposedConnector.build_kv_connector_stats(decoded.scheduler_stats.kv_connector_stats)
+    assert rebuilt is not None
+    for node_id in ("RecordingConnector", "RecordingHMAConnector"):
+        own = rebuilt.data[node_id]["node"]
+        assert type(own) is RecordedStats and own.data == {"moved": [1, 2]}
+    assert rebuilt.reduce()["RecordingConnector"]["Moved"] == 3

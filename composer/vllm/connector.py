@@ -285,19 +285,6 @@ def _native_transfer_config(node: ResolvedNode, pipeline: ResolvedPipeline) -> A
     return KVTransferConfig(**child)
 
 
-def _native_identities(pipeline: ResolvedPipeline) -> dict[str, dict[str, str]]:
-    """Per native node, what finds its connector class again in another process."""
-    out: dict[str, dict[str, str]] = {}
-    for node in pipeline.nodes:
-        if node.plugin.name == "vllm":
-            config = cast(VllmConnectorConfig, node.config)
-            ident = {"name": config.connector}
-            if config.module_path:
-                ident["module_path"] = config.module_path
-            out[node.id] = ident
-    return out
-
-
 def _native_classes(
     pipeline: ResolvedPipeline, vllm_config: VllmConfig
 ) -> list[tuple[str, type[KVConnectorBase_V1], Any]]:
@@ -363,6 +350,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
                 f"vLLM's hybrid KV cache manager is on, but nodes {lacking} do not support it: "
                 "pass --disable-hybrid-kv-cache-manager, or use nodes with HMA support"
             )
+        stats_type = _StatsType()
         self.chain = Chain(
             self.pipeline,
             vllm_role,  # type: ignore[arg-type]
@@ -373,9 +361,16 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             metadata_type=ComposedMetadata,
             worker_metadata_type=ComposedWorkerMetadata,
             transfer_results_type=KVConnectorTransferResults,
-            stats_type=_stats_type(_native_identities(self.pipeline)),
+            stats_type=stats_type,
             restore_worker_meta=True,
         )
+        # Native nodes (a plugin's subclass of the native node too) name their
+        # connector in their stats, so that it can rebuild them in the frontend.
+        stats_type.natives = {
+            node_id: node.identity
+            for node_id, node in self.chain.nodes.items()
+            if isinstance(node, NativeConnectorNode)
+        }
         self.chain.on_rebind.append(self._bind_hot_paths)
         self._bind_hot_paths()
         self._model_delivered = False
@@ -808,15 +803,18 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
                 prom.observe(payload, engine_idx)
 
 
-def _stats_type(natives: dict[str, dict[str, str]]) -> Any:
-    def stats_type(data: dict[str, Any]) -> ComposedStats:
-        for node_id, ident in natives.items():
+class _StatsType:
+    """Wraps the chain's per-node stats, naming each native node's connector."""
+
+    def __init__(self) -> None:
+        self.natives: dict[str, dict[str, str]] = {}
+
+    def __call__(self, data: dict[str, Any]) -> ComposedStats:
+        for node_id, ident in self.natives.items():
             entry = data.get(node_id)
             if entry is not None and "node" in entry:
                 entry["connector"] = ident
         return ComposedStats(data=data)
-
-    return stats_type
 
 
 def _deep_check(pipeline: ResolvedPipeline) -> None:

@@ -80,6 +80,12 @@ class NativeConnectorNode(Plugin):
             temp.scheduler_config = copy.copy(temp.scheduler_config)
             temp.scheduler_config.disable_hybrid_kv_cache_manager = True
         self.connector = KVConnectorFactory.create_connector(temp, role, ctx.kv_cache_config)
+        config = cast(VllmConnectorConfig, ctx.config)
+        #: How another process finds this connector's class again (to rebuild
+        #: its stats there): vLLM's name, and the module path of an out-of-tree one.
+        self.identity: dict[str, str] = {"name": config.connector}
+        if config.module_path:
+            self.identity["module_path"] = config.module_path
         #: The keyword arguments vLLM passed to the composed connector's call of
         #: each hook, set by the composed connector for the call's duration.
         self.call_kwargs: dict[str, Mapping[str, Any]] = {
