@@ -58,7 +58,7 @@ class Killer(Plugin):
     def _kill(self) -> None:
         pid = self.config.pid or self.target.server.pid
         os.kill(pid, signal.SIGKILL)
-        self.killed_at = time.time()
+        self.killed_at = time.monotonic()  # system-wide: comparable across processes
 
     @hookimpl
     def get_num_new_matched_tokens(self, request: Any) -> tuple[int, bool]:
@@ -82,8 +82,10 @@ class Killer(Plugin):
     @hookimpl
     def shutdown(self) -> None:
         stats = self.target.stats
+        down_since = self.target._down_since if self.target.down_events else None
         report = {
             "killed_at": self.killed_at,
+            "down_since": down_since,
             "latency": self.latency,
             "server_alive": self.target.server_alive,
             "down_events": self.target.down_events,
