@@ -201,7 +201,9 @@ def _env() -> dict[str, str]:
     out: dict[str, str] = {}
     value = NODE + "      engine_id: "
     unset = "${HOSTILE_UNSET_A:-"
-    out["unclosed-default-20k"] = value + unset * 2000 + "\n" + BAD_PORT
+    # A lazy regular expression backtracked quadratically here (seconds of CPU).
+    out["unclosed-default-60k"] = value + "${A:-" * 12000 + "\n" + BAD_PORT
+    out["unclosed-default-long-name"] = value + unset * 2000 + "\n" + BAD_PORT
     out["unclosed-dollar-brace-20k"] = value + "${" * 10000 + "\n" + BAD_PORT
     out["nested-defaults-20k"] = value + unset * 2000 + "x" + "}" * 2000 + "\n" + BAD_PORT
     out["dollars-20k"] = value + "$$${" * 5000 + "\n" + BAD_PORT
