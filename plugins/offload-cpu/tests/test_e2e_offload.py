@@ -1,9 +1,9 @@
 """offload-cpu inside real vLLM (CPU build, tiny local model, prefix cache off).
 
 One module-scoped set of engine runs: a plain engine (no connector) as the
-reference, the pipeline ``{cpu: offload-cpu}`` (sync loads), and the same
-with async loads and checksums while a test node corrupts every other stored
-block. All runs use the same
+reference, the pipeline ``{cpu: offload-cpu}`` (sync loads), the same with a
+4 GiB pool, and the same with async loads and checksums while a test node
+corrupts every other stored block. All runs use the same
 VLLM_CPU_OMP_THREADS_BIND, so token comparisons are not thread-count noise.
 """
 
@@ -59,6 +59,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     out: dict[str, Any] = {"report": report}
     out["plain"] = run_engine(spec(None))
     out["cpu"] = run_engine(spec(_pipeline({"capacity": "256MiB"})))
+    # A pool far larger than the prompts: its pages are still being mapped when
+    # round 1 repeats round 0, right after the engine is ready.
+    out["cpu4g"] = run_engine(spec(_pipeline({"capacity": "4GiB"})))
     out["corrupt"] = run_engine(
         spec(
             _pipeline(
@@ -98,6 +101,19 @@ def test_tokens_equal_a_run_without_the_pipeline(runs: dict[str, Any]) -> None:
     assert _cached(plain, 1) == [0, 0, 0, 0, 0]
     for r in range(len(ROUNDS)):
         assert cpu.tokens(r) == plain.tokens(r), f"round {r}"
+
+
+def test_the_first_requests_are_served_when_repeated_right_after(runs: dict[str, Any]) -> None:
+    """capacity 4GiB: saves never wait for the pool's pages to be mapped (that took ~6 s,
+    and the repeats missed): round 0 runs right after the engine is ready, round 1 right
+    after it, and its repeats of round-0 prompts come from the tier."""
+    big, plain = runs["cpu4g"], runs["plain"]
+    assert _cached(big, 0) == [0, 0, 0]
+    repeat, _, _, repeat2, _ = big.rounds[1]
+    for r in (repeat, repeat2):
+        assert r.cached_tokens == (r.prompt_tokens - 1) // BLOCK * BLOCK > 0
+    for r in range(len(ROUNDS)):
+        assert big.tokens(r) == plain.tokens(r), f"round {r}"
 
 
 def test_corrupt_blocks_are_recomputed_not_served(runs: dict[str, Any]) -> None:
