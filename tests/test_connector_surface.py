@@ -252,4 +252,4 @@ def test_a_native_nodes_stats_leave_the_engine_able_to_be_rebuilt(registered: No
     for node_id in ("RecordingConnector", "RecordingHMAConnector"):
         own = rebuilt.data[node_id]["node"]
         assert type(own) is RecordedStats and own.data == {"moved": [1, 2]}
-    assert rebuilt.reduce()["RecordingConnector"]["Moved"] == 3
+    assert rebuilt.reduce()["RecordingConnector"] == {"Moved": 3}

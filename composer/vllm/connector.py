@@ -124,27 +124,27 @@ class ComposedStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, Any]:
-        # Per node, as MultiKVConnectorStats reduces per connector: the chain's
-        # counters and the node's own reduced stats side by side.
+        # The chain's counters flat ("node.key", as the stat logger prints them);
+        # a node's own stats under its node id, reduced by their own class (as
+        # MultiKVConnectorStats reduces each connector's).
         out: dict[str, Any] = {}
         for node_id, entry in self.data.items():
-            flat: dict[str, Any] = {}
             for key, value in entry.get("counters", {}).items():
                 if isinstance(value, bool):
                     continue
                 if isinstance(value, int | float) and value:
-                    flat[key] = value
+                    out[f"{node_id}.{key}"] = value
                 elif isinstance(value, dict):
                     for sub, v in value.items():
-                        flat[f"{key}.{sub}"] = v
+                        out[f"{node_id}.{key}.{sub}"] = v
             own = entry.get("node")
             if isinstance(own, KVConnectorStats):
                 if not own.is_empty():
-                    flat.update(own.reduce())
+                    out[node_id] = own.reduce()
             elif isinstance(own, dict):
-                flat.update((k, v) for k, v in own.items() if isinstance(v, int | float))
-            if flat:
-                out[node_id] = flat
+                for key, value in own.items():
+                    if isinstance(value, int | float):
+                        out[f"{node_id}.{key}"] = value
         return out
 
     def is_empty(self) -> bool:
