@@ -63,7 +63,7 @@ MAX_HINT_CHOICES = 200
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    names = list(choices)
+    names = [str(c) for c in choices]
     if len(names) > MAX_HINT_CHOICES or len(str(word)) > 200:
         return ""
     close = difflib.get_close_matches(str(word), names, n=1, cutoff=0.6)

@@ -7,6 +7,7 @@ Any other exception is a crash a user would see as a traceback.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from composer import PipelineInvalid, ResolvedPipeline, discover, validate_text
+from composer import PipelineInvalid, ResolvedPipeline, discover, load_pipeline, validate_text
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -169,3 +170,32 @@ def test_mutated_pipelines_never_crash(text: str) -> None:
     else:
         assert isinstance(result, ResolvedPipeline)
         assert result.nodes, "a valid pipeline has at least one enabled node"
+
+
+_LEAF = (
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6)
+    | st.binary(max_size=3)
+    | st.sampled_from(["vllm", "offload-cpu", "lmcache", "load", "both", "8GiB", "NixlConnector"])
+)
+_KEYS = st.sampled_from(WORDS[:24]) | st.text(max_size=4) | st.integers()
+_DATA = st.recursive(
+    _LEAF,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(_KEYS, c, max_size=5) | st.tuples(c),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.dictionaries(_KEYS, _DATA, max_size=6), versioned=st.booleans())
+def test_python_data_gives_a_pipeline_or_pipeline_invalid(
+    data: dict[object, object], versioned: bool
+) -> None:
+    """The Python API on arbitrary data (int keys, bytes, tuples): no other exception."""
+    if versioned:
+        data["version"] = 1
+    try:
+        load_pipeline(data, registry=REGISTRY)  # type: ignore[arg-type]
+    except PipelineInvalid as exc:
+        for problem in exc.problems:
+            assert not UNSAFE.search(str(problem)), str(problem)
+            json.dumps(problem.as_dict())
