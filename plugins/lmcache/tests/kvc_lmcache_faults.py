@@ -19,7 +19,9 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict
 
@@ -34,6 +36,10 @@ class KillerConfig(BaseModel):
     settle_s: float = 0.0
     #: The server to kill; None: the lmcache node's own (started) server.
     pid: int | None = None
+    #: After the kill and settle_s: start a server where the killed one was
+    #: (same ports, this chunk size), hold the scheduler until the node resumes,
+    #: then settle_s more (the worker's node resumes on its own heartbeat).
+    restart_chunk_size: int | None = None
 
 
 class Killer(Plugin):
@@ -43,6 +49,8 @@ class Killer(Plugin):
         self.seen: dict[str, float] = {}
         self.latency: dict[str, float] = {}
         self.killed_at: float | None = None
+        self.restarted_pid: int | None = None
+        self.resumed_at: float | None = None
         self.totals = {"errors": 0, "server_down": 0}
         stats = self.target.stats
         take = stats.take
@@ -70,7 +78,24 @@ class Killer(Plugin):
                 else:
                     self._kill()
                     time.sleep(self.config.settle_s)
+                    if self.config.restart_chunk_size:
+                        self._restart()
         return 0, False
+
+    def _restart(self) -> None:
+        from kvc_lmcache.server import ServerSettings, start_server
+
+        server = self.target.server
+        http_port = server.http_port or urlparse(self.target.config.server.http_url).port
+        settings = ServerSettings(chunk_size=self.config.restart_chunk_size, l1_size_gb=0.25)
+        log = f"{self.config.report}.restarted.log"
+        info = start_server(settings, Path(log), port=server.port, http_port=http_port)
+        self.restarted_pid = info.pid
+        deadline = time.monotonic() + 120
+        while not self.target.server_alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.resumed_at = time.monotonic()
+        time.sleep(self.config.settle_s)
 
     @hookimpl
     def request_finished(self, request: Any) -> tuple[bool, None]:
@@ -86,6 +111,8 @@ class Killer(Plugin):
         report = {
             "killed_at": self.killed_at,
             "down_since": down_since,
+            "restarted_pid": self.restarted_pid,
+            "resumed_at": self.resumed_at,
             "latency": self.latency,
             "server_alive": self.target.server_alive,
             "down_events": self.target.down_events,
