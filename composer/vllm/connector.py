@@ -394,12 +394,33 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         for name in _BOUND_TO_CHAIN:
             setattr(self, name, getattr(chain, name))
         # vLLM may pass keyword arguments (the GPU model runner's start_load_kv
-        # does): native nodes get them, as MultiConnector's children do.
-        self._native_kwargs = [
-            n.call_kwargs for n in chain.nodes.values() if isinstance(n, NativeConnectorNode)
-        ]
-        self.start_load_kv = self._kwargs_passing("start_load_kv", chain.start_load_kv)  # type: ignore[method-assign]
-        self.save_kv_layer = self._kwargs_passing("save_kv_layer", chain.save_kv_layer)  # type: ignore[method-assign]
+        # does): native nodes get them, as MultiConnector's children do. The
+        # usual call, without, goes straight to the chain's dispatch.
+        self._natives = {
+            node_id: node
+            for node_id, node in chain.nodes.items()
+            if isinstance(node, NativeConnectorNode)
+        }
+        chain_start = chain.start_load_kv
+        chain_save = chain.save_kv_layer
+        with_kwargs = self._with_kwargs
+
+        def start_load_kv(forward_context: ForwardContext, **kwargs: Any) -> None:
+            if kwargs:
+                with_kwargs("start_load_kv", (forward_context,), kwargs)
+            else:
+                chain_start(forward_context)
+
+        def save_kv_layer(
+            layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+        ) -> None:
+            if kwargs:
+                with_kwargs("save_kv_layer", (layer_name, kv_layer, attn_metadata), kwargs)
+            else:
+                chain_save(layer_name, kv_layer, attn_metadata)
+
+        self.start_load_kv = start_load_kv  # type: ignore[method-assign]
+        self.save_kv_layer = save_kv_layer  # type: ignore[method-assign]
 
         chain_preempt = chain.handle_preemptions
         chain_bind = chain.bind_connector_metadata
@@ -422,22 +443,24 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.bind_connector_metadata = bind_connector_metadata  # type: ignore[method-assign]
         self.clear_connector_metadata = clear_connector_metadata  # type: ignore[method-assign]
 
-    def _kwargs_passing(self, hook: str, dispatch: Any) -> Any:
-        targets = self._native_kwargs
-
-        def call(*args: Any, **kwargs: Any) -> None:
-            if not kwargs:
-                dispatch(*args)
-                return
-            for kw in targets:
-                kw[hook] = kwargs
+    def _with_kwargs(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """``hook`` to every node the chain calls it on, in its order, native nodes
+        with vLLM's keyword arguments (through their hookimpl, so a plugin's
+        subclass of the native node keeps its own checks); faults as in the chain."""
+        chain = self.chain
+        for node_id, fn in chain.calls[hook]:
+            node = self._natives.get(node_id)
             try:
-                dispatch(*args)
-            finally:
-                for kw in targets:
-                    kw[hook] = NO_KWARGS
-
-        return call
+                if node is None:
+                    fn(*args)
+                    continue
+                node.call_kwargs[hook] = kwargs
+                try:
+                    getattr(node, hook)(*args)
+                finally:
+                    node.call_kwargs[hook] = NO_KWARGS
+            except Exception as exc:
+                chain._fault(node_id, hook, exc)
 
     # ------------------------------------------------------------------ #
     # properties
@@ -566,7 +589,10 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         super().clear_connector_metadata()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._kwargs_passing("start_load_kv", self.chain.start_load_kv)(forward_context, **kwargs)
+        if kwargs:
+            self._with_kwargs("start_load_kv", (forward_context,), kwargs)
+        else:
+            self.chain.start_load_kv(forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.chain.wait_for_layer_load(layer_name)
@@ -578,9 +604,10 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        self._kwargs_passing("save_kv_layer", self.chain.save_kv_layer)(
-            layer_name, kv_layer, attn_metadata, **kwargs
-        )
+        if kwargs:
+            self._with_kwargs("save_kv_layer", (layer_name, kv_layer, attn_metadata), kwargs)
+        else:
+            self.chain.save_kv_layer(layer_name, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
         self.chain.wait_for_save()

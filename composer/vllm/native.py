@@ -87,7 +87,9 @@ class NativeConnectorNode(Plugin):
         if config.module_path:
             self.identity["module_path"] = config.module_path
         #: The keyword arguments vLLM passed to the composed connector's call of
-        #: each hook, set by the composed connector for the call's duration.
+        #: each hook, set by the composed connector for the call's duration. A
+        #: call with keyword arguments reaches the hookimpls below (which pass
+        #: them on), not the direct hooks: vLLM's usual call has none.
         self.call_kwargs: dict[str, Mapping[str, Any]] = {
             "start_load_kv": NO_KWARGS,
             "save_kv_layer": NO_KWARGS,
@@ -101,22 +103,14 @@ class NativeConnectorNode(Plugin):
         all: the connector keeps vLLM's do-nothing default for it.
         """
         c = self.connector
-        kw = self.call_kwargs
-
-        def save_kv_layer(layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
-            c.save_kv_layer(layer_name, kv_layer, attn_metadata, **kw["save_kv_layer"])
-
-        def start_load_kv(forward_context: Any) -> None:
-            c.start_load_kv(forward_context, **kw["start_load_kv"])
-
         hooks: dict[str, Any] = {
             # per layer
             "wait_for_layer_load": c.wait_for_layer_load,
-            "save_kv_layer": save_kv_layer,
+            "save_kv_layer": c.save_kv_layer,
             # worker, per step
             "handle_preemptions": c.handle_preemptions,
             "bind_connector_metadata": c.bind_connector_metadata,
-            "start_load_kv": start_load_kv,
+            "start_load_kv": c.start_load_kv,
             "wait_for_save": c.wait_for_save,
             "finish_forward": c.finish_forward,
             "clear_connector_metadata": c.clear_connector_metadata,
