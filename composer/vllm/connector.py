@@ -393,23 +393,16 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         chain = self.chain
         for name in _BOUND_TO_CHAIN:
             setattr(self, name, getattr(chain, name))
-        # vLLM may pass keyword arguments (the GPU model runner's start_load_kv
-        # does): native nodes get them, as MultiConnector's children do. The
+        # vLLM may pass keyword arguments (start_load_kv: the chain passes them on
+        # itself): native nodes get them, as MultiConnector's children do. The
         # usual call, without, goes straight to the chain's dispatch.
         self._natives = {
             node_id: node
             for node_id, node in chain.nodes.items()
             if isinstance(node, NativeConnectorNode)
         }
-        chain_start = chain.start_load_kv
         chain_save = chain.save_kv_layer
         with_kwargs = self._with_kwargs
-
-        def start_load_kv(forward_context: ForwardContext, **kwargs: Any) -> None:
-            if kwargs:
-                with_kwargs("start_load_kv", (forward_context,), kwargs)
-            else:
-                chain_start(forward_context)
 
         def save_kv_layer(
             layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -419,7 +412,6 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 chain_save(layer_name, kv_layer, attn_metadata)
 
-        self.start_load_kv = start_load_kv  # type: ignore[method-assign]
         self.save_kv_layer = save_kv_layer  # type: ignore[method-assign]
 
         chain_preempt = chain.handle_preemptions
@@ -589,10 +581,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         super().clear_connector_metadata()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if kwargs:
-            self._with_kwargs("start_load_kv", (forward_context,), kwargs)
-        else:
-            self.chain.start_load_kv(forward_context)
+        self.chain.start_load_kv(forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.chain.wait_for_layer_load(layer_name)
