@@ -272,13 +272,18 @@ class HostPool:
             else:
                 wide(pool).index_copy_(0, slot_t, wide(plan.region).index_select(0, ids))
         if with_checksums:
-            # Of what landed in the pool, so host memory gone bad after the save shows.
-            if len(slot_runs) == 1:
-                parts = [pool[slots[0] : slots[0] + len(slots)] for pool in self.pools]
+            # Of what landed in the pool, so host memory gone bad after the save shows;
+            # read in place per run of slots (no gather).
+            if len(slot_runs) <= MAX_RUNS:
+                batches = [
+                    ([pool[s0 : s0 + i1 - i0] for pool in self.pools], slots[i0:i1])
+                    for i0, i1, s0 in slot_runs
+                ]
             else:
-                parts = [pool.index_select(0, slot_t) for pool in self.pools]
-            for s, digest in zip(slots, checksums(parts, slots), strict=True):
-                self.sums[s] = digest
+                batches = [([pool.index_select(0, slot_t) for pool in self.pools], slots)]
+            for parts, seeds in batches:
+                for s, digest in zip(seeds, checksums(parts, seeds), strict=True):
+                    self.sums[s] = digest
         return time.perf_counter() - t0
 
     def _save_from_device(
