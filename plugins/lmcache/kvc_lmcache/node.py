@@ -128,9 +128,12 @@ class LMCacheServerNode(NativeConnectorNode):
         self.native_config = native
         #: Read at the top of every hook that would reach the server.
         self.server_alive = True
-        #: Outages seen by this process (the stats counter is reset by each report).
+        #: Outages seen by this process.
         self.down_events = 0
+        # Written by the watcher thread while the chain reads them: gauges that
+        # exist from the start only change value, never the dict's size.
         self.stats.gauges["server_alive"] = 1
+        self.stats.gauges["server_outages"] = 0
         self._down_since = 0.0
         self._lock = threading.Lock()
         self._shut_down = False
@@ -177,7 +180,7 @@ class LMCacheServerNode(NativeConnectorNode):
             self.down_events += 1
             self._down_since = time.monotonic()
         self.stats.gauges["server_alive"] = 0
-        self.stats.extra.add("server_down")
+        self.stats.gauges["server_outages"] = self.down_events
         self.log.warning(
             "LMCache server is down: lookups answer 0, loads and saves fail "
             "(on_error applies) until it is back",
@@ -229,7 +232,7 @@ class LMCacheServerNode(NativeConnectorNode):
         # The two per-step worker hooks that reach the server check liveness
         # first. The per-layer hooks stay bound straight to the connector:
         # LMCache's MP connector does nothing in them (no server, no cost).
-        hooks["start_load_kv"] = self.start_load_kv
+        hooks["start_load_kv"] = self._start_load_kv
         hooks["wait_for_save"] = self.wait_for_save
         return hooks
 
@@ -245,9 +248,13 @@ class LMCacheServerNode(NativeConnectorNode):
 
     @hookimpl
     def start_load_kv(self, forward_context: Any) -> None:
+        self._start_load_kv(forward_context, **self.call_kwargs["start_load_kv"])
+
+    def _start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """The direct hook: the chain passes vLLM's keyword arguments, like the native one."""
         if self.server_alive:
             try:
-                self.connector.start_load_kv(forward_context)
+                self.connector.start_load_kv(forward_context, **kwargs)
             except Exception as exc:
                 if self.server_alive:
                     raise
@@ -255,7 +262,7 @@ class LMCacheServerNode(NativeConnectorNode):
             return
         # Degraded LMCache drops the retrieves and reports them finished and
         # failed (its blocks are recomputed); the error applies on_error.
-        self.connector.start_load_kv(forward_context)
+        self.connector.start_load_kv(forward_context, **kwargs)
         if self._bound_requests("RETRIEVE"):
             raise self._gone("start_load_kv")
 

@@ -8,7 +8,7 @@ the scheduler ``settle_s`` (a kill between rounds, noticed before round 2 is
 scheduled), or ``delay_s`` later from a timer (a kill while the round is in
 flight). In every process it records, per request, the seconds from its first
 lookup to ``request_finished``, and at shutdown writes what the lmcache node
-reported (its liveness flag, outages seen, and every ``errors`` / ``server_down``
+reported (its liveness flag and gauges, outages seen, and every ``errors``
 count the chain took from its stats) to ``<report>.<vllm role>.json``.
 """
 
@@ -51,14 +51,13 @@ class Killer(Plugin):
         self.killed_at: float | None = None
         self.restarted_pid: int | None = None
         self.resumed_at: float | None = None
-        self.totals = {"errors": 0, "server_down": 0}
+        self.totals = {"errors": 0}
         stats = self.target.stats
         take = stats.take
 
         def counting_take() -> dict[str, Any]:
             snapshot: dict[str, Any] = take()
             self.totals["errors"] += int(snapshot.get("errors", 0))
-            self.totals["server_down"] += int(snapshot.get("extra", {}).get("server_down", 0))
             return snapshot
 
         stats.take = counting_take
@@ -118,7 +117,7 @@ class Killer(Plugin):
             "down_events": self.target.down_events,
             "gauge_server_alive": stats.gauges.get("server_alive"),
             "errors": self.totals["errors"] + stats.errors,
-            "server_down": self.totals["server_down"] + stats.extra.get("server_down", 0),
+            "server_outages": stats.gauges.get("server_outages"),
             "disabled": stats.disabled,
         }
         with open(f"{self.config.report}.{self.ctx.vllm_role}.json", "w") as f:

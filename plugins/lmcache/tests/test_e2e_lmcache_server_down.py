@@ -196,7 +196,7 @@ def test_round_one_is_saved_and_round_two_is_not_served_by_a_dead_server(
 def test_the_node_reports_the_dead_server(runs: dict[str, Any], name: str, role: str) -> None:
     report = runs[f"{name}/report"][role]
     assert report["server_alive"] is False and report["gauge_server_alive"] == 0
-    assert report["down_events"] == 1 and report["server_down"] == 1
+    assert report["down_events"] == 1 and report["server_outages"] == 1
     killed_at = runs[f"{name}/report"]["scheduler"]["killed_at"]
     # Measured here: 0.1-0.6 s. The bound only says detection does not wait for
     # LMCache's own heartbeat or mq_timeout (a loaded host may starve the thread).
@@ -230,7 +230,7 @@ def test_the_engine_shuts_down_by_itself(runs: dict[str, Any], name: str) -> Non
 def test_a_server_back_where_it_was_is_used_again(runs: dict[str, Any], role: str) -> None:
     result = runs["recompute-restarted"]
     report = runs["recompute-restarted/report"][role]
-    assert report["down_events"] == 1 and report["server_down"] == 1
+    assert report["down_events"] == 1 and report["server_outages"] == 1
     # LMCache's heartbeat re-registered with the new server; the node resumed
     # before round 2 and was never switched off.
     assert report["server_alive"] is True and report["gauge_server_alive"] == 1, report
