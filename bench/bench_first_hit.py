@@ -78,6 +78,8 @@ def run_child(spec: dict[str, Any], timeout_s: float = 900) -> dict[str, Any]:
         result: dict[str, Any] = json.loads(out_file.read_text())
         mapped = re.findall(r"offload-cpu pool prefaulted.*?seconds=([0-9.]+)", text)
         result["prefault_s"] = float(mapped[0]) if mapped else None
+        part = re.findall(r"offload-cpu pool prefault stopped.*?mapped_gib=([0-9.]+)", text)
+        result["mapped_gib_at_exit"] = float(part[0]) if part else None
         return result
 
 
@@ -141,6 +143,8 @@ def main() -> None:
         first = f"request {hit + 1}" if hit is not None else "none"
         when = f"{reqs[hit]['done_s']:.2f}s" if hit is not None else f">{reqs[-1]['done_s']:.0f}s"
         mapped = f"{r['prefault_s']:.1f}s" if r["prefault_s"] is not None else "not yet"
+        if r["mapped_gib_at_exit"] is not None:
+            mapped = f"{r['mapped_gib_at_exit']:.1f}GiB@exit"
         print(
             f"  {'offload-cpu ' + cap:<24}{r['startup_s']:8.1f}s{r['startup_s'] / base:8.2f}x"
             f"{first:>11}{when:>12}{mapped:>13}"

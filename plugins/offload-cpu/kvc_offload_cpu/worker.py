@@ -216,8 +216,15 @@ class WorkerHalf:
 
     def _prefaulted(self, seconds: float | None, error: BaseException | None) -> None:
         """Called on the prefault thread when it ends."""
+        pool = self.pool
+        assert pool is not None
+        mapped_gib = round(pool.faulted_slots * pool.slot_bytes / GiB, 3)
         if error is not None:  # only slower first saves into each slot
-            self.log.warning("offload-cpu: pool prefault failed", error=repr(error))
+            self.log.warning(
+                "offload-cpu: pool prefault failed", error=repr(error), mapped_gib=mapped_gib
+            )
+        elif pool.faulted_slots < pool.num_slots:  # shutdown came first
+            self.log.info("offload-cpu pool prefault stopped", mapped_gib=mapped_gib)
         elif seconds is not None:
             self.log.info("offload-cpu pool prefaulted", seconds=round(seconds, 3))
 
