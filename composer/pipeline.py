@@ -101,8 +101,10 @@ class Node(BaseModel):
     )
     on_error: ErrorPolicy = Field(
         "fail",
-        description="fail: stop the engine. disable: switch the node off and recompute its "
-        "blocks. recompute: recompute the failed blocks and keep the node.",
+        description="What a hook that raises does. fail: stop the engine. disable: switch "
+        "the node off in every vLLM process; what it was loading is recomputed, what it held "
+        "is released. recompute: a failed lookup or synchronous load is recomputed and the "
+        "node stays; a fault anywhere else switches it off as disable does.",
     )
     enabled: bool = Field(
         True, description="false keeps the node in the file but out of the chain."
