@@ -16,6 +16,7 @@ from kvc_model_tracker.node import ModelTrackerNode, summarize
 from composer import Plugin, PluginType, Registry, discover, hookimpl, load_pipeline
 from composer.chain import Chain
 from composer.errors import PipelineInvalid
+from composer.faults import NodeFailed
 
 
 class TinyLM(torch.nn.Module):
@@ -152,8 +153,10 @@ def test_another_model_under_the_same_lmcache_id_is_an_error() -> None:
 
     VLLMModelTracker.register_model("kvc-test-2", TinyLM())
     chain = Chain(_pipeline({"lmcache_instance_id": "kvc-test-2"}), "worker")
-    with pytest.raises(ModelNotTracked, match="already holds another model"):
+    # Through the chain (on_error: fail), the engine stops with the node named.
+    with pytest.raises(NodeFailed, match="already holds another model") as failed:
         chain.initialize_worker_connector(TinyLM(), None, None)
+    assert isinstance(failed.value.__cause__, ModelNotTracked)
 
 
 def test_lmcache_always_without_lmcache_installed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,8 +164,9 @@ def test_lmcache_always_without_lmcache_installed(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(node, "lmcache_available", lambda: False)
     chain = Chain(_pipeline({"lmcache": "always"}), "worker")
-    with pytest.raises(ModelNotTracked, match="LMCache is not installed"):
+    with pytest.raises(NodeFailed, match="LMCache is not installed") as failed:
         chain.initialize_worker_connector(TinyLM(), None, None)
+    assert isinstance(failed.value.__cause__, ModelNotTracked)
     # auto: no registration and no LMCache import attempted.
     Consumer.seen = []
     chain = Chain(_pipeline({"lmcache": "auto"}), "worker")
@@ -173,5 +177,6 @@ def test_lmcache_always_without_lmcache_installed(monkeypatch: pytest.MonkeyPatc
 def test_no_model_handed_over() -> None:
     Consumer.seen = []
     chain = Chain(_pipeline(), "worker")
-    with pytest.raises(ModelNotTracked):
+    with pytest.raises(NodeFailed) as failed:
         chain.initialize_worker_connector(None, None, None)
+    assert isinstance(failed.value.__cause__, ModelNotTracked)
