@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import pluggy
-from pydantic import ByteSize
+from pydantic import ByteSize, TypeAdapter, ValidationError
 from pydantic_core import to_jsonable_python
 
 from composer.discovery import PluginConflict, PluginLoadError, Registry, discover
@@ -393,6 +393,63 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.file)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from composer import simulate as sim
+
+    pipeline = _load(args.file, discover())
+    try:
+        if args.bytes_per_block is not None:
+            try:
+                bpb = int(TypeAdapter(ByteSize).validate_python(args.bytes_per_block))
+            except ValidationError:
+                raise CommandError(
+                    f"--bytes-per-block: not a size: {args.bytes_per_block!r} (e.g. 2MiB)"
+                ) from None
+        elif args.model_config is not None:
+            bpb = sim.bytes_per_block_from_config(args.model_config, args.block_size)
+        else:
+            raise CommandError("kvc simulate needs --bytes-per-block or --model-config")
+        trace = sim.read_trace(args.trace)
+        kwargs: dict[str, Any] = {
+            "bytes_per_block": bpb,
+            "block_size": args.block_size,
+            "trace_block_tokens": args.trace_block_tokens,
+            "vllm_cache_blocks": args.vllm_cache_blocks,
+            "trace_name": os.path.basename(args.trace),
+            "exact": args.exact,
+        }
+        if args.sweep is None:
+            result = sim.simulate(pipeline, trace, **kwargs)
+            text = _dump(result.as_dict()) if args.json else sim.format_result(result)
+        else:
+            name, values = sim.parse_sweep(args.sweep)
+            results = sim.sweep(pipeline, trace, name, values, **kwargs)
+            png = Path(args.output).with_suffix(".png") if args.output else Path(
+                "kvc-simulate-sweep.png"
+            )
+            sim.plot_sweep(png, name, values, results)
+            print(f"wrote {png}", file=sys.stderr)
+            text = (
+                _dump({"sweep": name, "values": values, "plot": str(png),
+                       "results": [r.as_dict() for r in results]})
+                if args.json
+                else sim.format_sweep(name, values, results)
+            )
+    except sim.TraceError as exc:
+        print(escape(str(exc)), file=sys.stderr)
+        return EXIT_INVALID
+    except (sim.SimulateError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    if args.output:
+        try:
+            Path(args.output).write_text(text + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise CommandError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    else:
+        print(text)
+    return EXIT_OK
+
+
 @contextlib.contextmanager
 def _needs_runtime(what: str) -> Iterator[None]:
     """Turn a missing vLLM / torch into a one-line hint instead of a traceback."""
@@ -483,6 +540,63 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="-- VLLM_ARGS",
         help="arguments for `vllm serve`, after --, e.g. -- MODEL --max-model-len 512",
     )
+
+    p = add(
+        "simulate",
+        cmd_simulate,
+        "Predict each node's hit rate on a request trace (no engine; torch and vLLM not needed).",
+    )
+    p.epilog = (
+        "Semantics: requests replay in trace order, one at a time. A request's hit is its "
+        "longest run of leading blocks present in the serving tier, counted after vLLM's own "
+        "prefix-cache hit (--vllm-cache-blocks); only full blocks are cached; at least one "
+        "prompt token is always computed; nodes are asked in load_order and load_policy picks "
+        "the server; a tier stores a request's blocks, by its save policy, when the request "
+        "finishes. Trace: Mooncake JSONL, one hash id per 512 prompt tokens; the partial last "
+        "block and the output are unique to their request. Nodes whose plugin has no model are "
+        "shown as not modelled and never hit."
+    )
+    p.add_argument("file", metavar="PIPELINE")
+    p.add_argument("trace", metavar="TRACE", help="Mooncake-format JSONL trace")
+    p.add_argument(
+        "--bytes-per-block", metavar="SIZE",
+        help="bytes of one KV block, all layers (e.g. 2MiB)",
+    )
+    p.add_argument(
+        "--model-config", metavar="CONFIG_JSON",
+        help="a Hugging Face config.json: bytes per block = layers x 2 x kv_heads x head_dim "
+        "x dtype bytes x block size",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=32,
+        help="vLLM's block size in tokens (default 32, as vLLM's CPU backend needs a "
+        "multiple of 32; vLLM's GPU default is 16)",
+    )
+    p.add_argument(
+        "--trace-block-tokens", type=int, default=512,
+        help="tokens one trace hash id stands for (default 512, the trace's own); fewer "
+        "rescales every length by the same factor, like a scaled replay",
+    )
+    p.add_argument(
+        "--vllm-cache-blocks", type=int, default=0, metavar="N",
+        help="model vLLM's own prefix cache of N blocks as a first tier (default 0: none)",
+    )
+    p.add_argument(
+        "--exact", action="store_true",
+        help="replay every vLLM block; by default, when the block size divides a trace "
+        "block, whole trace blocks move as one unit (much faster; see the README)",
+    )
+    p.add_argument(
+        "--sweep", metavar="FIELD=V1,V2,...",
+        help="run once per value of a config field of every modelled node, e.g. "
+        "capacity=1GiB,4GiB,16GiB: a table and a PNG plot",
+    )
+    p.add_argument(
+        "--output", "-o", metavar="FILE",
+        help="write the report to FILE; a sweep's plot goes to FILE with suffix .png "
+        "(default kvc-simulate-sweep.png)",
+    )
+    add_json(p)
 
     p = add("demo", cmd_demo, "Serve a tiny local model through a composed pipeline.")
     p.add_argument("file", nargs="?", metavar="FILE", help="pipeline to use (default: built in)")

@@ -70,6 +70,10 @@ class PluginType:
         Callable[[str, BaseModel, dict[str, Any]], Iterable[tuple[tuple[str | int, ...], str]]]
         | None
     ) = None
+    #: ``"module:Class"`` of its model for ``kvc simulate`` (see
+    #: :class:`composer.simulate.TierModel`); imported only by that command. None: not
+    #: modelled, the simulator shows the node as such.
+    simulator: str | None = None
     #: Filled by discovery: the distribution that registered it.
     package: str = ""
     version: str = ""

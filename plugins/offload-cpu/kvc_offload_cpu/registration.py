@@ -32,6 +32,7 @@ OFFLOAD_CPU = PluginType(
     roles=frozenset({"load", "save", "both"}),
     capabilities=capabilities(OffloadCPUConfig()),
     capabilities_for=capabilities,
+    simulator="kvc_offload_cpu.simulate:OffloadCPUModel",
 )
 
 

@@ -1,0 +1,403 @@
+"""``kvc simulate``: exact hits on hand-written traces, the shipped Mooncake slices, CLI.
+
+Hand-written traces use ``trace_block_tokens=32`` and ``block_size=32``: one
+hash id is one vLLM block of 32 tokens, so every number below can be worked out
+by hand. ``input_length`` stays in the trace's units (512 tokens an id).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvc_offload_cpu.index import BlockIndex
+from kvc_offload_cpu.simulate import OffloadCPUModel
+
+from composer.cli import main
+from composer.discovery import discover
+from composer.pipeline import ResolvedPipeline
+from composer.simulate import (
+    VLLM_CACHE_ID,
+    KeyMaker,
+    Result,
+    TraceRequest,
+    read_trace,
+    simulate,
+)
+from composer.validation import validate_text
+
+BS = 32
+SLICES = Path(__file__).parent / "data" / "traces"
+CONVERSATION = SLICES / "mooncake-conversation_trace-500.jsonl"
+SYNTHETIC = SLICES / "mooncake-synthetic_trace-200.jsonl"
+
+
+def req(ids: Sequence[int], partial: bool = False, output_blocks: int = 0) -> TraceRequest:
+    """A request over ``ids``; ``partial``: its last id is a half-full block."""
+    length = 512 * len(ids) - (256 if partial else 0)
+    return TraceRequest(length, 512 * output_blocks, tuple(ids))
+
+
+def pipeline(nodes: str, extra: str = "") -> ResolvedPipeline:
+    return validate_text(f"version: 1\nnodes:\n{nodes}{extra}", registry=discover())
+
+
+def tier(name: str, blocks: int | str, extra: str = "") -> str:
+    return f"  {name}:\n    plugin: offload-cpu\n    config: {{capacity: {blocks}{extra}}}\n"
+
+
+def run(p: ResolvedPipeline, trace: Sequence[TraceRequest], **kw: Any) -> Result:
+    kw.setdefault("bytes_per_block", 1)
+    kw.setdefault("block_size", BS)
+    kw.setdefault("trace_block_tokens", BS)
+    return simulate(p, trace, **kw)
+
+
+def node(result: Result, node_id: str) -> Any:
+    return next(n for n in result.nodes if n.id == node_id)
+
+
+# --------------------------------------------------------------------------- #
+# semantics
+# --------------------------------------------------------------------------- #
+
+
+def test_hit_is_the_longest_run_of_leading_blocks() -> None:
+    # Block 3 differs, so block 4 (same id, another prefix) is no hit either.
+    r = run(pipeline(tier("cpu", 100)), [req([1, 2, 3, 4]), req([1, 2, 9, 4, 5])])
+    cpu = node(r, "cpu")
+    assert (cpu.tokens_served, cpu.served_requests, cpu.lookups) == (2 * BS, 1, 2)
+    assert r.prompt_tokens == 9 * BS
+    assert r.prefill_tokens_computed == 7 * BS
+
+
+@pytest.mark.parametrize(
+    ("second", "hit_blocks"),
+    [
+        (req([1, 2, 3]), 2),  # identical prompt: its last token is computed
+        (req([1, 2, 3, 7], partial=True), 3),  # a partial tail: all 3 full blocks
+        (req([1, 2, 3, 7]), 3),
+    ],
+)
+def test_at_least_one_prompt_token_is_computed(second: TraceRequest, hit_blocks: int) -> None:
+    r = run(pipeline(tier("cpu", 100)), [req([1, 2, 3]), second])
+    assert node(r, "cpu").tokens_served == hit_blocks * BS
+    assert r.prefill_tokens_computed == r.prompt_tokens - hit_blocks * BS >= 1
+
+
+def test_only_full_blocks_are_cached() -> None:
+    # The first request's third block is half full: stored are blocks 1 and 2.
+    r = run(pipeline(tier("cpu", 100)), [req([1, 2, 3], partial=True), req([1, 2, 3, 4])])
+    cpu = node(r, "cpu")
+    assert cpu.tokens_served == 2 * BS
+    assert cpu.blocks_saved == 2 + 2  # then the second request's blocks 3 and 4
+    assert cpu.bytes_saved == 4
+
+
+@pytest.mark.parametrize(("save", "saved"), [("prompt", 2), ("all", 3)])
+def test_save_policy(save: str, saved: int) -> None:
+    # 2 prompt blocks + 2 output blocks' worth of tokens: KV exists for all but the
+    # last token, so 3 full blocks; the output's are unique to the request.
+    r = run(pipeline(tier("cpu", 100, f", save: {save}")), [req([1, 2], output_blocks=2)])
+    assert node(r, "cpu").blocks_saved == saved
+
+
+def test_min_blocks() -> None:
+    trace = [req([1, 2, 3]), req([1, 2, 4])]
+    assert node(run(pipeline(tier("cpu", 100, ", min_blocks: 3")), trace), "cpu").hits == 0
+    assert node(run(pipeline(tier("cpu", 100, ", min_blocks: 2")), trace), "cpu").hits == 1
+
+
+def test_lru_touches_on_hit_and_evicts_like_block_index() -> None:
+    trace = [
+        req([1, 2, 9], partial=True),  # stores [1], [1,2]
+        req([3, 4, 9], partial=True),  # stores [3], [3,4]
+        req([1, 2, 5, 9], partial=True),  # hits 2, touching them; stores [1,2,5]: full
+        req([6, 9], partial=True),  # [6] evicts the least recently used: [3]
+        req([1, 2, 5, 8, 9], partial=True),  # hits 3 (FIFO would have evicted [1]); evicts [3,4]
+    ]
+    r = run(pipeline(tier("cpu", 5)), trace)
+    cpu = node(r, "cpu")
+    assert cpu.tokens_served == (2 + 3) * BS
+    assert cpu.served_requests == 2
+    assert cpu.evictions == 2
+    # The same operations driven on a BlockIndex by hand evict exactly as often.
+    index = BlockIndex(5)
+    keymaker = KeyMaker(BS, BS)
+    for t in trace:
+        keys = keymaker.keys(t, keymaker.prompt_tokens(t))
+        hit = 0
+        for key in keys[: (keymaker.prompt_tokens(t) - 1) // BS]:
+            if index.ready(key) is None:
+                break
+            hit += 1
+        for key in keys[:hit]:
+            entry = index.ready(key)
+            assert entry is not None
+            index.touch(entry)
+        for key in keys:
+            known = index.get(key)
+            if known is not None:
+                index.touch(known)
+            else:
+                new = index.allocate(key)
+                assert new is not None
+                index.mark_ready(new)
+    assert cpu.evictions == index.evictions > 0
+
+
+def test_offload_model_is_the_tiers_block_index() -> None:
+    p = pipeline(tier("cpu", 4))
+    model = OffloadCPUModel(p.node("cpu").config, block_size=BS, bytes_per_block=1)
+    assert type(model.index) is BlockIndex
+    assert model.capacity_blocks == 4
+
+
+def _policy_trace() -> list[TraceRequest]:
+    return [
+        req([1, 2, 3, 4, 9], partial=True),  # small (4 blocks) and big hold 4 blocks
+        req([1, 2, 9], partial=True),  # small serves 2 and touches them: order 3,4,1,2
+        req([8, 9], partial=True),  # [8] evicts [1,2,3] from small; big keeps all
+        req([1, 2, 3, 4, 5, 9], partial=True),  # small: 2 blocks, big: 4 blocks
+    ]
+
+
+@pytest.mark.parametrize(
+    ("policy", "small", "big"), [("first_hit", 2 + 2, 0), ("longest_hit", 2, 4)]
+)
+def test_first_hit_and_longest_hit(policy: str, small: int, big: int) -> None:
+    p = pipeline(
+        tier("small", 4) + tier("big", 100),
+        f"load_order: [small, big]\nsave_to: [small, big]\nload_policy: {policy}\n",
+    )
+    r = run(p, _policy_trace())
+    assert node(r, "small").tokens_served == small * BS
+    assert node(r, "big").tokens_served == big * BS
+    assert node(r, "small").hits == 2 and node(r, "big").hits == 2
+
+
+def test_vllm_prefix_cache_is_consulted_first() -> None:
+    # vLLM frees a request's blocks tail first: with room for 2 it keeps [1] and [1,2];
+    # the tier serves block 3 after vLLM's hit, and only that.
+    trace = [req([1, 2, 3, 9], partial=True), req([1, 2, 3, 4, 9], partial=True)]
+    r = run(pipeline(tier("cpu", 100)), trace, vllm_cache_blocks=2)
+    vllm, cpu = node(r, VLLM_CACHE_ID), node(r, "cpu")
+    assert (vllm.tokens_served, vllm.evictions) == (2 * BS, 1 + 2)
+    assert (cpu.tokens_served, cpu.lookups) == (1 * BS, 2)
+    assert r.tokens_served == 3 * BS
+    # A vLLM cache holding everything leaves the tier nothing to serve.
+    r = run(pipeline(tier("cpu", 100)), trace, vllm_cache_blocks=100)
+    assert node(r, "cpu").tokens_served == 0 and node(r, VLLM_CACHE_ID).tokens_served == 3 * BS
+
+
+def test_nodes_without_a_model_are_not_modelled() -> None:
+    nixl = (
+        "  nixl:\n    plugin: vllm\n    role: transport\n    config: {connector: NixlConnector}\n"
+    )
+    r = run(pipeline(tier("cpu", 100) + nixl), [req([1, 2, 9], partial=True)] * 2)
+    assert not node(r, "nixl").modelled and node(r, "nixl").tokens_served == 0
+    assert node(r, "cpu").tokens_served == 2 * BS
+
+
+# --------------------------------------------------------------------------- #
+# rescaling and units
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize(("tbt", "tokens"), [(512, 2 * 512), (64, 2 * 64), (32, 2 * 32)])
+def test_trace_block_tokens_rescales(tbt: int, tokens: int, exact: bool) -> None:
+    trace = [req([1, 2, 9], partial=True), req([1, 2, 3, 9], partial=True)]
+    r = run(pipeline(tier("cpu", 10_000)), trace, trace_block_tokens=tbt, exact=exact)
+    assert r.prompt_tokens == (2 * tbt + tbt // 2) + (3 * tbt + tbt // 2)
+    assert node(r, "cpu").tokens_served == tokens
+    assert r.unit_blocks == (1 if exact else tbt // BS)
+
+
+def test_units_hold_whole_trace_blocks() -> None:
+    # 40 blocks of 32 tokens hold two 512-token trace blocks (16 blocks each), not 2.5.
+    r = run(pipeline(tier("cpu", 40)), [req([1])], trace_block_tokens=512)
+    assert node(r, "cpu").capacity_blocks == 32
+    assert run(pipeline(tier("cpu", 40)), [req([1])], exact=True).nodes[0].capacity_blocks == 40
+
+
+# --------------------------------------------------------------------------- #
+# the shipped Mooncake slices, against an independent replay
+# --------------------------------------------------------------------------- #
+
+
+def _reference(trace: Sequence[TraceRequest], slots: int, tbt: int) -> int:
+    """Tokens served by one LRU tier of ``slots`` blocks: a plain, separate replay."""
+    lru: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+    served = 0
+    for t in trace:
+        full = t.input_length // 512
+        prompt = full * tbt + (t.input_length % 512) * tbt // 512
+        keys = []
+        for k in range(prompt // BS):
+            end = (k + 1) * BS
+            j = (end - 1) // tbt
+            keys.append((*t.hash_ids[: j + 1], end - j * tbt) if end <= full * tbt else object())
+        hit = 0
+        for key in keys[: (prompt - 1) // BS]:
+            if key not in lru:
+                break
+            hit += 1
+        for key in keys[:hit]:
+            lru.move_to_end(key)
+        served += hit * BS
+        for key in keys:
+            if key in lru:
+                lru.move_to_end(key)
+                continue
+            if len(lru) >= slots:
+                lru.popitem(last=False)
+            lru[key] = None
+    return served
+
+
+@pytest.mark.parametrize("path", [CONVERSATION, SYNTHETIC], ids=["conversation", "synthetic"])
+@pytest.mark.parametrize("slots", [200, 2000, 20_000])
+def test_slice_matches_an_independent_replay(path: Path, slots: int) -> None:
+    trace = read_trace(path)
+    expected = _reference(trace, slots, 64)
+    r = run(pipeline(tier("cpu", slots)), trace, trace_block_tokens=64, exact=True)
+    assert node(r, "cpu").tokens_served == expected
+    assert expected > 0
+
+
+def test_slice_units_are_close_to_exact() -> None:
+    trace = read_trace(CONVERSATION)
+    p = pipeline(tier("cpu", 100_000))
+    grouped = run(p, trace, trace_block_tokens=512)
+    exact = run(p, trace, trace_block_tokens=512, exact=True)
+    assert exact.fraction_served > 0.1
+    assert abs(grouped.fraction_served - exact.fraction_served) < 0.02
+
+
+# --------------------------------------------------------------------------- #
+# the command
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def pipe(tmp_path: Path) -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text("version: 1\nnodes:\n" + tier("cpu", "64GiB"))
+    return path
+
+
+def test_json(pipe: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([
+        "simulate", str(pipe), str(CONVERSATION), "--bytes-per-block", "256KiB",
+        "--vllm-cache-blocks", "64", "--json",
+    ])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert out["requests"] == 500 and out["bytes_per_block"] == 256 * 1024
+    assert [n["id"] for n in out["nodes"]] == [VLLM_CACHE_ID, "cpu"]
+    cpu = out["nodes"][1]
+    assert cpu["capacity_blocks"] == 262_144 and cpu["fraction_served"] > 0
+    total = out["total"]
+    assert total["tokens_served"] == sum(n["tokens_served"] for n in out["nodes"])
+    assert total["prefill_tokens_computed"] == out["prompt_tokens"] - total["tokens_served"]
+
+
+def test_text_and_model_config(
+    pipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_size": 256, "torch_dtype": "bfloat16",
+    }))
+    assert main(["simulate", str(pipe), str(SYNTHETIC), "--model-config", str(config)]) == 0
+    out = capsys.readouterr().out
+    # 2 layers x K,V x 2 heads x 64 dims x 2 bytes x 32 tokens
+    assert f"of {2 * 2 * 2 * 64 * 2 * 32:,} bytes" in out
+    assert "cpu    offload-cpu" in out and "prefill tokens saved" in out
+
+
+def test_sweep_writes_table_and_png(pipe: Path, tmp_path: Path) -> None:
+    out_file = tmp_path / "sweep.txt"
+    code = main([
+        "simulate", str(pipe), str(CONVERSATION), "--bytes-per-block", "256KiB",
+        "--sweep", "capacity=16MiB,1GiB,64GiB", "-o", str(out_file),
+    ])
+    assert code == 0
+    table = out_file.read_text().splitlines()
+    assert table[1].split() == ["capacity", "cpu", "total"]
+    rates = [float(line.split()[1].rstrip("%")) for line in table[2:5]]
+    assert rates == sorted(rates) and rates[0] < rates[-1]
+    png = tmp_path / "sweep.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"input_length": 512, "output_length": 1, "hash_ids": [1]}', "{oops"], ":2: not JSON"),
+        (['{"input_length": 1024, "output_length": 1, "hash_ids": [1]}'], ":1: hash_ids: 1 ids"),
+        (["", '{"output_length": 1, "hash_ids": [1]}'], ":2: input_length: expected an integer"),
+        (['[1, 2]'], ":1: expected a JSON object"),
+        (['{"input_length": 5, "output_length": -1, "hash_ids": [1]}'], ":1: output_length"),
+        (['{"input_length": 5, "output_length": 1, "hash_ids": ["a"]}'], ":1: hash_ids"),
+        ([], ": trace has no requests"),
+    ],
+)
+def test_bad_trace_lines(
+    pipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], lines: list[str], message: str
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    assert main(["simulate", str(pipe), str(trace), "--bytes-per-block", "1KiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{trace}{message}"), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "needs --bytes-per-block or --model-config"),
+        (["--bytes-per-block", "lots"], "--bytes-per-block: not a size"),
+        (["--bytes-per-block", "1KiB", "--sweep", "capacity"], "--sweep: expected"),
+        (["--bytes-per-block", "1KiB", "--sweep", "colour=1,2"], "no modelled node"),
+        (["--bytes-per-block", "1KiB", "--sweep", "capacity=0,1GiB"], "--sweep: node 'cpu'"),
+        (["--model-config", "missing.json"], "cannot read model config"),
+    ],
+)
+def test_usage_errors(
+    pipe: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert main(["simulate", str(pipe), str(SYNTHETIC), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_missing_trace_file(pipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "none.jsonl"
+    assert main(["simulate", str(pipe), str(missing), "--bytes-per-block", "1KiB"]) == 2
+    assert capsys.readouterr().err.startswith(f"{missing}: cannot read trace")
+
+
+def test_imports_neither_torch_nor_vllm(pipe: Path, root: Path, tmp_path: Path) -> None:
+    out = str(tmp_path / "out.txt")
+    probe = (
+        "import sys\nfrom composer.cli import main\n"
+        f"assert main(['simulate', {str(pipe)!r}, {str(SYNTHETIC)!r}, '--bytes-per-block', "
+        f"'1MiB', '-o', {out!r}]) == 0\n"
+        "print(sorted(m for m in ('torch', 'vllm', 'transformers', 'matplotlib') "
+        "if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=root, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
