@@ -633,8 +633,8 @@ def plot_sweep(
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = list(range(len(values)))
     for node_id in ids:
-        ax.plot(xs, [100 * _node(r, node_id).fraction_served for r in results],
-                marker="o", label=node_id)
+        ax.plot(xs, [100 * _node(r, node_id).fraction_served for r in results], marker="o",
+                label="vLLM prefix cache" if node_id == VLLM_CACHE_ID else node_id)
     ax.plot(xs, [100 * r.fraction_served for r in results], marker="s", linestyle="--",
             color="black", label="total")
     ax.set_xticks(xs, list(values))

@@ -8,6 +8,8 @@ by hand. ``input_length`` stays in the trace's units (512 tokens an id).
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from collections import OrderedDict
@@ -401,3 +403,17 @@ def test_imports_neither_torch_nor_vllm(pipe: Path, root: Path, tmp_path: Path) 
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_readme_example_runs(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = (root / "README.md").read_text()
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    (block,) = [b for b in blocks if b.startswith("kvc simulate ")]
+    argv = shlex.split(block.replace("\\\n", " "))[1:]
+    out = argv.index("-o") + 1
+    assert argv[out] == "sweep.txt"
+    argv[out] = str(tmp_path / "sweep.txt")
+    monkeypatch.chdir(root)
+    assert main(argv) == 0
+    assert (tmp_path / "sweep.png").exists()
+    assert (tmp_path / "sweep.txt").read_text().startswith("fraction of prompt tokens served")
