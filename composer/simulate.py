@@ -355,7 +355,11 @@ def simulate(
     if bytes_per_block < 1:
         raise SimulateError("bytes per block must be >= 1")
     if block_size < 1:
-        raise SimulateError("block size must be >= 1")
+        raise SimulateError("--block-size must be >= 1")
+    if trace_block_tokens < 1:
+        raise SimulateError("--trace-block-tokens must be >= 1")
+    if vllm_cache_blocks < 0:
+        raise SimulateError("--vllm-cache-blocks must be >= 0")
     group = 1
     if not exact and trace_block_tokens % block_size == 0:
         group = trace_block_tokens // block_size
@@ -516,11 +520,14 @@ def bytes_per_block_from_config(path: str | Path, block_size: int) -> int:
 def _size(n: int | None) -> str:
     if n is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n = n / 1024  # type: ignore[assignment]
-    raise AssertionError  # pragma: no cover
+    if n < 1024:
+        return f"{n}B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f}{unit}"
 
 
 def format_result(result: Result) -> str:

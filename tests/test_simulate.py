@@ -373,6 +373,10 @@ def test_bad_trace_lines(
         (["--bytes-per-block", "1KiB", "--sweep", "colour=1,2"], "no modelled node"),
         (["--bytes-per-block", "1KiB", "--sweep", "capacity=0,1GiB"], "--sweep: node 'cpu'"),
         (["--model-config", "missing.json"], "cannot read model config"),
+        (["--bytes-per-block", "0"], "bytes per block must be >= 1"),
+        (["--bytes-per-block", "1KiB", "--block-size", "0"], "--block-size must be >= 1"),
+        (["--bytes-per-block", "1KiB", "--trace-block-tokens", "0"], "--trace-block-tokens"),
+        (["--bytes-per-block", "1KiB", "--vllm-cache-blocks", "-1"], "--vllm-cache-blocks"),
     ],
 )
 def test_usage_errors(
