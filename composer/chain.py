@@ -591,9 +591,14 @@ class Chain:
             native_calls = [(node_id, fn) for node_id, fn, _, _ in calls]
 
             def update_native_only(connector_output: Any) -> None:
-                if follow_workers(connector_output):
-                    return self.update_connector_output(connector_output)  # re-bound
                 chain_meta = connector_output.kv_connector_worker_meta
+                # (Inline: a call per step costs more than this check.)
+                if (
+                    chain_meta is not None
+                    and chain_meta.disabled
+                    and follow_workers(connector_output)
+                ):
+                    return self.update_connector_output(connector_output)  # re-bound
                 per_node = getattr(chain_meta, "per_node", None)
                 try:
                     for node_id, fn in native_calls:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import pickle
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+import vllm
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -131,6 +134,21 @@ def _importable(name: str) -> bool:
     return True
 
 
+SITE_PACKAGES = Path(vllm.__file__).resolve().parents[1]
+
+
+def _installed(name: str) -> bool:
+    """Registered by an installed package (vLLM, LMCache), not by a test module:
+    vLLM's own test suite (tests/vllm_suite), when collected first, registers mocks."""
+    cls = KVConnectorFactory.get_connector_class_by_name(name)
+    return Path(inspect.getfile(cls)).resolve().is_relative_to(SITE_PACKAGES)
+
+
+IN_TREE = sorted(
+    n for n in KVConnectorFactory._registry if _importable(n) and _installed(n)
+)
+
+
 def _own_stats(cls: type) -> bool:
     return cls.build_kv_connector_stats.__func__ is not (  # type: ignore[attr-defined]
         KVConnectorBase_V1.build_kv_connector_stats.__func__  # type: ignore[attr-defined]
@@ -141,8 +159,8 @@ def _own_stats(cls: type) -> bool:
 #: out-of-tree connector: (connector identity as a node records it, its class).
 WITH_OWN_STATS = [
     ({"name": name}, KVConnectorFactory.get_connector_class_by_name(name))
-    for name in sorted(KVConnectorFactory._registry)
-    if _importable(name) and _own_stats(KVConnectorFactory.get_connector_class_by_name(name))
+    for name in IN_TREE
+    if _own_stats(KVConnectorFactory.get_connector_class_by_name(name))
 ] + [({"name": "OutOfTreeConnector", "module_path": __name__}, OutOfTreeConnector)]
 
 NIXL = {
