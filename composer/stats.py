@@ -147,3 +147,46 @@ def merge(a: dict[str, object], b: dict[str, object]) -> dict[str, object]:
         else:
             out[key] = value
     return out
+
+
+def zeroed(counters: dict[str, object]) -> dict[str, object]:
+    """A snapshot with every count at zero; states (``disabled``) and gauges' shape kept."""
+    out: dict[str, object] = {}
+    for key, value in counters.items():
+        if isinstance(value, bool):
+            out[key] = value  # a state (disabled), not a count
+        elif isinstance(value, int | float):
+            out[key] = type(value)(0)
+        elif isinstance(value, dict):
+            out[key] = {}
+        else:
+            out[key] = value
+    return out
+
+
+def counters_empty(counters: dict[str, object]) -> bool:
+    """No count in the snapshot is non-zero (states such as ``disabled`` do not count)."""
+    for value in counters.values():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int | float | dict) and value:
+            return False
+    return True
+
+
+def flatten(node_id: str, counters: dict[str, object]) -> dict[str, float]:
+    """A snapshot as ``{"node.key": n, "node.key.sub": n}``, as the stat logger prints it.
+
+    Zero counts and states are left out; mapping entries (hook seconds, extra,
+    gauges) are all kept.
+    """
+    out: dict[str, float] = {}
+    for key, value in counters.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int | float) and value:
+            out[f"{node_id}.{key}"] = value
+        elif isinstance(value, dict):
+            for sub, v in value.items():
+                out[f"{node_id}.{key}.{sub}"] = v
+    return out

@@ -21,7 +21,7 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from composer.stats import NodeStats, merge
+from composer.stats import NodeStats
 from composer.testing.multiconnector import pipeline_for
 from composer.vllm.connector import ComposedConnector, ComposedStats
 
@@ -59,43 +59,6 @@ def test_stats_survive_the_trip_to_the_logger_process() -> None:
     rebuilt = ComposedConnector.build_kv_connector_stats(payload)
     assert rebuilt is not None and rebuilt.reduce()["cpu.hits"] == 2
     assert ComposedConnector.build_kv_connector_stats(None).is_empty()  # type: ignore[union-attr]
-
-
-def test_take_resets_counters_but_keeps_disabled() -> None:
-    stats = NodeStats(tokens_loaded=5, disabled=True)
-    assert stats.take()["tokens_loaded"] == 5
-    assert stats.tokens_loaded == 0 and stats.disabled
-
-
-def test_counters_sum_and_gauges_keep_the_latest_across_steps_and_workers() -> None:
-    first, later = NodeStats(), NodeStats()
-    first.extra.add("evictions", 2)
-    first.gauges["pool_use"] = 0.25
-    later.extra.add("evictions")
-    later.gauges["pool_use"] = 0.5
-    merged = merge(first.take(), later.take())
-    assert merged["extra"] == {"evictions": 3}
-    assert merged["gauges"] == {"pool_use": 0.5}
-
-
-def test_every_way_of_writing_a_counter_marks_the_node_changed() -> None:
-    stats = NodeStats()
-    writes = [
-        lambda: setattr(stats, "tokens_loaded", 1),
-        lambda: stats.extra.add("x"),
-        lambda: stats.extra.update(y=1),
-        lambda: stats.extra.setdefault("z", 1),
-        lambda: stats.gauges.update(g=1),
-        lambda: stats.add_time("start_load_kv", 0.1),
-    ]
-    for write in writes:
-        stats.changes.seen = False
-        write()
-        assert stats.changes.seen
-    stats.take()
-    stats.changes.seen = False
-    stats.take()  # a reset is not a change
-    assert not stats.changes.seen and stats.gauges == {"g": 1}
 
 
 # --------------------------------------------------------------------------- #
