@@ -63,8 +63,7 @@ class VllmConnectorConfig(BaseModel):
     )
 
 
-def _capabilities(config: BaseModel) -> Capabilities:
-    assert isinstance(config, VllmConnectorConfig)
+def _capabilities(config: VllmConnectorConfig) -> Capabilities:
     if config.capabilities is not None:
         return config.capabilities
     return KNOWN_CONNECTORS.get(config.connector, Capabilities())
@@ -75,7 +74,7 @@ VLLM = PluginType(
     node="composer.vllm.native:NativeConnectorNode",
     config=VllmConnectorConfig,
     description="Any KV connector registered in vLLM's factory, by name.",
-    capabilities_for=_capabilities,
+    capabilities=_capabilities,
     roles=frozenset({"load", "save", "both", "transport"}),
 )
 

@@ -35,7 +35,7 @@ from composer.loader import (
 )
 from composer.logs import configure
 from composer.pipeline import SCHEMA_ID, ResolvedNode, ResolvedPipeline, typed_pipeline_model
-from composer.plugin_types import PluginType
+from composer.plugin_types import Capabilities, PluginType
 from composer.validation import load_pipeline, validate_text
 
 EXIT_OK = 0
@@ -332,18 +332,22 @@ def _show(value: Any) -> str:
 
 
 def _plugin_data(t: PluginType) -> dict[str, Any]:
-    node = t.node if isinstance(t.node, str) else f"{t.node.__module__}:{t.node.__qualname__}"
+    classes = {
+        role: ref if isinstance(ref, str) else f"{ref.__module__}:{ref.__qualname__}"
+        for role, ref in t.class_refs().items()
+    }
     capabilities: Any = (
-        "depends on the node's config"
-        if t.capabilities_for is not None
-        else t.capabilities.model_dump(mode="json")
+        t.capabilities.model_dump(mode="json")
+        if isinstance(t.capabilities, Capabilities)
+        else "depends on the node's config"
     )
     return {
         "name": t.name,
         "package": t.package,
         "version": t.version,
         "description": t.description,
-        "node": node,
+        # The class of each vLLM process the node runs in.
+        "classes": classes,
         "roles": sorted(t.roles),
         "default_role": t.default_role,
         "vllm_roles": sorted(t.vllm_roles),

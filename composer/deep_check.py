@@ -1,17 +1,38 @@
-"""Checks that need vLLM itself: native connector names against vLLM's real registry.
+"""Checks that need the runtime: node classes and vLLM's connector registry.
 
 ``kvc validate --deep`` runs these, and the vLLM adapter runs them at engine
-start. vLLM is imported only inside :func:`deep_check`, so importing this module
-stays as light as ``import composer``.
+start. Nothing heavy is imported at module level, so importing this module
+stays as light as ``import composer``:
+
+* every node class of every node (per vLLM process) is imported, must
+  subclass :class:`composer.plugin.Plugin`, and is registered with a pluggy
+  ``PluginManager`` holding :class:`composer.hookspecs.NodeSpec` (then
+  ``check_pending()``), so a typo in ``"module:Class"``, a misspelled hook or
+  a hook argument the spec lacks is reported before vLLM starts;
+* hookimpl options the chain does not honour (:data:`UNHONOURED_OPTIONS`) are
+  errors: the chain calls nodes in pipeline order, one call per node;
+* ``vllm`` nodes' connector names are checked against vLLM's real registry.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import pkgutil
 from collections.abc import Iterable
 
+import pluggy
+
 from composer.errors import Problem, did_you_mean, one_of
+from composer.hookspecs import PROJECT, NodeSpec
 from composer.loader import Marks
-from composer.pipeline import ResolvedPipeline
+from composer.pipeline import ResolvedNode, ResolvedPipeline
+from composer.plugin_types import ClassRef
+
+#: Hookimpl options the chain does not honour: a wrapper never wraps (the chain
+#: is no pluggy hook call) and order is pipeline order, not tryfirst/trylast.
+UNHONOURED_OPTIONS = ("wrapper", "hookwrapper", "tryfirst", "trylast")
+_IMPL_ATTR = PROJECT + "_impl"
 
 
 def vllm_connector_names() -> frozenset[str]:
@@ -26,18 +47,42 @@ def deep_check(
     *,
     marks: Marks | None = None,
     registered: Iterable[str] | None = None,
+    classes: bool = True,
 ) -> list[Problem]:
-    """Problems only vLLM can reveal; an empty list when there are none.
+    """Problems only the runtime can reveal; an empty list when there are none.
 
     ``marks`` (from :func:`composer.loader.load_yaml`) locates problems in the
     pipeline file; without them problems carry the file name only.
-    ``registered`` overrides the connector names read from vLLM.
+    ``registered`` overrides the connector names read from vLLM; ``classes``
+    False skips the node-class checks. vLLM is imported only when the pipeline
+    has ``vllm`` nodes (an ImportError then means vLLM is missing).
     """
+    marks = marks or Marks()
+    problems = _connector_problems(pipeline, marks, registered)
+    if classes:
+        for node in pipeline.nodes:
+            problems += [
+                _located(pipeline, marks, node, message)
+                for message in node_class_problems(node)
+            ]
+    return problems
+
+
+def _located(
+    pipeline: ResolvedPipeline, marks: Marks, node: ResolvedNode, message: str
+) -> Problem:
+    path = ("nodes", node.id, "plugin")
+    line, column = marks.locate(path)
+    return Problem(path, message, pipeline.file, line, column)
+
+
+def _connector_problems(
+    pipeline: ResolvedPipeline, marks: Marks, registered: Iterable[str] | None
+) -> list[Problem]:
     natives = [n for n in pipeline.nodes if n.plugin.name == "vllm"]
     if not natives:
         return []
     names = frozenset(registered) if registered is not None else vllm_connector_names()
-    marks = marks or Marks()
     problems: list[Problem] = []
     for node in natives:
         # An out-of-tree connector is loaded from its module path, not looked up by name.
@@ -59,3 +104,159 @@ def deep_check(
             )
         )
     return problems
+
+
+# --------------------------------------------------------------------------- #
+# node classes
+# --------------------------------------------------------------------------- #
+
+
+def node_class_problems(node: ResolvedNode) -> list[str]:
+    """What is wrong with the classes of ``node``'s plugin type, one message each."""
+    ptype = node.plugin
+    out: list[str] = []
+    for vllm_role, ref in ptype.class_refs().items():
+        what = f'plugin type "{ptype.name}": {vllm_role} class'
+        try:
+            cls = _import(ref)
+        except _NotFound as exc:
+            out.append(f"{what} {_show(ref)}: {exc}")
+            continue
+        except Exception as exc:  # the plugin's module raised while importing
+            out.append(f"{what} {_show(ref)} failed to import: {type(exc).__name__}: {exc}")
+            continue
+        out += [f"{what} {_show(ref)}: {m}" for m in class_problems(cls)]
+    return out
+
+
+def class_problems(cls: type) -> list[str]:
+    """A node class's problems: base class, hook names and arguments, options."""
+    from composer.plugin import Plugin
+
+    if not issubclass(cls, Plugin):
+        return ["does not subclass composer.plugin.Plugin"]
+    spec_names = _spec_hooks()
+    out = [
+        f'"{hook}" is not a hook{did_you_mean(hook, spec_names)}'
+        for hook in _impl_options(cls)
+        if hook not in spec_names
+    ]
+    out += _argument_problems(cls, spec_names)
+    out += [
+        f'hook "{hook}" is marked {option}=True, which the chain does not honour '
+        "(nodes are called once each, in pipeline order)"
+        for hook, option in unsupported_hookimpl_options(cls)
+    ]
+    if out:
+        return out
+    # What pluggy itself refuses (the chain registers nodes the same way).
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(NodeSpec)
+    try:
+        pm.register(cls)
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        out.append("; ".join(line.strip() for line in str(exc).splitlines() if line.strip()))
+    return out
+
+
+def _argument_problems(cls: type, spec_names: list[str]) -> list[str]:
+    out = []
+    for hook, name in _impl_names(cls).items():
+        if hook not in spec_names:
+            continue
+        spec = _argnames(getattr(NodeSpec, hook))
+        for arg in _argnames(getattr(cls, name)):
+            if arg not in spec:
+                out.append(
+                    f'hook "{hook}" has no argument "{arg}"{did_you_mean(arg, spec)}; '
+                    f"it passes: {', '.join(spec) or '(none)'}"
+                )
+    return out
+
+
+def _argnames(fn: object) -> list[str]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    # As pluggy reads a hookimpl: arguments with defaults are not asked for.
+    return [p.name for p in params[1:] if p.kind in positional and p.default is p.empty]
+
+
+def unsupported_hookimpl_options(cls: type) -> list[tuple[str, str]]:
+    """``(hook, option)`` for each hookimpl option of ``cls`` the chain does not honour."""
+    return [
+        (hook, option)
+        for hook, opts in _impl_options(cls).items()
+        for option in UNHONOURED_OPTIONS
+        if opts.get(option)
+    ]
+
+
+def _impl_options(cls: type) -> dict[str, dict[str, object]]:
+    """Hook name -> the ``@hookimpl`` options of each hook implementation of ``cls``."""
+    return {
+        hook: getattr(getattr(cls, name), _IMPL_ATTR) for hook, name in _impl_names(cls).items()
+    }
+
+
+def _impl_names(cls: type) -> dict[str, str]:
+    """Hook name -> the name of the method of ``cls`` implementing it."""
+    found: dict[str, str] = {}
+    for name in dir(cls):
+        opts = getattr(getattr(cls, name, None), _IMPL_ATTR, None)
+        if isinstance(opts, dict):
+            found[str(opts.get("specname") or name)] = name
+    return found
+
+
+def _spec_hooks() -> list[str]:
+    return [n for n in dir(NodeSpec) if hasattr(getattr(NodeSpec, n), PROJECT + "_spec")]
+
+
+class _NotFound(Exception):
+    """A ``"module:Class"`` names a module or attribute that does not exist."""
+
+
+def _show(ref: ClassRef) -> str:
+    return f'"{ref}"' if isinstance(ref, str) else f"{ref.__module__}.{ref.__qualname__}"
+
+
+def _import(ref: ClassRef) -> type:
+    """The class ``ref`` names; :class:`_NotFound` (with did-you-mean) when it does not exist."""
+    if isinstance(ref, type):
+        return ref
+    module_name, _, attr = ref.partition(":")
+    try:
+        obj: object = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not module_name.startswith(exc.name):
+            raise  # the module exists, one of its own imports does not
+        raise _NotFound(f'no module "{exc.name}"{_module_hint(exc.name)}') from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if isinstance(getattr(obj, n), type)]
+            raise _NotFound(
+                f'"{getattr(obj, "__name__", obj)}" has no class "{part}"'
+                f"{did_you_mean(part, names)}"
+            )
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise _NotFound(f"is a {type(obj).__name__}, not a class")
+    return obj
+
+
+def _module_hint(missing: str) -> str:
+    """Did-you-mean among the missing module's siblings (its package's submodules)."""
+    parent, _, _ = missing.rpartition(".")
+    try:
+        search = importlib.import_module(parent).__path__ if parent else None
+    except (ImportError, AttributeError):
+        return ""
+    prefix = parent + "." if parent else ""
+    if search is None:  # a top-level name: every importable top-level module
+        return did_you_mean(missing, [m.name for m in pkgutil.iter_modules()])
+    return did_you_mean(missing, [prefix + m.name for m in pkgutil.iter_modules(search)])
+

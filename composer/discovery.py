@@ -178,8 +178,8 @@ def _check_type(ptype: object, by: str) -> None:
         problem = f'plugin type "{ptype.name}": config must be a pydantic model class'
     elif ptype.check is not None and not callable(ptype.check):
         problem = f'plugin type "{ptype.name}": check must be callable'
-    elif ptype.capabilities_for is not None and not callable(ptype.capabilities_for):
-        problem = f'plugin type "{ptype.name}": capabilities_for must be callable'
+    elif declared := ptype.problems():
+        problem = f'plugin type "{ptype.name}": ' + "; ".join(declared)
     if problem:
         raise PluginLoadError(f'plugin "{by}" failed in register_plugin_types: {problem}')
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel
 
-from composer.plugin_types import NodeRole
+from composer.plugin_types import NodeRole, VllmRole
 from composer.stats import NodeStats
 
 
@@ -19,7 +19,7 @@ class NodeContext:
     node_id: str
     config: BaseModel
     role: NodeRole
-    vllm_role: Literal["scheduler", "worker"]
+    vllm_role: VllmRole
     #: The service of each node this node ``needs``, by node id.
     needs: Mapping[str, Any] = field(default_factory=dict)
     #: vLLM's config, when running inside vLLM (None in unit tests).
@@ -29,17 +29,25 @@ class NodeContext:
     stats: NodeStats = field(default_factory=NodeStats)
 
 
-class Plugin:
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+class Plugin(Generic[ConfigT]):
     """Subclass this, decorate lifecycle methods with ``@hookimpl``.
 
-    Only implemented hooks are ever called. ``self.log`` is a structlog logger
-    bound with the node id and role; ``self.stats`` are the node's counters.
+    ``class MyNode(Plugin[MyConfig])`` types ``self.config`` as ``MyConfig`` (the
+    node's validated config). Only implemented hooks are ever called.
+    ``self.log`` is a structlog logger bound with the node id and its vLLM
+    process; ``self.stats`` are the node's counters.
     """
+
+    config: ConfigT
 
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx = ctx
         self.node_id = ctx.node_id
-        self.config: Any = ctx.config
+        # The chain passes the config validated by the plugin type's own model.
+        self.config = cast(ConfigT, ctx.config)
         self.stats = ctx.stats
         import structlog  # lazily: `import composer` stays light
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import types
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict
@@ -46,49 +46,157 @@ class Capabilities(BaseModel):
     """``kv_transfer_params`` keys this node writes; two nodes may not share one."""
 
 
-@dataclass(frozen=True)
+#: A node class, or ``"module:Class"`` so that validating a pipeline never imports
+#: the (possibly torch-heavy) runtime module.
+ClassRef = str | type
+#: Extra checks of a node against the whole pipeline file: yields (path, message).
+Check = Callable[[str, BaseModel, dict[str, Any]], Iterable[tuple[tuple[str | int, ...], str]]]
+_ALL_VLLM_ROLES: frozenset[VllmRole] = frozenset({"scheduler", "worker"})
+_DEFAULT_ROLES: frozenset[NodeRole] = frozenset({"load", "save", "both"})
+
+
+class PluginTypeError(TypeError):
+    """A ``PluginType`` that names its classes, processes or roles inconsistently."""
+
+
+@dataclass(frozen=True, init=False)
 class PluginType:
     """One kind of pipeline node, as registered by ``register_plugin_types``.
 
-    ``node`` is the instance class, or ``"module:Class"`` so that validating a
-    pipeline never imports the (possibly torch-heavy) runtime module.
+    The node's classes: ``node`` is one class for every vLLM process it runs in;
+    or ``scheduler`` / ``worker`` name a class per process (either alone makes a
+    node of that process only). Each is a class or ``"module:Class"``.
+
+    Inferred when not given: ``vllm_roles`` from the classes named (``node``
+    alone: both processes); ``default_role`` is the only role in ``roles``, else
+    ``"both"`` when ``roles`` allows it (else it must be given).
+    ``capabilities`` is a :class:`Capabilities` or a function of the node's
+    validated config returning one.
     """
 
     name: str
-    node: str | type
-    config: type[BaseModel] = EmptyConfig
-    description: str = ""
-    vllm_roles: frozenset[VllmRole] = frozenset({"scheduler", "worker"})
-    default_role: NodeRole = "both"
-    #: Roles a node of this type may take in a pipeline.
-    roles: frozenset[NodeRole] = frozenset({"load", "save", "both"})
-    capabilities: Capabilities = field(default_factory=Capabilities)
-    #: Capabilities that depend on the node's config (e.g. which native connector).
-    capabilities_for: Callable[[BaseModel], Capabilities] | None = None
-    #: Extra checks of a node against the whole pipeline file: yields (path, message).
-    check: (
-        Callable[[str, BaseModel, dict[str, Any]], Iterable[tuple[tuple[str | int, ...], str]]]
-        | None
-    ) = None
+    node: ClassRef | None
+    scheduler: ClassRef | None
+    worker: ClassRef | None
+    config: type[BaseModel]
+    description: str
+    vllm_roles: frozenset[VllmRole]
+    #: Roles a node of this type may take in a pipeline, and the one it takes by default.
+    roles: frozenset[NodeRole]
+    default_role: NodeRole
+    capabilities: Capabilities | Callable[[Any], Capabilities]
+    check: Check | None
     #: ``"module:Class"`` of its model for ``kvc simulate`` (see
     #: :class:`composer.simulate.TierModel`); imported only by that command. None: not
     #: modelled, the simulator shows the node as such.
-    simulator: str | None = None
+    simulator: str | None
     #: Filled by discovery: the distribution that registered it.
-    package: str = ""
-    version: str = ""
+    package: str
+    version: str
 
-    def node_class(self) -> type:
-        if isinstance(self.node, type):
-            return self.node
-        module, _, attr = self.node.partition(":")
-        cls: type = getattr(importlib.import_module(module), attr)
-        return cls
+    def __init__(  # noqa: PLR0913 - one keyword per declared property
+        self,
+        name: str,
+        node: ClassRef | None = None,
+        *,
+        scheduler: ClassRef | None = None,
+        worker: ClassRef | None = None,
+        config: type[BaseModel] = EmptyConfig,
+        description: str = "",
+        vllm_roles: Iterable[VllmRole] | None = None,
+        roles: Iterable[NodeRole] = _DEFAULT_ROLES,
+        default_role: NodeRole | None = None,
+        capabilities: Capabilities | Callable[[Any], Capabilities] = Capabilities(),  # noqa: B008 - frozen
+        check: Check | None = None,
+        simulator: str | None = None,
+        package: str = "",
+        version: str = "",
+        capabilities_for: Callable[[Any], Capabilities] | None = None,
+    ) -> None:
+        """``capabilities_for`` is the old spelling of a function ``capabilities``
+        (accepted until every plugin has moved; it wins over ``capabilities``)."""
+        roles = frozenset(roles)
+        if vllm_roles is None:
+            vllm_roles = _inferred_vllm_roles(node, scheduler, worker)
+        values: dict[str, Any] = {
+            "name": name, "node": node, "scheduler": scheduler, "worker": worker,
+            "config": config, "description": description,
+            "vllm_roles": frozenset(vllm_roles), "roles": roles,
+            "default_role": default_role or _inferred_default_role(roles),
+            "capabilities": capabilities_for or capabilities, "check": check,
+            "simulator": simulator, "package": package, "version": version,
+        }
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+    def class_refs(self) -> dict[VllmRole, ClassRef]:
+        """The class (or ``"module:Class"``) of each vLLM process the node runs in."""
+        given = {"scheduler": self.scheduler, "worker": self.worker}
+        return {
+            role: ref
+            for role in sorted(self.vllm_roles)
+            if (ref := given[role] or self.node) is not None
+        }
+
+    def node_class(self, vllm_role: VllmRole | None = None) -> type:
+        """The class the node is made of in ``vllm_role``'s process (imports it).
+
+        Without ``vllm_role``: the one class of the type (``node``, or the only
+        per-process class given).
+        """
+        refs = self.class_refs()
+        if vllm_role is None:
+            ones = [self.node] if self.node is not None else [*refs.values()]
+            if len(ones) != 1:
+                raise PluginTypeError(
+                    f'plugin type "{self.name}" has a class per vLLM process: '
+                    "name the process (node_class('scheduler') or node_class('worker'))"
+                )
+            ref = ones[0]
+        elif vllm_role in refs:
+            ref = refs[vllm_role]
+        else:
+            raise PluginTypeError(
+                f'plugin type "{self.name}" does not run in the {vllm_role} process '
+                f"(it runs in: {', '.join(sorted(self.vllm_roles))})"
+            )
+        return import_class(ref)
 
     def resolve_capabilities(self, config: BaseModel) -> Capabilities:
-        if self.capabilities_for is not None:
-            return self.capabilities_for(config)
-        return self.capabilities
+        if isinstance(self.capabilities, Capabilities):
+            return self.capabilities
+        return self.capabilities(config)
+
+    def problems(self) -> list[str]:
+        """What is inconsistent in this declaration (discovery refuses the type)."""
+        out: list[str] = []
+        named = [k for k in ("scheduler", "worker") if getattr(self, k) is not None]
+        if self.node is None and not named:
+            out.append("give node= (one class) or scheduler= / worker= (a class per process)")
+        if self.node is not None and named:
+            out.append(f"give node= or {' / '.join(n + '=' for n in named)}, not both")
+        for key in ("node", *named):
+            ref = getattr(self, key)
+            if ref is not None and not _is_class_ref(ref):
+                out.append(f'{key} must be a class or "module:Class", not {ref!r}')
+        if not self.vllm_roles or not self.vllm_roles <= _ALL_VLLM_ROLES:
+            out.append(
+                f"vllm_roles must name scheduler and/or worker, not {sorted(self.vllm_roles)}"
+            )
+        for key in named:
+            if key not in self.vllm_roles:
+                out.append(f"{key}= is given but vllm_roles does not include {key}")
+        if self.node is None and named and not self.vllm_roles <= set(named):
+            missing = sorted(self.vllm_roles - set(named))
+            out.append(f"vllm_roles includes {', '.join(missing)} but no class is given for it")
+        if self.default_role not in self.roles:
+            out.append(
+                f'default_role "{self.default_role}" is not one of roles '
+                f"({', '.join(sorted(self.roles))}); set default_role"
+            )
+        if not (isinstance(self.capabilities, Capabilities) or callable(self.capabilities)):
+            out.append("capabilities must be a Capabilities or a function of the config")
+        return out
 
     def config_fields(self) -> dict[str, Any]:
         return {
@@ -100,6 +208,49 @@ class PluginType:
             }
             for name, f in self.config.model_fields.items()
         }
+
+
+def import_class(ref: ClassRef) -> type:
+    """The class ``ref`` names (``"module:Class"`` is imported; a class is itself)."""
+    if isinstance(ref, type):
+        return ref
+    module, _, attr = ref.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise PluginTypeError(f'"{ref}" is a {type(obj).__name__}, not a class')
+    return obj
+
+
+def _is_class_ref(ref: object) -> bool:
+    if isinstance(ref, type):
+        return True
+    if not isinstance(ref, str):
+        return False
+    module, sep, attr = ref.partition(":")
+    return bool(module and sep and attr)
+
+
+def _inferred_vllm_roles(
+    node: ClassRef | None, scheduler: ClassRef | None, worker: ClassRef | None
+) -> frozenset[VllmRole]:
+    if node is not None or (scheduler is None and worker is None):
+        return _ALL_VLLM_ROLES
+    named: set[VllmRole] = set()
+    if scheduler is not None:
+        named.add("scheduler")
+    if worker is not None:
+        named.add("worker")
+    return frozenset(named)
+
+
+def _inferred_default_role(roles: frozenset[NodeRole]) -> NodeRole:
+    if len(roles) == 1:
+        (role,) = roles
+        return role
+    # "both" when allowed; otherwise it must be chosen (PluginType.problems says so).
+    return "both"
 
 
 def _type_name(annotation: Any) -> str:

@@ -333,7 +333,8 @@ def test_plugins(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (vllm,) = json.loads(out)
     assert vllm["name"] == "vllm"
     assert vllm["package"] == "kv-composer"
-    assert vllm["node"] == "composer.vllm.native:NativeConnectorNode"
+    native = "composer.vllm.native:NativeConnectorNode"
+    assert vllm["classes"] == {"scheduler": native, "worker": native}
     assert vllm["config"]["kv_role"] == {
         "type": "'kv_producer' | 'kv_consumer' | 'kv_both' | None",
         "default": None,

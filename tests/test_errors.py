@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, Field, field_validator
 
 from composer import (
+    Capabilities,
     Pipeline,
     PipelineInvalid,
     PluginType,
@@ -804,7 +805,9 @@ def test_a_failing_plugin_is_an_environment_error_not_a_crash(
                     node="x:Y",
                     config=Config,
                     check=(lambda *_: fail()) if where == "check" else None,
-                    capabilities_for=(lambda _: fail()) if where == "capabilities" else None,
+                    capabilities=(
+                        (lambda _: fail()) if where == "capabilities" else Capabilities()
+                    ),
                 )
             )
 
@@ -819,7 +822,10 @@ def test_a_failing_plugin_is_an_environment_error_not_a_crash(
         ({"config": dict}, 'plugin type "odd": config must be a pydantic model class'),
         ({"config": "Config"}, 'plugin type "odd": config must be a pydantic model class'),
         ({"check": 3}, 'plugin type "odd": check must be callable'),
-        ({"capabilities_for": "x"}, 'plugin type "odd": capabilities_for must be callable'),
+        (
+            {"capabilities": "x"},
+            'plugin type "odd": capabilities must be a Capabilities or a function of the config',
+        ),
         ({"name": ""}, "a plugin type needs a non-empty string name"),
     ],
 )

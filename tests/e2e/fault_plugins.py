@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvc_offload_cpu.config import OffloadCPUConfig
-from kvc_offload_cpu.node import CPUOffloadNode
+from kvc_offload_cpu.scheduler import SchedulerHalf
+from kvc_offload_cpu.worker import WorkerHalf
 from pydantic import BaseModel, ConfigDict
 
 from composer import PluginType, hookimpl
-from composer.plugin import Plugin
+from composer.plugin import NodeContext, Plugin
 
 
 class FaultyTierConfig(OffloadCPUConfig):
@@ -49,18 +50,14 @@ class InjectedFault(RuntimeError):
     pass
 
 
-class FaultyTier(CPUOffloadNode):
+class _Faulty:
+    """The fault, shared by both halves: raise in ``fault_hook`` on its ``fault_call``-th
+    call."""
+
     config: FaultyTierConfig
-
-    def __init__(self, ctx: Any) -> None:
-        super().__init__(ctx)
-        self.index: dict[str, int] = {}
-        self.live: set[str] = set()  # active requests not finished yet
-        self.seen_active = False
-        self.active = False  # worker: this step's metadata said so
-        self.calls = 0
-
-    # -- the fault ------------------------------------------------------------ #
+    node_id: str
+    ctx: NodeContext
+    calls = 0
 
     def _check(self, hook: str) -> None:
         if hook != self.config.fault_hook:
@@ -73,26 +70,29 @@ class FaultyTier(CPUOffloadNode):
                                 "role": self.ctx.vllm_role}) + "\n")
         raise InjectedFault(f"injected fault in {hook} (call {self.calls})")
 
+
+class FaultyScheduler(_Faulty, SchedulerHalf):
+    config: FaultyTierConfig
+
+    def __init__(self, ctx: NodeContext) -> None:
+        super().__init__(ctx)
+        self.index_of: dict[str, int] = {}
+        self.live: set[str] = set()  # active requests not finished yet
+        self.seen_active = False
+
     def _mine(self, request: Any) -> bool:
         rid = request.request_id
-        if rid not in self.index:
-            self.index[rid] = len(self.index)
-        return self.config.active_from <= self.index[rid] < self.config.active_to
+        if rid not in self.index_of:
+            self.index_of[rid] = len(self.index_of)
+        return self.config.active_from <= self.index_of[rid] < self.config.active_to
 
     def _phase(self) -> bool:
-        """Scheduler: inside the window (from the first active request until the
-        last one has finished)."""
+        """Inside the window (from the first active request until the last one has
+        finished)."""
         return bool(self.live) or (self.seen_active and not self._window_over())
 
     def _window_over(self) -> bool:
-        return len(self.index) >= self.config.active_to
-
-    # -- one-time ------------------------------------------------------------- #
-
-    @hookimpl
-    def register_kv_caches(self, kv_caches: Any, raw: dict[str, Any]) -> None:
-        self._check("register_kv_caches")
-        super().register_kv_caches(kv_caches, raw)
+        return len(self.index_of) >= self.config.active_to
 
     @hookimpl
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -101,9 +101,6 @@ class FaultyTier(CPUOffloadNode):
     @hookimpl
     def shutdown(self) -> None:
         self._check("shutdown")
-        super().shutdown()
-
-    # -- scheduler ------------------------------------------------------------- #
 
     @hookimpl
     def on_new_request(self, request: Any) -> None:
@@ -146,9 +143,7 @@ class FaultyTier(CPUOffloadNode):
         super().update_connector_output(worker_meta)
 
     @hookimpl
-    def request_finished(
-        self, request: Any, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         if not self._mine(request):
             return False, None
         self.live.discard(request.request_id)
@@ -167,11 +162,34 @@ class FaultyTier(CPUOffloadNode):
             self._check("has_pending_block_frees")
         return False
 
-    # -- worker ---------------------------------------------------------------- #
+    @hookimpl
+    def get_kv_connector_stats(self) -> None:
+        if self._phase():
+            self._check("get_kv_connector_stats")
+
+
+class FaultyWorker(_Faulty, WorkerHalf):
+    """Active while the scheduler's metadata of this step says so."""
+
+    config: FaultyTierConfig
+
+    def __init__(self, ctx: NodeContext) -> None:
+        super().__init__(ctx)
+        self.active = False
 
     def _step(self, hook: str) -> None:
         if self.active:
             self._check(hook)
+
+    @hookimpl
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        self._check("register_kv_caches")
+        super().register_kv_caches(kv_caches)
+
+    @hookimpl
+    def shutdown(self) -> None:
+        self._check("shutdown")
+        super().shutdown()
 
     @hookimpl
     def handle_preemptions(self, metadata: Any) -> None:
@@ -186,9 +204,9 @@ class FaultyTier(CPUOffloadNode):
         super().bind_connector_metadata(metadata.inner if metadata is not None else None)
 
     @hookimpl
-    def start_load_kv(self, forward_context: Any) -> None:
+    def start_load_kv(self) -> None:
         self._step("start_load_kv")
-        super().start_load_kv(forward_context)
+        super().start_load_kv()
 
     @hookimpl
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -225,8 +243,7 @@ class FaultyTier(CPUOffloadNode):
 
     @hookimpl
     def get_kv_connector_stats(self) -> None:
-        if self.active or (self.ctx.vllm_role == "scheduler" and self._phase()):
-            self._check("get_kv_connector_stats")
+        self._step("get_kv_connector_stats")
 
     @hookimpl
     def get_kv_connector_kv_cache_events(self) -> None:
@@ -238,7 +255,7 @@ class BlockWatchConfig(BaseModel):
     path: str
 
 
-class BlockWatch(Plugin):
+class BlockWatch(Plugin[BlockWatchConfig]):
     """Appends ``[request index, free blocks]`` at every new request."""
 
     def __init__(self, ctx: Any) -> None:
@@ -259,14 +276,19 @@ class BlockWatch(Plugin):
 
 @hookimpl
 def register_plugin_types(register: Any) -> None:
-    register(PluginType(name="faulty-tier", node=FaultyTier, config=FaultyTierConfig))
+    register(
+        PluginType(
+            name="faulty-tier",
+            scheduler=FaultyScheduler,
+            worker=FaultyWorker,
+            config=FaultyTierConfig,
+        )
+    )
     register(
         PluginType(
             name="block-watch",
-            node=BlockWatch,
+            scheduler=BlockWatch,
             config=BlockWatchConfig,
-            default_role="service",
-            roles=frozenset({"service"}),
-            vllm_roles=frozenset({"scheduler"}),
+            roles={"service"},
         )
     )

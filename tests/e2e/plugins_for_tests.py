@@ -22,7 +22,7 @@ class ProbeConfig(BaseModel):
     path: str
 
 
-class Probe(Plugin):
+class Probe(Plugin[ProbeConfig]):
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self.report: dict[str, Any] = {"role": ctx.vllm_role, "initialize_calls": 0}
@@ -78,7 +78,7 @@ class FaultyConfig(BaseModel):
     block_size: int = 32
 
 
-class Faulty(Plugin):
+class Faulty(Plugin[FaultyConfig]):
     """Claims every full block but the last token's as a hit; then fails to load them."""
 
     def __init__(self, ctx: Any) -> None:
@@ -132,11 +132,9 @@ def register_plugin_types(register: Any) -> None:
     register(
         PluginType(
             name="probe",
-            node=Probe,
+            worker=Probe,  # the model exists in workers only
             config=ProbeConfig,
-            default_role="service",
-            roles=frozenset({"service"}),
-            vllm_roles=frozenset({"worker"}),
+            roles={"service"},
             capabilities=Capabilities(needs_model=False),
         )
     )

@@ -42,10 +42,9 @@ def lmcache_available() -> bool:
     return importlib.util.find_spec("lmcache") is not None
 
 
-class ModelTrackerNode(Plugin):
+class ModelTrackerNode(Plugin[ModelTrackerConfig]):
     def __init__(self, ctx: NodeContext) -> None:
         super().__init__(ctx)
-        self.config: ModelTrackerConfig = ctx.config  # type: ignore[assignment]
         self.handle = ModelHandle(ctx.node_id)
 
     def service(self) -> ModelHandle:

@@ -10,13 +10,11 @@ from kvc_model_tracker.config import ModelTrackerConfig
 
 MODEL_TRACKER = PluginType(
     name="model-tracker",
-    node="kvc_model_tracker.node:ModelTrackerNode",
+    # The model exists only in worker processes; the scheduler (EngineCore) has none.
+    worker="kvc_model_tracker.node:ModelTrackerNode",
     config=ModelTrackerConfig,
     description="Receives vLLM's loaded model and offers it to nodes that need it (and LMCache).",
-    # The model exists only in worker processes; the scheduler (EngineCore) has none.
-    vllm_roles=frozenset({"worker"}),
-    default_role="service",
-    roles=frozenset({"service"}),
+    roles={"service"},
     # It never touches KV blocks, so it is no obstacle to the hybrid allocator.
     capabilities=Capabilities(provides_model=True, hma=True),
 )

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from kvc_model_tracker import ModelHandle, ModelNotTracked
+from kvc_model_tracker import ModelHandle, ModelNotTracked, ModelTrackerConfig
 from kvc_model_tracker.node import ModelTrackerNode, summarize
 
 from composer import Plugin, PluginType, Registry, discover, hookimpl, load_pipeline
@@ -40,9 +40,7 @@ class Consumer(Plugin):
         Consumer.seen.append(handle.require())
 
 
-CONSUMER = PluginType(
-    name="consumer", node=Consumer, default_role="service", roles=frozenset({"service"})
-)
+CONSUMER = PluginType(name="consumer", node=Consumer, roles={"service"})
 
 
 def registry() -> Registry:
@@ -53,9 +51,10 @@ def registry() -> Registry:
 def test_registered_through_the_entry_point() -> None:
     ptype = discover()["model-tracker"]
     assert ptype.package == "kv-composer-model-tracker"
+    # Inferred: a worker class only, and one role.
     assert ptype.vllm_roles == frozenset({"worker"})
     assert ptype.default_role == "service"
-    assert ptype.capabilities.provides_model
+    assert ptype.resolve_capabilities(ModelTrackerConfig()).provides_model
 
 
 def test_validation_imports_neither_torch_nor_lmcache() -> None:

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pydantic import BaseModel
-
 from composer.hookspecs import hookimpl
 from composer.plugin_types import Capabilities, PluginType
 from kvc_offload_cpu.config import OffloadCPUConfig
 
 
-def capabilities(config: BaseModel) -> Capabilities:
-    assert isinstance(config, OffloadCPUConfig)
+def capabilities(config: OffloadCPUConfig) -> Capabilities:
     return Capabilities(
         # One block table (vLLM's non-hybrid manager); sliding-window / mamba
         # groups of the hybrid manager are not handled, so HMA stays off.
@@ -25,13 +22,14 @@ def capabilities(config: BaseModel) -> Capabilities:
 
 OFFLOAD_CPU = PluginType(
     name="offload-cpu",
-    node="kvc_offload_cpu.node:CPUOffloadNode",
+    # One class per vLLM process: the index in the scheduler, the bytes in each worker
+    # (named as strings: the worker's module imports torch).
+    scheduler="kvc_offload_cpu.scheduler:SchedulerHalf",
+    worker="kvc_offload_cpu.worker:WorkerHalf",
     config=OffloadCPUConfig,
     description="CPU memory tier: whole KV blocks in a preallocated host pool, LRU, prefix hits.",
-    default_role="both",
-    roles=frozenset({"load", "save", "both"}),
-    capabilities=capabilities(OffloadCPUConfig()),
-    capabilities_for=capabilities,
+    roles={"load", "save", "both"},
+    capabilities=capabilities,
     simulator="kvc_offload_cpu.simulate:OffloadCPUModel",
 )
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from composer.stats import NodeStats
+from composer.hookspecs import hookimpl
+from composer.plugin import NodeContext, Plugin
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.index import BlockIndex, Entry
 from kvc_offload_cpu.keys import RequestKeys
-from kvc_offload_cpu.layout import BlockLayout
+from kvc_offload_cpu.layout import layout_from_kv_cache_config
 from kvc_offload_cpu.metadata import OffloadMetadata, OffloadWorkerMeta, SlotGen, Transfer
 
 
@@ -54,26 +55,19 @@ class _PendingLoad:
         self.confirmations = 0
 
 
-class SchedulerHalf:
-    def __init__(
-        self,
-        config: OffloadCPUConfig,
-        layout: BlockLayout,
-        *,
-        stats: NodeStats,
-        log: Any,
-        node_role: str = "both",
-        num_workers: int = 1,
-        hash_block_size: int | None = None,
-    ) -> None:
-        self.config = config
-        self.layout = layout
+class SchedulerHalf(Plugin[OffloadCPUConfig]):
+    """The ``offload-cpu`` node in vLLM's scheduler process."""
+
+    def __init__(self, ctx: NodeContext) -> None:
+        super().__init__(ctx)
+        if ctx.kv_cache_config is None:
+            raise ValueError("offload-cpu: the scheduler half needs vLLM's KVCacheConfig")
+        config, stats, log = self.config, self.stats, self.log
+        self.layout = layout = layout_from_kv_cache_config(ctx.kv_cache_config)
         self.block_size = layout.block_size
-        self.stats = stats
-        self.log = log
-        self.num_workers = max(1, num_workers)
-        self.serves = node_role in ("load", "both")
-        self.saves = node_role in ("save", "both")
+        self.num_workers = _num_workers(ctx.vllm_config)
+        self.serves = ctx.role in ("load", "both")
+        self.saves = ctx.role in ("save", "both")
         self.num_slots = int(config.capacity) // layout.slot_bytes if layout.slot_bytes else 0
         self.index = BlockIndex(self.num_slots)
         self.disabled_reason: str | None = None
@@ -87,7 +81,7 @@ class SchedulerHalf:
         if self.disabled_reason:
             log.warning("offload-cpu disabled", reason=self.disabled_reason)
             stats.disabled = True
-        hbs = hash_block_size or self.block_size
+        hbs = getattr(ctx.kv_cache_config, "hash_block_size", None) or self.block_size
         self.hash_ratio = self.block_size // hbs if self.block_size % hbs == 0 else None
         self._reqs: dict[str, _Req] = {}
         self._saving: dict[SlotGen, _PendingSave] = {}
@@ -114,9 +108,11 @@ class SchedulerHalf:
             st.view = request
         return st
 
+    @hookimpl
     def on_new_request(self, request: Any) -> None:
         self._req(request)
 
+    @hookimpl
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -139,6 +135,7 @@ class SchedulerHalf:
         st.lookup = (num_computed_tokens, hit)
         return hit * bs, hit > 0 and self.config.load_mode == "async"
 
+    @hookimpl
     def update_state_after_alloc(
         self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int
     ) -> None:
@@ -177,6 +174,7 @@ class SchedulerHalf:
         self._loading.setdefault(request.request_id, deque()).append(_PendingLoad(entries))
         self._pending_loads.append(transfer)
 
+    @hookimpl
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         st = self._reqs.get(request.request_id)
         if st is None:
@@ -196,6 +194,7 @@ class SchedulerHalf:
 
     # -- steps --------------------------------------------------------------- #
 
+    @hookimpl
     def build_connector_meta(self, step: Any) -> OffloadMetadata:
         meta = OffloadMetadata(
             loads=self._pending_loads,
@@ -256,6 +255,7 @@ class SchedulerHalf:
             k += 1
         st.next_save = k
 
+    @hookimpl
     def update_connector_output(self, worker_meta: OffloadWorkerMeta | None) -> None:
         if worker_meta is None:
             return
@@ -301,6 +301,7 @@ class SchedulerHalf:
         if st.finished and not st.inflight:
             self._forget(st)
 
+    @hookimpl
     def reset_cache(self) -> bool:
         dropped = self.index.reset()
         self.log.info("offload-cpu reset", dropped=dropped)
@@ -316,3 +317,11 @@ class SchedulerHalf:
         gauges["pool_slots_used"] = self.index.used_slots
         gauges["pool_bytes_used"] = self.index.used_slots * self.layout.slot_bytes
         gauges["pool_use"] = self.index.used_slots / self.num_slots if self.num_slots else 0.0
+
+
+def _num_workers(vllm_config: Any) -> int:
+    """Workers whose confirmations a save needs (each holds its own shard of every block)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is None:
+        return 1
+    return int(getattr(parallel, "world_size", 1) or 1)

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from composer.hookspecs import hookimpl
 from composer.kv_caches import CanonicalKVCaches
-from composer.stats import NodeStats
+from composer.plugin import NodeContext, Plugin
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.datapath import HostPool, RegionPlan
-from kvc_offload_cpu.layout import BlockLayout
+from kvc_offload_cpu.layout import BlockLayout, layout_from_kv_cache_config
 from kvc_offload_cpu.metadata import OffloadMetadata, OffloadWorkerMeta, Transfer
 
 GiB = float(1 << 30)
@@ -44,19 +45,15 @@ class _LoadResult:
     error: BaseException | None = None
 
 
-class WorkerHalf:
-    def __init__(
-        self,
-        config: OffloadCPUConfig,
-        layout: BlockLayout | None,
-        *,
-        stats: NodeStats,
-        log: Any,
-    ) -> None:
-        self.config = config
-        self.layout = layout
-        self.stats = stats
-        self.log = log
+class WorkerHalf(Plugin[OffloadCPUConfig]):
+    """The ``offload-cpu`` node in each vLLM worker process."""
+
+    def __init__(self, ctx: NodeContext) -> None:
+        super().__init__(ctx)
+        layout = None
+        if ctx.kv_cache_config is not None:
+            layout = layout_from_kv_cache_config(ctx.kv_cache_config)
+        self.layout: BlockLayout | None = layout
         self.pool: HostPool | None = None
         self.block_size = layout.block_size if layout else 0
         self._slot_gen: list[int] = []
@@ -73,6 +70,7 @@ class WorkerHalf:
 
     # -- setup --------------------------------------------------------------- #
 
+    @hookimpl
     def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
         plans: list[RegionPlan] = []
         offset = 0
@@ -119,20 +117,24 @@ class WorkerHalf:
 
     # -- per step ------------------------------------------------------------ #
 
+    @hookimpl
     def bind_connector_metadata(self, metadata: OffloadMetadata | None) -> None:
         self._meta = metadata
         self._step_failed = set()
         if metadata is not None:
             self._held.update(metadata.hold)
 
+    @hookimpl
     def clear_connector_metadata(self) -> None:
         self._meta = None
 
+    @hookimpl
     def handle_preemptions(self, metadata: OffloadMetadata | None) -> None:
         # A preempted request's blocks are reused right away: finish reading them first.
         if metadata is not None and metadata.preempted:
             self.drain()
 
+    @hookimpl
     def start_load_kv(self) -> None:
         meta = self._meta
         if meta is None or not meta.loads or self.pool is None:
@@ -146,6 +148,7 @@ class WorkerHalf:
         else:
             self._finish_load(self._load(transfers))
 
+    @hookimpl
     def wait_for_save(self) -> None:
         meta = self._meta
         if meta is None or not meta.saves or self.pool is None:
@@ -181,6 +184,7 @@ class WorkerHalf:
         else:
             self._finish_save(self._save(result, ids, None))
 
+    @hookimpl
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._collect()
         sending = {rid for rid in self._held if not self._inflight.get(rid)}
@@ -188,11 +192,13 @@ class WorkerHalf:
         recving, self._recving_done = self._recving_done, set()
         return sending or None, recving or None
 
+    @hookimpl
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._collect()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    @hookimpl
     def build_connector_worker_meta(self) -> OffloadWorkerMeta | None:
         self._collect()
         out, self._wmeta = self._wmeta, OffloadWorkerMeta()
@@ -204,6 +210,7 @@ class WorkerHalf:
             fut.exception()
         self._collect()
 
+    @hookimpl
     def shutdown(self) -> None:
         if self.pool is not None:
             self.pool.stop_prefault()

@@ -22,7 +22,7 @@ class CorruptorConfig(BaseModel):
     every: int = 1
 
 
-class Corruptor(Plugin):
+class Corruptor(Plugin[CorruptorConfig]):
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self.done: set[tuple[int, int]] = set()
@@ -30,8 +30,8 @@ class Corruptor(Plugin):
         self.hooked = False
 
     def _half(self) -> Any:
-        node = self.ctx.needs.get(self.config.target)
-        return getattr(node, "worker", None)
+        """The target node's worker half (its service is the node itself)."""
+        return self.ctx.needs.get(self.config.target)
 
     @hookimpl
     def bind_connector_metadata(self, metadata: Any) -> None:
@@ -72,9 +72,8 @@ def register_plugin_types(register: Any) -> None:
     register(
         PluginType(
             name="offload-cpu-corruptor",
-            node=Corruptor,
+            worker=Corruptor,
             config=CorruptorConfig,
-            vllm_roles=frozenset({"worker"}),
             description="test only: corrupts an offload-cpu node's host pool",
         )
     )

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 from kvc_offload_cpu.config import OffloadCPUConfig
-from kvc_offload_cpu.node import CPUOffloadNode
+from kvc_offload_cpu.scheduler import SchedulerHalf
+from kvc_offload_cpu.worker import WorkerHalf
 
 from composer.kv_caches import CanonicalKVCaches, KVGroup, KVRegion
 from composer.plugin import NodeContext
@@ -197,15 +198,15 @@ class Engine:
         config.setdefault("capacity", 64 * SLOT)
         self.config = OffloadCPUConfig(**config)
         kvc = kv_cache_config(num_blocks)
-        self.sched = CPUOffloadNode(
+        self.sched = SchedulerHalf(
             NodeContext("cpu", self.config, role, "scheduler", kv_cache_config=kvc)  # type: ignore[arg-type]
         )
-        self.worker = CPUOffloadNode(
+        self.worker = WorkerHalf(
             NodeContext("cpu", self.config, role, "worker", kv_cache_config=kvc)  # type: ignore[arg-type]
         )
-        self.caches, raw = canonical(num_blocks, layout)
+        self.caches, _ = canonical(num_blocks, layout)
         self.region = Blocks(self.caches)
-        self.worker.register_kv_caches(self.caches, raw)
+        self.worker.register_kv_caches(self.caches)
         self.free = list(range(1, num_blocks))  # block 0 is vLLM's null block
         self.running: dict[str, Running] = {}
         self.finished_pending: set[str] = set()
@@ -272,7 +273,7 @@ class Engine:
         w = self.worker
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
+        w.start_load_kv()
         if forward:
             self._forward(out)
         w.wait_for_save()
@@ -299,7 +300,7 @@ class Engine:
     def settle(self, steps: int = 3) -> None:
         """Let background saves finish and their confirmations reach the scheduler."""
         for _ in range(steps):
-            self.worker.worker.drain()
+            self.worker.drain()
             self.step()
 
     # -- inspection ------------------------------------------------------------ #
@@ -309,11 +310,11 @@ class Engine:
 
     @property
     def index(self) -> Any:
-        return self.sched.scheduler.index  # type: ignore[union-attr]
+        return self.sched.index
 
     @property
     def pool(self) -> Any:
-        return self.worker.worker.pool
+        return self.worker.pool
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -191,7 +191,7 @@ def test_the_next_request_hits_while_the_prefault_is_stalled(
 
         def load_async() -> None:
             eng.step()  # the load starts; vLLM keeps the request waiting
-            eng.worker.worker.drain()
+            eng.worker.drain()
             eng.step()
 
         _in_thread(load_async)

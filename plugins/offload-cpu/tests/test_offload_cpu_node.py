@@ -41,7 +41,7 @@ def test_load_really_copies() -> None:
     eng.prefill("a")
     eng.finish("a")
     eng.add("b", p)
-    eng.sched.scheduler._pending_loads.clear()  # type: ignore[union-attr]  # drop the load
+    eng.sched._pending_loads.clear()  # drop the load
     eng.prefill("b")
     assert not torch.equal(eng.block_bytes("b", 0), content(p, 0))
 
@@ -172,7 +172,7 @@ def test_slot_overwritten_while_load_pending_is_a_load_error() -> None:
     w.build_connector_worker_meta()
     eng.region[eng.running["b"].block_ids] = 0
     w.bind_connector_metadata(load_meta)
-    w.start_load_kv(None)
+    w.start_load_kv()
     errors = w.get_block_ids_with_load_errors()
     bid = eng.running["b"].block_ids
     assert errors == {bid[1]}
@@ -252,7 +252,7 @@ def test_async_save_holds_finished_request_until_saved() -> None:
     eng.prefill("a")
     hold = eng.finish("a")
     assert hold  # the background copy may still read a's blocks
-    assert eng.sched.scheduler._pending_hold == ["a"]  # type: ignore[union-attr]
+    assert eng.sched._pending_hold == ["a"]
     eng.settle()
     assert "a" in eng.finished_sending and not eng.held
     assert eng.add("b", a) == (96, False)
@@ -330,7 +330,7 @@ def test_async_load_protocol() -> None:
     ext, is_async = eng.add("b", a)
     assert (ext, is_async) == (96, True)
     eng.step()  # the load starts; vLLM keeps the request waiting
-    eng.worker.worker.drain()
+    eng.worker.drain()
     eng.step()
     assert "b" in eng.finished_recving
     bid = eng.running["b"].block_ids
@@ -340,7 +340,7 @@ def test_async_load_protocol() -> None:
 
 def test_worker_meta_aggregates_and_needs_every_worker() -> None:
     eng = Engine(save_mode="sync")
-    eng.sched.scheduler.num_workers = 2  # type: ignore[union-attr]
+    eng.sched.num_workers = 2
     a = prompt(27, 100)
     eng.add("a", a)
     out = _prefill_out(eng, "a")

@@ -36,7 +36,11 @@ def test_config_parses_sizes_and_forbids_unknown_keys() -> None:
 
 def test_registered_through_the_entry_point_without_torch() -> None:
     ptype = discover()["offload-cpu"]
-    assert ptype.node == "kvc_offload_cpu.node:CPUOffloadNode"
+    assert ptype.class_refs() == {
+        "scheduler": "kvc_offload_cpu.scheduler:SchedulerHalf",
+        "worker": "kvc_offload_cpu.worker:WorkerHalf",
+    }
+    assert ptype.vllm_roles == {"scheduler", "worker"} and ptype.default_role == "both"
     assert ptype.package == "kv-composer-offload-cpu"
     caps = ptype.resolve_capabilities(OffloadCPUConfig(load_mode="async"))
     assert caps.async_load and caps.async_save and not caps.hma
