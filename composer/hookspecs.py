@@ -20,6 +20,7 @@ into what the composed connector returns to vLLM.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -289,3 +290,82 @@ class NodeSpec:
 
 #: Lifecycle hooks called per attention layer: dispatched through bound call lists.
 PER_LAYER_HOOKS = ("wait_for_layer_load", "save_kv_layer")
+
+
+class Combine(StrEnum):
+    """How the chain combines the nodes' results of one hook into what vLLM gets."""
+
+    CALL_EACH = "call each"
+    """Every implementing node is called in order; nothing is returned."""
+    AT_MOST_ONE = "at most one"
+    """The one non-None result, or None; two non-None results are an error."""
+    FIRST_NOT_NONE = "first not None"
+    """The first non-None result in node order, or None."""
+    CHOSEN_NODE = "chosen node"
+    """Only the node serving the request is asked; its answer, or vLLM's default."""
+    LOAD_POLICY = "load policy"
+    """Asked in load order: None from any node is None; else the first (or longest) hit."""
+    ANY_TRUE = "any true"
+    """True if any node returns True (every node is still asked)."""
+    NOT_ANY_FALSE = "not any false"
+    """True unless some node returns False."""
+    ALL_EQUAL = "all equal"
+    """The common value; None if any node says None; different values are an error."""
+    UNION = "union"
+    """The union of the nodes' sets."""
+    CONCATENATE = "concatenate"
+    """The nodes' iterables, one after the other, in node order."""
+    MERGE = "merge"
+    """``a.merge(b)`` over the non-None results, in node order."""
+    HOLD_ANY_PARAMS_NO_CLASH = "hold if any, params merged without clash"
+    """(any node holds, merged params); a params key written by two nodes is an error."""
+    PER_NODE = "per node"
+    """A dict keyed by node id, delivered back to the same node (in the other process)."""
+    DONE_WHEN_ALL_HOLDERS = "done when all holders are"
+    """Finished loads: union; finished saves: a request when every node holding it is."""
+
+
+#: Each lifecycle hook's combine rule: the single source the chain follows (and
+#: ``tests/test_combine.py`` checks the chain against).
+COMBINE: dict[str, Combine] = {
+    "initialize_worker_connector": Combine.CALL_EACH,
+    "get_mem_pool_context": Combine.AT_MOST_ONE,
+    "register_kv_caches": Combine.CALL_EACH,
+    "set_host_xfer_buffer_ops": Combine.CALL_EACH,
+    "get_handshake_metadata": Combine.FIRST_NOT_NONE,
+    "bind_kv_cache_manager": Combine.CALL_EACH,
+    "bind_gpu_block_pool": Combine.CALL_EACH,
+    "on_new_request": Combine.CALL_EACH,
+    "get_num_new_matched_tokens": Combine.LOAD_POLICY,
+    "update_state_after_alloc": Combine.CALL_EACH,
+    "get_loaded_kv_cache_group_ids": Combine.CHOSEN_NODE,
+    "get_external_cache_hit_sources": Combine.CHOSEN_NODE,
+    "build_connector_meta": Combine.PER_NODE,
+    "update_connector_output": Combine.CALL_EACH,
+    "request_finished": Combine.HOLD_ANY_PARAMS_NO_CLASH,
+    "request_finished_all_groups": Combine.HOLD_ANY_PARAMS_NO_CLASH,
+    "register_finished_partial_tail": Combine.ANY_TRUE,
+    "take_events": Combine.CONCATENATE,
+    "has_pending_block_frees": Combine.ANY_TRUE,
+    "has_pending_push_work": Combine.ANY_TRUE,
+    "get_finished_count": Combine.ALL_EQUAL,
+    "set_xfer_handshake_metadata": Combine.CALL_EACH,
+    "set_xfer_handshake_metadata_pp_aware": Combine.CALL_EACH,
+    "reset_cache": Combine.NOT_ANY_FALSE,
+    "handle_preemptions": Combine.CALL_EACH,
+    "bind_connector_metadata": Combine.CALL_EACH,
+    "start_load_kv": Combine.CALL_EACH,
+    "wait_for_layer_load": Combine.CALL_EACH,
+    "save_kv_layer": Combine.CALL_EACH,
+    "wait_for_save": Combine.CALL_EACH,
+    "finish_forward": Combine.CALL_EACH,
+    "reset_capture_state": Combine.CALL_EACH,
+    "clear_connector_metadata": Combine.CALL_EACH,
+    "get_finished": Combine.DONE_WHEN_ALL_HOLDERS,
+    "get_transfer_results": Combine.DONE_WHEN_ALL_HOLDERS,
+    "get_block_ids_with_load_errors": Combine.UNION,
+    "build_connector_worker_meta": Combine.PER_NODE,
+    "get_kv_connector_stats": Combine.PER_NODE,
+    "get_kv_connector_kv_cache_events": Combine.MERGE,
+    "shutdown": Combine.CALL_EACH,
+}

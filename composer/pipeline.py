@@ -153,6 +153,11 @@ class Pipeline(BaseModel):
         "every step report every node's stats, ~15-25 us per node and step, while untimed "
         "per-step dispatch costs about what MultiConnector's does.",
     )
+    trace: bool = Field(
+        False,
+        description="Log every hook call of every node, with its arguments and result, at "
+        "debug level (pluggy's tracer, tag 'hook'). For debugging: it slows every call.",
+    )
 
 
 LOADING_ROLES: frozenset[str] = frozenset({"load", "both", "transport"})
@@ -183,6 +188,7 @@ class ResolvedPipeline:
     time_layer_hooks: bool
     annotate_outputs: bool = False
     time_step_hooks: bool = False
+    trace: bool = False
     #: The validated file as plain data (env expanded), for inlining into vLLM's config.
     source: dict[str, Any] = field(repr=False, default_factory=dict)
     file: str = "<pipeline>"

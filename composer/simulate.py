@@ -75,6 +75,8 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    #: Arrival, milliseconds from the trace's start (0 where the line has none).
+    timestamp_ms: float = 0.0
 
 
 def _int_field(obj: dict[str, Any], name: str, file: str, line: int, minimum: int) -> int:
@@ -130,7 +132,12 @@ def _parse_line(text: str, file: str, number: int) -> TraceRequest:
             f"hash_ids: {len(ids)} ids for {input_length} input tokens; expected {expected} "
             f"(one per {MOONCAKE_BLOCK_TOKENS}-token block)",
         )
-    return TraceRequest(input_length, output_length, tuple(ids))
+    stamp = obj.get("timestamp", 0)
+    if isinstance(stamp, bool) or not isinstance(stamp, int | float) or stamp < 0:
+        raise TraceError(
+            file, number, f"timestamp: expected a number >= 0, got {json.dumps(stamp)}"
+        )
+    return TraceRequest(input_length, output_length, tuple(ids), float(stamp))
 
 
 class KeyMaker:

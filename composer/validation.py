@@ -181,6 +181,7 @@ def _resolve(
         hma=hma,
         time_layer_hooks=pipeline.time_layer_hooks,
         time_step_hooks=pipeline.time_step_hooks,
+        trace=pipeline.trace,
         annotate_outputs=pipeline.annotate_outputs,
         source=pipeline.model_dump(mode="json", exclude_defaults=True) | {"version": 1},
         file=file,

@@ -282,3 +282,70 @@ def test_each_native_nodes_prometheus_metrics_observe_their_own_payload() -> Non
     )
     # NIXL's own observe raised KeyError on anything but its flat dict.
     prom.observe(across_processes(stats), engine_idx=0)
+
+
+def test_every_node_gets_prometheus_series_with_node_and_plugin_labels() -> None:
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    pipeline = pipeline_for(
+        [
+            {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+            {"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
+        ]
+    )
+    parent = KVTransferConfig(
+        kv_connector="ComposedConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"pipeline": pipeline},
+    )
+    types = {
+        cls: partial(cls, registry=registry)  # a private registry: no global state
+        for cls in (Gauge, Counter, Histogram)
+    }
+    prom = ComposedConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=parent),  # type: ignore[arg-type]
+        types,
+        ["model_name", "engine"],
+        {0: ["m", "0"]},
+    )
+    assert prom is not None
+    node_labels = {"engine": "0", "model_name": "m", "plugin": "vllm"}
+
+    def value(name: str, node: str, **extra: str) -> float:
+        wanted = {**node_labels, "node": node, **extra}
+        found = [
+            sample.value
+            for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for sample in family.samples
+            if sample.name == name and sample.labels == wanted
+        ]
+        assert len(found) == 1, (name, wanted)
+        return found[0]
+
+    # Every node is listed before any traffic, at 0.
+    for node in ("NixlConnector", "ExampleConnector"):
+        assert value("vllm:kv_composer_lookups_total", node) == 0
+    first, later = NodeStats(lookups=3, hits=2, tokens_loaded=64), NodeStats(lookups=1)
+    first.extra.add("evictions", 5)
+    first.gauges["pool_use"] = 0.25
+    first.add_time("start_load_kv", 0.5)
+    later.gauges["pool_use"] = 0.75
+    later.disabled = True
+    for stats in (first, later):
+        payload = ComposedStats(
+            data={"ExampleConnector": {"plugin": "vllm", "counters": stats.take()}}
+        )
+        prom.observe(across_processes(payload), engine_idx=0)
+    ex = "ExampleConnector"
+    assert value("vllm:kv_composer_lookups_total", ex) == 4  # summed
+    assert value("vllm:kv_composer_hits_total", ex) == 2
+    assert value("vllm:kv_composer_tokens_loaded_total", ex) == 64
+    assert value("vllm:kv_composer_events_total", ex, event="evictions") == 5
+    assert value("vllm:kv_composer_gauge", ex, gauge="pool_use") == 0.75  # the latest
+    assert value("vllm:kv_composer_hook_seconds_total", ex, hook="start_load_kv") == 0.5
+    assert value("vllm:kv_composer_disabled", ex) == 1
+    assert value("vllm:kv_composer_lookups_total", "NixlConnector") == 0  # untouched

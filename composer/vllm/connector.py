@@ -8,12 +8,9 @@ no node is ever silently skipped.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from functools import lru_cache
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, cast
 
 import structlog
@@ -34,10 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from composer.builtin import VllmConnectorConfig
 from composer.chain import Chain, ChainMetadata, ChainWorkerMetadata
-from composer.pipeline import ResolvedNode, ResolvedPipeline
-from composer.validation import load_pipeline
 from composer.vllm.metrics import (
     ComposedPromMetrics,  # noqa: F401  (re-exported: known as the connector's)
     ComposedStats,  # noqa: F401  (re-exported: known as the connector's)
@@ -45,19 +39,20 @@ from composer.vllm.metrics import (
     build_prom_metrics,
     rebuild_stats,
 )
-from composer.vllm.native import NO_KWARGS, NativeConnectorNode
+from composer.vllm.native import NativeConnectorNode
+from composer.vllm.pipeline_source import (
+    deep_check_at_start,
+    native_classes,
+    pipeline_from_extra_config,
+    runtime_pipeline,
+)
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = structlog.get_logger("kv_composer")
@@ -73,102 +68,15 @@ class ComposedWorkerMetadata(ChainWorkerMetadata, KVConnectorWorkerMetadata):  #
     """ChainWorkerMetadata.aggregate merges per node and keeps this type."""
 
 
-@lru_cache(maxsize=16)
-def _load(source: str) -> ResolvedPipeline:
-    spec = json.loads(source)
-    return load_pipeline(spec)
+def _chain_hook(name: str) -> Any:
+    """The chain's current dispatch for ``name``, read on each access.
 
-
-def _pipeline_key(extra: dict[str, Any]) -> str:
-    spec = extra.get("pipeline")
-    if spec is None:
-        raise ValueError(
-            'ComposedConnector needs kv_connector_extra_config["pipeline"]: '
-            "a pipeline file path or the pipeline inline (see `kvc export`)"
-        )
-    # Not sorted: node order is the default load order, as in the file.
-    return json.dumps(spec)
-
-
-def pipeline_from_extra_config(extra: dict[str, Any]) -> ResolvedPipeline:
-    """The pipeline named by ``kv_connector_extra_config["pipeline"]`` (path or inline)."""
-    return _load(_pipeline_key(extra))
-
-
-def runtime_pipeline(extra: dict[str, Any]) -> ResolvedPipeline:
-    """The pipeline as it runs: native nodes' HMA support from their connector classes."""
-    return _runtime(_pipeline_key(extra))
-
-
-@lru_cache(maxsize=16)
-def _runtime(source: str) -> ResolvedPipeline:
-    pipeline = _load(source)
-    nodes = []
-    for node in pipeline.nodes:
-        if node.plugin.name == "vllm":
-            # Validation only has a table of vLLM's connectors (it must not import
-            # vLLM); what vLLM itself goes by is the class: SupportsHMA or not.
-            hma = KVConnectorFactory.supports_hma_config(_native_transfer_config(node, pipeline))
-            if hma != node.capabilities.hma:
-                caps = node.capabilities.model_copy(update={"hma": hma})
-                node = dataclasses.replace(node, capabilities=caps)
-        nodes.append(node)
-    mode = pipeline.source.get("hma", "auto")
-    hma = mode != "off" and all(n.capabilities.hma for n in nodes)
-    if mode == "on" and not hma:
-        lacking = [n.id for n in nodes if not n.capabilities.hma]
-        raise ValueError(
-            f'{pipeline.file}: hma: "hma: on" needs every node to support HMA, but the '
-            f"connector classes of nodes {lacking} do not implement vLLM's SupportsHMA"
-        )
-    return dataclasses.replace(pipeline, nodes=tuple(nodes), hma=hma)
-
-
-def _native_transfer_config(node: ResolvedNode, pipeline: ResolvedPipeline) -> Any:
-    # The class decides (SupportsHMA), found as vLLM finds it; a MultiConnector
-    # node answers for its children.
-    from vllm.config.kv_transfer import KVTransferConfig
-
-    from composer.export import native_child_config
-
-    child = native_child_config(cast(VllmConnectorConfig, node.config), pipeline.kv_role)
-    return KVTransferConfig(**child)
-
-
-def _native_classes(
-    pipeline: ResolvedPipeline, vllm_config: VllmConfig
-) -> list[tuple[str, type[KVConnectorBase_V1], Any]]:
-    """(node id, connector class, the node's vLLM config) of every native node."""
-    from composer.vllm.native import child_vllm_config
-
-    out = []
-    for node in pipeline.nodes:
-        if node.plugin.name == "vllm":
-            temp = child_vllm_config(cast(VllmConnectorConfig, node.config), vllm_config)
-            connector_cls = KVConnectorFactory.get_connector_class(temp.kv_transfer_config)
-            out.append((node.id, cast(type[KVConnectorBase_V1], connector_cls), temp))
-    return out
-
-
-#: Methods whose signature and result are the chain's own (the chain builds vLLM's
-#: result types, puts back the output's worker metadata, wraps stats in ComposedStats).
-_BOUND_TO_CHAIN = (
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "start_load_kv",
-    "wait_for_save",
-    "get_transfer_results",
-    "get_block_ids_with_load_errors",
-    "build_connector_worker_meta",
-    "get_kv_connector_stats",
-    "get_kv_connector_kv_cache_events",
-    "build_connector_meta",
-    "update_connector_output",
-    "take_events",
-    "finish_forward",
-    "has_pending_block_frees",
-    "has_pending_push_work",
-)
+    vLLM's per-layer and per-step calls go straight to the chain's bound
+    dispatch: no method of ours in between (a C-level property and attribute
+    lookup), and a node switched off is gone at the next call with nothing to
+    re-bind here. The chain takes vLLM's arguments and builds vLLM's result types.
+    """
+    return property(attrgetter(f"chain.{name}"), doc=f"The chain's ``{name}`` dispatch.")
 
 
 class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
@@ -184,7 +92,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         assert vllm_config.kv_transfer_config is not None
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.pipeline = runtime_pipeline(extra)
-        _deep_check(self.pipeline)
+        deep_check_at_start(self.pipeline)
         vllm_role = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         # The class is SupportsHMA, so vLLM leaves its hybrid manager on; that is
         # harmless with one KV cache group, and refused with several unless every
@@ -206,7 +114,6 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             vllm_role,  # type: ignore[arg-type]
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
-            trace=bool(extra.get("trace", False)),
             # The chain builds vLLM's result types itself: nothing to copy per step.
             metadata_type=ComposedMetadata,
             worker_metadata_type=ComposedWorkerMetadata,
@@ -221,8 +128,6 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             for node_id, node in self.chain.nodes.items()
             if isinstance(node, NativeConnectorNode)
         }
-        self.chain.on_rebind.append(self._bind_hot_paths)
-        self._bind_hot_paths()
         self._model_delivered = False
         log.info(
             "composed connector ready",
@@ -234,75 +139,6 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         )
         if vllm_role == "worker":
             self._deliver_model()
-
-    def _bind_hot_paths(self) -> None:
-        # vLLM's per-layer and per-step calls go straight to the chain's bound
-        # dispatch (or a closure over it), re-bound whenever a node is switched
-        # off. The class methods below do the same, one call slower (and are
-        # what a reader, or a subclass calling super(), sees).
-        chain = self.chain
-        for name in _BOUND_TO_CHAIN:
-            setattr(self, name, getattr(chain, name))
-        # vLLM may pass keyword arguments (start_load_kv: the chain passes them on
-        # itself): native nodes get them, as MultiConnector's children do. The
-        # usual call, without, goes straight to the chain's dispatch.
-        self._natives = {
-            node_id: node
-            for node_id, node in chain.nodes.items()
-            if isinstance(node, NativeConnectorNode)
-        }
-        chain_save = chain.save_kv_layer
-        with_kwargs = self._with_kwargs
-
-        def save_kv_layer(
-            layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
-        ) -> None:
-            if kwargs:
-                with_kwargs("save_kv_layer", (layer_name, kv_layer, attn_metadata), kwargs)
-            else:
-                chain_save(layer_name, kv_layer, attn_metadata)
-
-        self.save_kv_layer = save_kv_layer  # type: ignore[method-assign]
-
-        chain_preempt = chain.handle_preemptions
-        chain_bind = chain.bind_connector_metadata
-        chain_clear = chain.clear_connector_metadata
-
-        def handle_preemptions(kv_connector_metadata: KVConnectorMetadata) -> None:
-            assert isinstance(kv_connector_metadata, ChainMetadata)
-            chain_preempt(kv_connector_metadata)
-
-        def bind_connector_metadata(connector_metadata: KVConnectorMetadata) -> None:
-            assert isinstance(connector_metadata, ChainMetadata)
-            chain_bind(connector_metadata)
-            self._connector_metadata = connector_metadata  # what the base class does
-
-        def clear_connector_metadata() -> None:
-            chain_clear()
-            self._connector_metadata = None  # what the base class does
-
-        self.handle_preemptions = handle_preemptions  # type: ignore[method-assign]
-        self.bind_connector_metadata = bind_connector_metadata  # type: ignore[method-assign]
-        self.clear_connector_metadata = clear_connector_metadata  # type: ignore[method-assign]
-
-    def _with_kwargs(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """``hook`` to every node the chain calls it on, in its order, native nodes
-        with vLLM's keyword arguments (through their hookimpl, so a plugin's
-        subclass of the native node keeps its own checks); faults as in the chain."""
-        chain = self.chain
-        for node_id, fn in chain.calls[hook]:
-            node = self._natives.get(node_id)
-            try:
-                if node is None:
-                    fn(*args)
-                    continue
-                node.call_kwargs[hook] = kwargs
-                try:
-                    getattr(node, hook)(*args)
-                finally:
-                    node.call_kwargs[hook] = NO_KWARGS
-            except Exception as exc:
-                chain._fault(node_id, hook, exc)
 
     # ------------------------------------------------------------------ #
     # properties
@@ -369,15 +205,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.chain.initialize_worker_connector(model, self._vllm_config, self._kv_cache_config)
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:
-        # MultiConnector's rule and wording: KV cache lives in one pool.
-        found = [(n, c) for n, c in self.chain._each("get_mem_pool_context") if c is not None]
-        if len(found) > 1:
-            raise ValueError(
-                f"Multiple connectors provide a KV cache memory pool {[n for n, _ in found]}; "
-                "KV cache is allocated once and can only live in one pool. "
-                "Configure custom_mem_pool on at most one connector."
-            )
-        return found[0][1] if found else None
+        return cast("AbstractContextManager | None", self.chain.get_mem_pool_context())
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from composer.vllm.canonical import build
@@ -414,67 +242,30 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     # worker: per step
     # ------------------------------------------------------------------ #
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert isinstance(kv_connector_metadata, ChainMetadata)
-        self.chain.handle_preemptions(kv_connector_metadata)
-
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        assert isinstance(connector_metadata, ChainMetadata)
-        self.chain.bind_connector_metadata(connector_metadata)
-        super().bind_connector_metadata(connector_metadata)
+    wait_for_layer_load = _chain_hook("wait_for_layer_load")
+    save_kv_layer = _chain_hook("save_kv_layer")
+    handle_preemptions = _chain_hook("handle_preemptions")
+    bind_connector_metadata = _chain_hook("bind_connector_metadata")
+    clear_connector_metadata = _chain_hook("clear_connector_metadata")
+    start_load_kv = _chain_hook("start_load_kv")
+    wait_for_save = _chain_hook("wait_for_save")
+    finish_forward = _chain_hook("finish_forward")
+    get_transfer_results = _chain_hook("get_transfer_results")
+    get_block_ids_with_load_errors = _chain_hook("get_block_ids_with_load_errors")
+    build_connector_worker_meta = _chain_hook("build_connector_worker_meta")
+    get_kv_connector_stats = _chain_hook("get_kv_connector_stats")
+    get_kv_connector_kv_cache_events = _chain_hook("get_kv_connector_kv_cache_events")
 
     def has_connector_metadata(self) -> bool:
-        return self._connector_metadata is not None
-
-    def clear_connector_metadata(self) -> None:
-        self.chain.clear_connector_metadata()
-        super().clear_connector_metadata()
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self.chain.start_load_kv(forward_context, **kwargs)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        self.chain.wait_for_layer_load(layer_name)
-
-    def save_kv_layer(
-        self,
-        layer_name: str,
-        kv_layer: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        **kwargs: Any,
-    ) -> None:
-        if kwargs:
-            self._with_kwargs("save_kv_layer", (layer_name, kv_layer, attn_metadata), kwargs)
-        else:
-            self.chain.save_kv_layer(layer_name, kv_layer, attn_metadata)
-
-    def wait_for_save(self) -> None:
-        self.chain.wait_for_save()
-
-    def finish_forward(self) -> None:
-        self.chain.finish_forward()
+        # vLLM asks this per layer; the chain holds the step's metadata.
+        return self.chain.metadata is not None
 
     def reset_capture_state(self) -> None:
         self.chain.broadcast("reset_capture_state")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        results = self.get_transfer_results(finished_req_ids)
+        results = self.chain.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self.chain.get_transfer_results(finished_req_ids)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.chain.get_block_ids_with_load_errors()
-
-    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self.chain.build_connector_worker_meta()  # type: ignore[return-value]
-
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self.chain.get_kv_connector_stats()
-
-    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
-        return self.chain.get_kv_connector_kv_cache_events()
 
     def shutdown(self) -> None:
         self.chain.shutdown()
@@ -518,15 +309,11 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         self.chain.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.chain.build_connector_meta(scheduler_output)  # type: ignore[return-value]
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        worker_meta = connector_output.kv_connector_worker_meta
-        try:
-            self.chain.update_connector_output(connector_output)
-        finally:
-            connector_output.kv_connector_worker_meta = worker_meta
+    build_connector_meta = _chain_hook("build_connector_meta")
+    update_connector_output = _chain_hook("update_connector_output")
+    take_events = _chain_hook("take_events")
+    has_pending_block_frees = _chain_hook("has_pending_block_frees")
+    has_pending_push_work = _chain_hook("has_pending_push_work")
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -545,15 +332,6 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         partial_tail_offloads: list[tuple[int, int, int]],
     ) -> bool:
         return self.chain.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
-
-    def take_events(self) -> Iterable[KVCacheEvent]:
-        return self.chain.take_events()
-
-    def has_pending_block_frees(self) -> bool:
-        return self.chain.has_pending_block_frees()
-
-    def has_pending_push_work(self) -> bool:
-        return self.chain.has_pending_push_work()
 
     def get_finished_count(self) -> int | None:
         return self.chain.get_finished_count()
@@ -585,7 +363,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         for node in pipeline.nodes:
             if node.capabilities.kv_layout:
                 layouts[node.id] = node.capabilities.kv_layout
-        for node_id, connector_cls, temp in _native_classes(pipeline, vllm_config):
+        for node_id, connector_cls, temp in native_classes(pipeline, vllm_config):
             layout = connector_cls.get_required_kvcache_layout(temp)
             if layout is not None:
                 layouts[node_id] = layout
@@ -636,16 +414,5 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             labelnames,
             per_engine_labelvalues,
             pipeline,
-            _native_classes(pipeline, vllm_config),
+            native_classes(pipeline, vllm_config),
         )
-
-
-def _deep_check(pipeline: ResolvedPipeline) -> None:
-    """At engine start, native connector names are checked against vLLM's registry."""
-    try:
-        from composer.deep_check import deep_check
-    except ImportError:  # pragma: no cover - the module ships with the core
-        return
-    problems = deep_check(pipeline)
-    if problems:
-        raise ValueError("invalid pipeline:\n" + "\n".join(str(p) for p in problems))

@@ -170,8 +170,9 @@ def build_prom_metrics(
     per_engine_labelvalues: dict[int, list[object]],
     pipeline: ResolvedPipeline,
     native_classes: Iterable[tuple[str, type[KVConnectorBase_V1], Any]],
-) -> KVConnectorPromMetrics | None:
-    """``ComposedConnector.build_prom_metrics``: each native node's own metrics.
+) -> KVConnectorPromMetrics:
+    """``ComposedConnector.build_prom_metrics``: every node's counters, and each
+    native node's own metrics.
 
     ``native_classes``: (node id, connector class, the node's vLLM config) of
     every native node of ``pipeline``.
@@ -183,15 +184,45 @@ def build_prom_metrics(
         )
         if prom is not None:
             per_node[node_id] = prom
-    if not per_node:
-        return None
     return ComposedPromMetrics(
-        vllm_config, metric_types, labelnames, per_engine_labelvalues, per_node
+        vllm_config,
+        metric_types,
+        labelnames,
+        per_engine_labelvalues,
+        per_node,
+        nodes={node.id: node.plugin.name for node in pipeline.nodes},
     )
 
 
+#: Prometheus name prefix. vLLM's own metrics start with ``vllm:`` and vLLM
+#: unregisters every ``vllm`` collector when it builds its loggers again.
+PREFIX = "vllm:kv_composer_"
+
+#: NodeStats fields exported as counters (``<PREFIX><field>_total``).
+COUNTERS = {
+    "lookups": "Lookups asked of the node (get_num_new_matched_tokens).",
+    "hits": "Lookups the node answered with at least one block.",
+    "tokens_hit": "Prompt tokens the node reported it holds.",
+    "tokens_loaded": "Prompt tokens loaded from the node into vLLM's KV cache.",
+    "tokens_saved": "Tokens the node stored.",
+    "bytes_loaded": "Bytes loaded from the node.",
+    "bytes_saved": "Bytes stored by the node.",
+    "errors": "Errors of the node's hooks (load errors included).",
+}
+
+
 class ComposedPromMetrics(KVConnectorPromMetrics):
-    """Forwards each native node's stats to that node's own Prometheus metrics."""
+    """Every node's counters and gauges as Prometheus metrics with ``node`` and
+    ``plugin`` labels; each native node's stats also go to that node's own metrics.
+
+    Series (after vLLM's ``model_name``/``engine`` labels, then ``node``, ``plugin``):
+    ``vllm:kv_composer_<counter>_total`` for :data:`COUNTERS`,
+    ``vllm:kv_composer_hook_seconds_total{hook}`` (time spent in each hook),
+    ``vllm:kv_composer_events_total{event}`` (a plugin's own counters:
+    evictions, load_errors, ...), ``vllm:kv_composer_gauge{gauge}`` (a plugin's
+    current values: pool_use, load_gib_s, ...), ``vllm:kv_composer_disabled``
+    (1 once the node is switched off).
+    """
 
     def __init__(
         self,
@@ -200,19 +231,99 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
         per_node: dict[str, KVConnectorPromMetrics],
+        nodes: dict[str, str] | None = None,
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.per_node = per_node
+        #: node id -> plugin name
+        self.nodes = dict(nodes or {})
+        names = [*labelnames, "node", "plugin"]
+        # Any: vLLM types its metric classes as a union of prometheus_client's
+        # (or Ray's wrappers); each is used as the kind it was built as.
+        counter_cls: Any = self._counter_cls
+        gauge_cls: Any = self._gauge_cls
+        self.counters: dict[str, Any] = {
+            key: counter_cls(name=f"{PREFIX}{key}", documentation=doc, labelnames=names)
+            for key, doc in COUNTERS.items()
+        }
+        self.hook_seconds: Any = counter_cls(
+            name=f"{PREFIX}hook_seconds",
+            documentation="Seconds spent in the node's hooks.",
+            labelnames=[*names, "hook"],
+        )
+        self.events: Any = counter_cls(
+            name=f"{PREFIX}events",
+            documentation="A plugin's own counters (evictions, load_errors, ...).",
+            labelnames=[*names, "event"],
+        )
+        self.gauges: Any = gauge_cls(
+            name=f"{PREFIX}gauge",
+            documentation="A plugin's current values (pool_use, load_gib_s, ...).",
+            labelnames=[*names, "gauge"],
+            multiprocess_mode="mostrecent",
+        )
+        self.disabled: Any = gauge_cls(
+            name=f"{PREFIX}disabled",
+            documentation="1 once the node has been switched off.",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+        )
+        # Every node's series exist from the start (at 0), so that a scrape
+        # before the first request already lists the pipeline's nodes.
+        for engine in per_engine_labelvalues:
+            for node_id in self.nodes:
+                for counter in self.counters.values():
+                    counter.labels(*self._labels(engine, node_id))
+                self.disabled.labels(*self._labels(engine, node_id)).set(0)
+
+    def _labels(self, engine_idx: int, node_id: str) -> list[object]:
+        plugin = self.nodes.get(node_id, "")
+        return [*self.per_engine_labelvalues[engine_idx], node_id, plugin]
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        # Each node's metrics get the flat payload that node's connector ships
-        # (its stats' to_dict()), as vLLM hands a lone connector's metrics.
         for node_id, entry in transfer_stats_data.items():
+            if not isinstance(entry, dict):
+                continue
+            self._observe_counters(node_id, entry, engine_idx)
+            # Each node's own metrics get the flat payload that node's connector
+            # ships (its stats' to_dict()), as vLLM hands a lone connector's metrics.
             prom = self.per_node.get(node_id)
-            own = entry.get("node") if isinstance(entry, dict) else None
+            own = entry.get("node")
             if prom is not None and own is not None:
                 payload = own.to_dict() if isinstance(own, KVConnectorStats) else own
                 prom.observe(payload, engine_idx)
+
+    def _observe_counters(self, node_id: str, entry: dict[str, Any], engine_idx: int) -> None:
+        counters = entry.get("counters")
+        if not isinstance(counters, dict):
+            return
+        if node_id not in self.nodes:  # a node the pipeline did not list up front
+            self.nodes[node_id] = str(entry.get("plugin", ""))
+        labels = self._labels(engine_idx, node_id)
+        for key, counter in self.counters.items():
+            value = counters.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+                counter.labels(*labels).inc(value)
+        for hook, seconds in _numbers(counters.get("hook_seconds")):
+            if seconds > 0:
+                self.hook_seconds.labels(*labels, hook).inc(seconds)
+        for event, count in _numbers(counters.get("extra")):
+            if count > 0:
+                self.events.labels(*labels, event).inc(count)
+        for gauge, value in _numbers(counters.get("gauges")):
+            self.gauges.labels(*labels, gauge).set(value)
+        if "disabled" in counters:
+            self.disabled.labels(*labels).set(1 if counters["disabled"] else 0)
+
+
+def _numbers(mapping: object) -> list[tuple[str, float]]:
+    if not isinstance(mapping, dict):
+        return []
+    return [
+        (str(k), float(v))
+        for k, v in mapping.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    ]
 
 
 class _StatsType:

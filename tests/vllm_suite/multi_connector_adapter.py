@@ -142,19 +142,19 @@ class _ChosenByIndex(MutableMapping[str, int]):
         self.ids = _children_node_ids(connector)
 
     def __getitem__(self, request_id: str) -> int:
-        return self.ids.index(self.chain._chosen[request_id][0])
+        return self.ids.index(self.chain.chosen[request_id][0])
 
     def __setitem__(self, request_id: str, index: int) -> None:
-        self.chain._chosen[request_id] = (self.ids[index], 0, False)
+        self.chain.chosen[request_id] = (self.ids[index], 0, False)
 
     def __delitem__(self, request_id: str) -> None:
-        del self.chain._chosen[request_id]
+        del self.chain.chosen[request_id]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.chain._chosen)
+        return iter(self.chain.chosen)
 
     def __len__(self) -> int:
-        return len(self.chain._chosen)
+        return len(self.chain.chosen)
 
 
 class AdaptedComposedConnector(ComposedConnector):
@@ -172,7 +172,7 @@ class AdaptedComposedConnector(ComposedConnector):
         assert len(natives) == len(connectors), "children are replaced one for one"
         for node, connector in zip(natives, connectors, strict=True):
             node.connector = connector
-        self.chain._bind()
+        self.chain.rebind()
 
     @property
     def _requests_to_connector(self) -> _ChosenByIndex:

@@ -1,0 +1,22 @@
+"""The runtime: a pipeline's nodes in one vLLM process, dispatched with MultiConnector
+semantics. Start at :mod:`.core`; its docstring maps the modules."""
+
+from composer.chain.base import VllmRole
+from composer.chain.core import SAVE_HOOKS, STEP_HOOKS, Chain
+from composer.chain.metadata import (
+    ChainMetadata,
+    ChainWorkerMetadata,
+    TransferParamsClash,
+    TransferResults,
+)
+
+__all__ = [
+    "SAVE_HOOKS",
+    "STEP_HOOKS",
+    "Chain",
+    "ChainMetadata",
+    "ChainWorkerMetadata",
+    "TransferParamsClash",
+    "TransferResults",
+    "VllmRole",
+]

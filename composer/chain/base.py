@@ -1,0 +1,89 @@
+"""The state every part of the chain shares, declared once.
+
+:class:`~composer.chain.Chain` is assembled from one class per job (scheduler
+side, worker side, fault policy, reports); each reads and writes the attributes
+declared here, which ``Chain.__init__`` sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from composer.chain import dispatch
+from composer.chain.calls import Call, CallLists
+from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata
+from composer.faults import WorkerLedger
+from composer.pipeline import ResolvedPipeline
+from composer.stats import Changes, NodeStats
+
+VllmRole = Literal["scheduler", "worker"]
+
+
+class ChainBase:
+    pipeline: ResolvedPipeline
+    vllm_role: VllmRole
+    log: Any
+    #: Node id -> its instance in this process, in pipeline order.
+    nodes: dict[str, Any]
+    stats: dict[str, NodeStats]
+    #: Marked by any write to any node's counters; cleared by each report.
+    stats_changes: Changes
+    #: Node id -> its ``on_error`` policy.
+    policy: dict[str, str]
+    plugin_names: dict[str, str]
+    #: Switched off in this process, for good.
+    disabled: set[str]
+    lists: CallLists
+    #: Called after the call lists change (a node switched off).
+    on_rebind: list[Callable[[], None]]
+    # Bound dispatch one side re-enters after a switch-off (set by the other side).
+    update_connector_output: Callable[[Any], object]
+    bind_connector_metadata: Callable[[ChainMetadata], None]
+
+    # The types results are built with (the vLLM adapter passes vLLM's own).
+    metadata_type: type[ChainMetadata]
+    worker_metadata_type: type[ChainWorkerMetadata]
+    transfer_results_type: Callable[[], Any]
+    stats_type: Callable[..., Any] | None
+    restore_worker_meta: bool
+
+    # Scheduler side.
+    #: Request -> (node serving it, num_computed_tokens at lookup, async load).
+    chosen: dict[str, tuple[str, int, bool]]
+    served: dict[str, tuple[str, int]]
+    pending_loads: dict[str, set[int]]
+    #: Sent with the next step's metadata.
+    new_holds: dict[str, tuple[str, ...]]
+    new_async_loads: dict[str, str]
+    block_size: int
+
+    # Worker side.
+    ledger: WorkerLedger
+    load_error_blocks: set[int]
+    step_loads: dict[str, set[int]]
+    #: Requests released or failed by the chain itself (a node switched off).
+    released: set[str]
+    failed_recving: set[str]
+    #: Switched off here, not yet told to the scheduler.
+    unreported_disabled: set[str]
+
+    @property
+    def calls(self) -> dict[str, list[tuple[str, Call]]]:
+        return self.lists.calls
+
+    def results(self, hook: str, *args: Any, default: Any = None) -> list[tuple[str, Any]]:
+        """(node id, result) of every node implementing ``hook``; a failed one gives ``default``.
+
+        For one-time and per-request hooks; per-step and per-layer hooks have
+        dispatch bound when the call lists are.
+        """
+        return dispatch.results(hook, self.calls[hook], self.fault, self.stats, args, default)
+
+    if TYPE_CHECKING:
+
+        def fault(self, node_id: str, hook: str, exc: BaseException) -> None: ...
+
+        def switch_off(self, node_id: str, reason: str, **where: Any) -> None: ...
+
+        def rebind(self) -> None: ...

@@ -1,0 +1,209 @@
+"""The chain: one pipeline's nodes in one vLLM process, with MultiConnector semantics.
+
+This module creates the nodes and (re)binds the call lists; the parts live
+beside it: :mod:`.calls` (binding), :mod:`.dispatch` (calling a list),
+:mod:`.scheduler` and :mod:`.worker_output` (scheduler side), :mod:`.worker`
+(worker side), :mod:`.fault_policy`, :mod:`.reports` (stats and events),
+:mod:`.metadata` (what crosses between the two). How each hook's results
+combine is :data:`composer.hookspecs.COMBINE`.
+
+Nothing here imports torch or vLLM: vLLM's objects pass through untouched, and
+the vLLM adapter (:mod:`composer.vllm.connector`) wraps results in vLLM's types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+import structlog
+
+from composer.chain.base import VllmRole
+from composer.chain.calls import Call, bind_calls, timed, traced, unsupported_options
+from composer.chain.fault_policy import FaultPolicy
+from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata, TransferResults
+from composer.chain.reports import Reports
+from composer.chain.scheduler import SchedulerSide
+from composer.chain.worker import WorkerSide
+from composer.chain.worker_output import WorkerOutput
+from composer.faults import LOAD_HOOKS, WorkerLedger
+from composer.hookspecs import PROJECT, NodeSpec
+from composer.pipeline import ResolvedPipeline
+from composer.plugin import NodeContext
+from composer.stats import Changes, NodeStats
+
+log = structlog.get_logger("kv_composer")
+
+SAVE_HOOKS = frozenset({"save_kv_layer", "wait_for_save"})
+#: Hooks vLLM calls every engine step: timed in per-node stats (``hook_seconds``)
+#: only with the pipeline's ``time_step_hooks``, like per-layer hooks with
+#: ``time_layer_hooks``; per-request and one-time hooks are always timed.
+STEP_HOOKS = frozenset(
+    {
+        "build_connector_meta",
+        "has_pending_block_frees",
+        "has_pending_push_work",
+        "start_load_kv",
+        "wait_for_save",
+        "finish_forward",
+        "clear_connector_metadata",
+        "get_block_ids_with_load_errors",
+        "build_connector_worker_meta",
+        "get_kv_connector_stats",
+        "get_kv_connector_kv_cache_events",
+    }
+)
+
+
+class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
+    """The nodes of one pipeline in one vLLM process.
+
+    Per-layer and per-step hooks are attributes bound to the current call lists
+    (re-bound when a node is switched off); the rest are methods.
+    """
+
+    def __init__(
+        self,
+        pipeline: ResolvedPipeline,
+        vllm_role: VllmRole,
+        *,
+        vllm_config: Any = None,
+        kv_cache_config: Any = None,
+        metadata_type: type[ChainMetadata] = ChainMetadata,
+        worker_metadata_type: type[ChainWorkerMetadata] = ChainWorkerMetadata,
+        transfer_results_type: Callable[[], Any] = TransferResults,
+        stats_type: Callable[..., Any] | None = None,
+        restore_worker_meta: bool = False,
+    ) -> None:
+        """``*_type``: the classes the chain builds its results with (the vLLM
+        adapter passes subclasses of vLLM's own types, so results need no copy);
+        ``stats_type(data=...)`` wraps what ``get_kv_connector_stats`` returns.
+        ``restore_worker_meta``: during ``update_connector_output`` each node finds
+        its own worker metadata in the output's ``kv_connector_worker_meta`` (as
+        MultiConnector's children do), and the chain's is put back after."""
+        self.pipeline, self.vllm_role = pipeline, vllm_role
+        self.metadata_type, self.worker_metadata_type = metadata_type, worker_metadata_type
+        self.transfer_results_type, self.stats_type = transfer_results_type, stats_type
+        self.restore_worker_meta = restore_worker_meta
+        self.log = log.bind(role=vllm_role)
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(NodeSpec)
+        self.nodes, self.stats, self.policy, self.plugin_names = {}, {}, {}, {}
+        self.stats_changes = Changes()
+        self._create_nodes(vllm_config, kv_cache_config)
+        self.disabled = set()
+        self.chosen, self.served, self.pending_loads = {}, {}, {}
+        self.new_holds, self.new_async_loads = {}, {}
+        self.block_size = _block_size(kv_cache_config)
+        self.ledger = WorkerLedger()
+        self.load_error_blocks, self.step_loads = set(), {}
+        self.released, self.failed_recving, self.unreported_disabled = set(), set(), set()
+        self.on_rebind = []
+        self.rebind()
+
+    def _create_nodes(self, vllm_config: Any, kv_cache_config: Any) -> None:
+        services: dict[str, Any] = {}
+        for rnode in self.pipeline.nodes:
+            if self.vllm_role not in rnode.plugin.vllm_roles:
+                continue
+            ctx = NodeContext(
+                node_id=rnode.id,
+                config=rnode.config,
+                role=rnode.role,
+                vllm_role=self.vllm_role,
+                needs={d: services[d] for d in rnode.needs if d in services},
+                vllm_config=vllm_config,
+                kv_cache_config=kv_cache_config,
+                stats=NodeStats(changes=self.stats_changes),
+            )
+            instance = rnode.plugin.node_class(self.vllm_role)(ctx)
+            self.pm.register(instance, name=rnode.id)
+            self.nodes[rnode.id] = instance
+            self.stats[rnode.id] = ctx.stats
+            self.policy[rnode.id] = rnode.on_error
+            self.plugin_names[rnode.id] = rnode.plugin.name
+            services[rnode.id] = instance.service()
+            self.log.debug("node created", node=rnode.id, plugin=rnode.plugin.name)
+        # A misspelled @hookimpl is an error, not a silently skipped node; so is
+        # an option the chain would ignore.
+        self.pm.check_pending()
+        ignored = unsupported_options(self.pm)
+        if ignored:
+            raise ValueError(
+                "hookimpl options KV Composer does not honour (nodes are called once "
+                "each, in pipeline order): "
+                + "; ".join(f"node {n!r} hook {h!r}: {o}=True" for n, h, o in ignored)
+            )
+        if self.pipeline.trace:
+            self.pm.trace.root.setwriter(lambda msg: self.log.debug("hook", trace=msg.rstrip()))
+
+    # -- binding ----------------------------------------------------------------- #
+
+    def order_for(self, hook: str) -> list[str]:
+        """The nodes ``hook`` is dispatched to, in order."""
+        order = [n.id for n in self.pipeline.nodes]
+        if hook == "get_num_new_matched_tokens":
+            order = list(self.pipeline.load_order)
+        elif hook in LOAD_HOOKS:
+            order = [n for n in order if n in self.pipeline.load_order]
+        elif hook in SAVE_HOOKS:
+            order = [n for n in order if n in self.pipeline.save_to]
+        return [n for n in order if n in self.nodes and n not in self.disabled]
+
+    def rebind(self) -> None:
+        """(Re)build every hook's call list and the dispatch bound to it."""
+        directs = {
+            node_id: node.direct_hooks() if hasattr(node, "direct_hooks") else {}
+            for node_id, node in self.nodes.items()
+        }
+        self.lists = bind_calls(self.pm, self.order_for, directs, self._wrap)
+        self._bind_worker()
+        self._bind_scheduler()
+        self._bind_worker_output()
+        self._bind_reports()
+        for callback in self.on_rebind:
+            callback()
+
+    def _wrap(self, node_id: str, hook: str, fn: Call) -> Call:
+        if hook in STEP_HOOKS and self.pipeline.time_step_hooks:
+            fn = timed(fn, self.stats[node_id], hook)
+        if self.pipeline.trace:
+            fn = traced(fn, node_id, hook, self.pm)
+        return fn
+
+    def implemented(self, hook: str) -> list[str]:
+        return [n for n, _ in self.calls.get(hook, ())]
+
+    # -- either process ------------------------------------------------------------ #
+
+    def broadcast(self, hook: str, *args: Any) -> None:
+        self.results(hook, *args)
+
+    def reset_cache(self) -> bool:
+        return all(r is not False for _, r in self.results("reset_cache"))
+
+    def shutdown(self) -> None:
+        """Every node's shutdown runs; a failure is raised (after the others) only
+        for a node whose policy is ``fail``."""
+        error: BaseException | None = None
+        for node_id, fn in self.calls["shutdown"]:
+            try:
+                fn()
+            except Exception as exc:
+                self.stats[node_id].errors += 1
+                self.stats[node_id].extra.add("errors_shutdown")
+                self.log.error(
+                    "node shutdown failed", node=node_id, hook="shutdown", error=repr(exc)
+                )
+                if self.policy.get(node_id, "fail") == "fail":
+                    error = exc
+        if error is not None:
+            raise error
+
+
+def _block_size(kv_cache_config: Any) -> int:
+    try:
+        return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+    except (AttributeError, IndexError, TypeError):
+        return 0

@@ -1,0 +1,104 @@
+"""Fault policy: what a node's exception does, by its ``on_error`` (see :mod:`composer.faults`).
+
+``fail`` stops the engine; ``recompute`` keeps the node where vLLM's recompute
+undoes the fault (a lookup, a synchronous load, a report) and switches it off
+elsewhere; ``disable`` switches it off. A node switched off leaves this
+process's call lists for good, and the other process follows through the metadata.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer.chain.base import ChainBase
+from composer.faults import LOAD_HOOKS, RECOVERABLE_HOOKS, NodeFailed
+
+
+class FaultPolicy(ChainBase):
+    def fault(self, node_id: str, hook: str, exc: BaseException) -> None:
+        """Apply the node's error policy; returns only if the engine goes on, with
+        nothing the node failed to load served."""
+        policy = self.policy.get(node_id, "fail")
+        stats = self.stats[node_id]
+        stats.errors += 1
+        stats.extra.add(f"errors_{hook}")
+        where = {"node": node_id, "hook": hook, "error": repr(exc)}
+        if policy == "fail":
+            if hook in LOAD_HOOKS:
+                self.load_error_blocks |= self.step_loads.get(node_id, set())
+            self.log.error("node failed; on_error: fail stops the engine", **where)
+            raise NodeFailed(node_id, self.plugin_names.get(node_id, "?"), hook, exc) from exc
+        if policy == "recompute" and hook in RECOVERABLE_HOOKS and self._recovered(hook, where):
+            return
+        if node_id in self.disabled:
+            return
+        if policy == "disable":
+            reason = "on_error: disable"
+        else:
+            reason = (
+                f"on_error: recompute cannot repair a fault in {hook} (the node's scheduler "
+                "and worker halves may be out of step, or a transfer still in flight), so "
+                "the node is switched off instead"
+            )
+        self.switch_off(node_id, reason, **where)
+
+    def _recovered(self, hook: str, where: dict[str, Any]) -> bool:
+        """Whether vLLM's recompute undoes this fault (then the node stays on)."""
+        node_id = where["node"]
+        if hook not in LOAD_HOOKS:
+            self.log.warning("node failed; only this call's result is lost", **where)
+            return True
+        if self.ledger.has_async_loads(node_id):
+            return False  # a transfer may still write into vLLM's blocks
+        blocks = self.step_loads.get(node_id, set())
+        self.load_error_blocks |= blocks
+        self.stats[node_id].extra.add("blocks_recomputed", len(blocks))
+        self.log.warning(
+            "node failed while loading; vLLM recomputes the blocks it was loading",
+            blocks=len(blocks),
+            **where,
+        )
+        return True
+
+    def switch_off(self, node_id: str, reason: str, **where: Any) -> None:
+        """Take the node out of this process's chain for good, releasing what it held."""
+        if node_id in self.disabled:
+            return
+        self.disabled.add(node_id)
+        stats = self.stats[node_id]
+        stats.disabled = True
+        released = failed = blocks = 0
+        if self.vllm_role == "worker":
+            self.unreported_disabled.add(node_id)
+            step = self.step_loads.get(node_id, set())
+            blocks = len(step - self.load_error_blocks)
+            self.load_error_blocks |= step
+            done = self.ledger.release(node_id)
+            loading = self.ledger.drop_loads(node_id)
+            self.released |= done
+            self.failed_recving |= loading
+            released, failed = len(done), len(loading)
+        if blocks:
+            stats.extra.add("blocks_recomputed", blocks)
+        self._stop(node_id)
+        self.log.warning(
+            "node switched off",
+            reason=reason,
+            blocks_recomputed=blocks,
+            requests_recomputed=failed,
+            holds_released=released,
+            **{"node": node_id, **where},
+        )
+        self.rebind()
+
+    def _stop(self, node_id: str) -> None:
+        # Its shutdown stops its transfers: nothing of it writes into vLLM's blocks
+        # once the requests it was loading or holding are handed back.
+        for name, fn in self.calls.get("shutdown", ()):
+            if name == node_id:
+                try:
+                    fn()
+                except Exception as exc:
+                    self.log.error(
+                        "switched-off node's shutdown failed", node=node_id, error=repr(exc)
+                    )

@@ -1,0 +1,270 @@
+"""Scheduler side: routing a request to the node that serves it, and holding its blocks.
+
+The load policy picks one node per request (first or longest hit, in load
+order); only that node is told it loads. Which blocks it loads travels to the
+workers with the step's metadata, so a failing load there becomes load errors.
+A finished request's blocks stay held while any node still saves from them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from composer.chain import dispatch
+from composer.chain.base import ChainBase
+from composer.chain.metadata import ChainMetadata, TransferParamsClash
+from composer.pipeline import ResolvedNode
+from composer.views import RequestView, StepView
+
+#: What a request_finished call that raised stands for.
+FAULTED = object()
+
+
+class SchedulerSide(ChainBase):
+    build_connector_meta: Callable[[Any], ChainMetadata]
+    has_pending_block_frees: Callable[[], bool]
+    has_pending_push_work: Callable[[], bool]
+
+    def _bind_scheduler(self) -> None:
+        for hook in ("has_pending_block_frees", "has_pending_push_work"):
+            setattr(self, hook, dispatch.any_true(hook, self.calls[hook], self.fault))
+        self.build_connector_meta = self._make_build_connector_meta()
+
+    def _make_build_connector_meta(self) -> Callable[[Any], ChainMetadata]:
+        fault = self.fault
+        if "step" in self.lists.wanted["build_connector_meta"]:
+            # Some node names the step view: every node gets the spec's arguments.
+            wants_step = True
+            calls = self.calls["build_connector_meta"]
+        else:
+            # None does: none is built, and each node gets what its hookimpl names.
+            wants_step = False
+            calls = [
+                (node_id, fn if argnames else dispatch.drop_args(fn))
+                for node_id, fn, argnames in self.lists.own["build_connector_meta"]
+            ]
+
+        def build_connector_meta(scheduler_output: Any) -> ChainMetadata:
+            per_node = {}
+            # Two loops, so that the usual step builds no argument tuple.
+            if wants_step:
+                step = StepView(scheduler_output)
+                for node_id, fn in calls:
+                    try:
+                        per_node[node_id] = fn(step, scheduler_output)
+                    except Exception as exc:
+                        fault(node_id, "build_connector_meta", exc)
+                        per_node[node_id] = None
+            else:
+                for node_id, fn in calls:
+                    try:
+                        per_node[node_id] = fn(scheduler_output)
+                    except Exception as exc:
+                        fault(node_id, "build_connector_meta", exc)
+                        per_node[node_id] = None
+            return self._step_metadata(per_node)
+
+        return build_connector_meta
+
+    def _step_metadata(self, per_node: dict[str, Any]) -> ChainMetadata:
+        meta = self.metadata_type(per_node=per_node, loads=self.pending_loads)
+        self.pending_loads = {}
+        if self.new_holds:
+            meta.holds, self.new_holds = self.new_holds, {}
+        if self.new_async_loads:
+            meta.async_loads, self.new_async_loads = self.new_async_loads, {}
+        if self.disabled:
+            meta.disabled = frozenset(self.disabled)
+        return meta
+
+    # -- once ------------------------------------------------------------------ #
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self.results("bind_kv_cache_manager", kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self.results("bind_gpu_block_pool", gpu_block_pool)
+
+    # -- per request ------------------------------------------------------------ #
+
+    def on_new_request(self, request: Any) -> None:
+        self.results("on_new_request", RequestView(request))
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        view = RequestView(request)
+        longest = self.pipeline.load_policy == "longest_hit"
+        chosen: tuple[str, int, bool] | None = None
+        for node_id, fn in self.calls["get_num_new_matched_tokens"]:
+            tokens, load_async = self._lookup(node_id, fn, view, num_computed_tokens)
+            if tokens is None:
+                # Still looking up: vLLM asks again later (MultiConnector's rule).
+                return None, False
+            if tokens > 0:
+                self.stats[node_id].hits += 1
+                if chosen is None or (longest and tokens > chosen[1]):
+                    chosen = (node_id, tokens, load_async)
+        if chosen is None:
+            self.chosen.pop(view.request_id, None)
+            return 0, False
+        self.chosen[view.request_id] = (chosen[0], num_computed_tokens, chosen[2])
+        return chosen[1], chosen[2]
+
+    def _lookup(
+        self, node_id: str, fn: Callable[..., Any], view: RequestView, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        stats = self.stats[node_id]
+        stats.lookups += 1
+        t0 = time.perf_counter()
+        try:
+            tokens, load_async = fn(view, num_computed_tokens)
+        except Exception as exc:
+            self.fault(node_id, "get_num_new_matched_tokens", exc)
+            tokens, load_async = 0, False
+        stats.add_time("get_num_new_matched_tokens", time.perf_counter() - t0)
+        return tokens, load_async
+
+    def chosen_node(self, request_id: str) -> str | None:
+        entry = self.chosen.get(request_id)
+        return entry[0] if entry else None
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        view = RequestView(request)
+        chosen = self.chosen_node(view.request_id)
+        block_ids = blocks.get_block_ids() if blocks is not None else ()
+        if chosen is not None and num_external_tokens > 0:
+            self._plan_load(view.request_id, chosen, block_ids, num_external_tokens)
+        for node_id, fn in self.calls["update_state_after_alloc"]:
+            tokens = num_external_tokens if node_id == chosen else 0
+            try:
+                fn(view, block_ids, tokens, blocks)
+            except Exception as exc:
+                self.fault(node_id, "update_state_after_alloc", exc)
+
+    def _plan_load(
+        self, request_id: str, node_id: str, block_ids: Any, num_external_tokens: int
+    ) -> None:
+        """Record which blocks ``node_id`` loads, for the workers' load errors."""
+        _, computed, load_async = self.chosen[request_id]
+        self.stats[node_id].tokens_hit += num_external_tokens
+        self.served[request_id] = (node_id, num_external_tokens)
+        size = self.block_size
+        first = computed // size if size else 0
+        last = -(-(computed + num_external_tokens) // size) if size else None
+        loading = self.pending_loads.setdefault(node_id, set())
+        for group in block_ids:
+            loading.update(group[first:last])
+        if load_async:
+            # Async: the worker tracks it, so that a node switched off before
+            # it finishes loading reports it failed instead of leaving it waiting.
+            self.new_async_loads[request_id] = node_id
+
+    def ask_chosen(self, hook: str, request: Any, *args: Any) -> Any:
+        """Ask only the node serving ``request``; None when it has no answer."""
+        chosen = self.chosen_node(request.request_id)
+        for node_id, fn in self.calls[hook]:
+            if node_id == chosen:
+                try:
+                    return fn(RequestView(request), *args)
+                except Exception as exc:
+                    self.fault(node_id, hook, exc)
+        return None
+
+    # -- finishing -------------------------------------------------------------- #
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        view = RequestView(request)
+        results = self.results("request_finished", view, block_ids, default=FAULTED)
+        return self._finish(request, results)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if not self.pipeline.hma:
+            assert len(block_ids) == 1, (
+                "HMA with several KV cache groups needs every node to support it"
+            )
+            return self.request_finished(request, block_ids[0])
+        view = RequestView(request)
+        results: list[tuple[str, Any]] = []
+        for node_id, fn in self.calls["request_finished_all_groups"]:
+            try:
+                results.append((node_id, fn(view, self._groups_for(node_id, block_ids))))
+            except Exception as exc:
+                self.fault(node_id, "request_finished_all_groups", exc)
+                results.append((node_id, FAULTED))
+        return self._finish(request, results)
+
+    def _groups_for(self, node_id: str, block_ids: tuple[list[int], ...]) -> tuple[list[int], ...]:
+        rnode: ResolvedNode = self.pipeline.node(node_id)
+        group = getattr(rnode.config, "kv_cache_group", None)
+        if rnode.capabilities.kv_cache_groups == "one" and isinstance(group, int):
+            return (block_ids[group],)
+        return block_ids
+
+    def _finish(
+        self, request: Any, results: Iterable[tuple[str, Any]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        holders, params = hold_and_params(results)
+        if holders:
+            self.new_holds[request.request_id] = tuple(holders)
+        served = self.served.pop(request.request_id, None)
+        if self.pipeline.annotate_outputs:
+            params = {
+                **(params or {}),
+                "kv_composer": {
+                    "served_by": served[0] if served else None,
+                    "tokens": served[1] if served else 0,
+                },
+            }
+        self.chosen.pop(request.request_id, None)
+        return bool(holders), params
+
+    def register_finished_partial_tail(self, request: Any, block_ids: Any, offloads: Any) -> bool:
+        view = RequestView(request)
+        results = self.results(
+            "register_finished_partial_tail", view, block_ids, offloads, default=False
+        )
+        return any(r for _, r in results)
+
+    def get_finished_count(self) -> int | None:
+        counts = [c for _, c in self.results("get_finished_count")]
+        if not counts or any(c is None for c in counts):
+            return None
+        if len(set(counts)) > 1:
+            raise ValueError(f"nodes returned incompatible finished counts: {sorted(set(counts))}")
+        return counts[0]
+
+
+def hold_and_params(
+    results: Iterable[tuple[str, Any]],
+) -> tuple[list[str], dict[str, Any] | None]:
+    """The nodes holding the blocks, and the merged ``kv_transfer_params``."""
+    holders: list[str] = []
+    params: dict[str, Any] | None = None
+    writer: dict[str, str] = {}
+    for node_id, result in results:
+        if result is FAULTED:
+            # It may still be saving from these blocks: they stay held until
+            # its worker half is switched off (the fault switched it off).
+            holders.append(node_id)
+            continue
+        hold, node_params = result if result is not None else (False, None)
+        if hold:
+            holders.append(node_id)
+        if node_params is None:
+            continue
+        clash = sorted(set(writer) & set(node_params))
+        if clash:
+            raise TransferParamsClash(
+                f"kv_transfer_params key(s) {clash} written by node "
+                f'"{writer[clash[0]]}" and node "{node_id}"'
+            )
+        writer.update(dict.fromkeys(node_params, node_id))
+        params = {**(params or {}), **node_params}
+    return holders, params

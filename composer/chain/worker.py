@@ -1,0 +1,236 @@
+"""Worker side: the per-layer fast path, per-step loads and saves, finished transfers.
+
+The worker half receives each step's :class:`ChainMetadata` (each node its own
+entry, plus the holds, loads and switch-offs the scheduler half decided), runs
+the nodes' loads and saves, and reports finished transfers: a request's blocks
+are freed when the last node holding them is done (the :class:`WorkerLedger`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from composer.chain import dispatch
+from composer.chain.base import ChainBase
+from composer.chain.calls import takes_kwargs
+from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata
+from composer.hookspecs import PER_LAYER_HOOKS
+
+
+class WorkerSide(ChainBase):
+    #: The step's metadata, from bind_connector_metadata to clear_connector_metadata.
+    metadata: ChainMetadata | None = None
+    wait_for_layer_load: Callable[[str], None]
+    save_kv_layer: Callable[[str, Any, Any], None]
+    handle_preemptions: Callable[[ChainMetadata], None]
+    start_load_kv: Callable[..., None]
+    wait_for_save: Callable[[], None]
+    finish_forward: Callable[[], None]
+    clear_connector_metadata: Callable[[], None]
+    get_transfer_results: Callable[[set[str]], Any]
+    get_block_ids_with_load_errors: Callable[[], set[int]]
+    build_connector_worker_meta: Callable[[], ChainWorkerMetadata | None]
+
+    def _bind_worker(self) -> None:
+        calls, fault = self.calls, self.fault
+        for hook in PER_LAYER_HOOKS:
+            # One Python call per implementing node: vLLM calls these per layer.
+            if self.pipeline.time_layer_hooks:
+                each = dispatch.call_each_timed(hook, calls[hook], fault, self.stats)
+            elif any(takes_kwargs(fn) for _, fn in calls[hook]):
+                # A native connector takes vLLM's keyword arguments (0.32.0 passes none).
+                each = dispatch.call_each_passing_kwargs(hook, calls[hook], fault)
+            else:
+                each = dispatch.call_each(hook, calls[hook], fault, len(self.lists.spec_args[hook]))
+            setattr(self, hook, each)
+        for hook in ("wait_for_save", "finish_forward"):
+            setattr(self, hook, dispatch.call_each(hook, calls[hook], fault, 0))
+        self.handle_preemptions = self._make_per_node_call("handle_preemptions")
+        self.bind_connector_metadata = self._make_bind_connector_metadata()
+        # vLLM passes keyword arguments (0.32.0: none yet; later versions do) that a
+        # native connector takes as **kwargs: they reach every callable that takes them.
+        self.start_load_kv = dispatch.call_each_passing_kwargs(
+            "start_load_kv", calls["start_load_kv"], fault
+        )
+        self.clear_connector_metadata = self._make_clear_connector_metadata()
+        self.get_transfer_results = self._make_get_transfer_results()
+        self.get_block_ids_with_load_errors = self._make_get_block_ids_with_load_errors()
+        self.build_connector_worker_meta = self._make_build_connector_worker_meta()
+
+    def _make_per_node_call(self, hook: str) -> Callable[[ChainMetadata], None]:
+        calls, fault = self.calls[hook], self.fault
+
+        def per_node_call(metadata: ChainMetadata) -> None:
+            per_node = metadata.per_node
+            for node_id, fn in calls:
+                try:
+                    fn(per_node.get(node_id))
+                except Exception as exc:
+                    fault(node_id, hook, exc)
+
+        return per_node_call
+
+    def _make_bind_connector_metadata(self) -> Callable[[ChainMetadata], None]:
+        off = frozenset(self.disabled)
+        each_node = self._make_per_node_call("bind_connector_metadata")
+
+        def bind_connector_metadata(metadata: ChainMetadata) -> None:
+            if metadata.disabled and not metadata.disabled <= off:
+                for node_id in sorted(metadata.disabled - off):
+                    self.switch_off(node_id, "switched off in the scheduler")
+                return self.bind_connector_metadata(metadata)  # re-bound without them
+            self._take_holds_and_loads(metadata, off)
+            self.metadata = metadata
+            each_node(metadata)
+
+        return bind_connector_metadata
+
+    def _take_holds_and_loads(self, metadata: ChainMetadata, off: frozenset[str]) -> None:
+        ledger = self.ledger
+        if metadata.holds:
+            for req_id, holders in metadata.holds.items():
+                live = [n for n in holders if n not in off]
+                if live:
+                    ledger.hold(req_id, live)
+                else:
+                    self.released.add(req_id)
+        if metadata.async_loads:
+            for req_id, node_id in metadata.async_loads.items():
+                if node_id in off:
+                    self.failed_recving.add(req_id)
+                else:
+                    ledger.loading(node_id, req_id)
+        loads = self.step_loads = metadata.loads
+        for node_id in off:
+            # A switched-off node loads nothing: vLLM recomputes what it was to load.
+            self.load_error_blocks |= loads.get(node_id, set())
+
+    def _make_clear_connector_metadata(self) -> Callable[[], None]:
+        each_node = dispatch.call_each(
+            "clear_connector_metadata", self.calls["clear_connector_metadata"], self.fault, 0
+        )
+
+        def clear_connector_metadata() -> None:
+            self.step_loads = {}
+            self.metadata = None
+            each_node()
+
+        return clear_connector_metadata
+
+    def _make_get_transfer_results(self) -> Callable[[set[str]], Any]:
+        direct = dict(self.calls["get_transfer_results"])
+        via_finished = dict(self.calls["get_finished"])
+        # (node id, callable, returns TransferResults?) in node order.
+        entries = [
+            (n, direct[n], True) if n in direct else (n, via_finished[n], False)
+            for n in self.nodes
+            if n not in self.disabled and (n in direct or n in via_finished)
+        ]
+        results_type, fault, ledger = self.transfer_results_type, self.fault, self.ledger
+
+        def get_transfer_results(finished_req_ids: set[str]) -> Any:
+            results = self._chain_own_results(results_type())
+            for node_id, fn, is_direct in entries:
+                try:
+                    if is_direct:
+                        r = fn(finished_req_ids)
+                        sending, recving = r.finished_sending, r.finished_recving
+                        if r.failed_recving:
+                            results.failed_recving.update(r.failed_recving)
+                    else:
+                        sending, recving = fn(finished_req_ids)
+                except Exception as exc:
+                    fault(node_id, "get_transfer_results" if is_direct else "get_finished", exc)
+                    continue
+                if recving:
+                    ledger.received(node_id, recving)
+                    results.finished_recving.update(recving)
+                if sending:
+                    results.finished_sending.update(ledger.sent(node_id, sending))
+            return results
+
+        return get_transfer_results
+
+    def _chain_own_results(self, results: Any) -> Any:
+        if self.released:
+            # Held only by nodes that were switched off.
+            results.finished_sending.update(self.released)
+            self.released = set()
+        if self.failed_recving:
+            # Loading through a node that was switched off: vLLM recomputes them.
+            results.finished_recving.update(self.failed_recving)
+            results.failed_recving.update(self.failed_recving)
+            self.failed_recving = set()
+        return results
+
+    def _make_get_block_ids_with_load_errors(self) -> Callable[[], set[int]]:
+        calls, fault = self.calls["get_block_ids_with_load_errors"], self.fault
+
+        def get_block_ids_with_load_errors() -> set[int]:
+            blocks, self.load_error_blocks = self.load_error_blocks, set()
+            for node_id, fn in calls:
+                try:
+                    failed = fn()
+                except Exception as exc:
+                    fault(node_id, "get_block_ids_with_load_errors", exc)
+                    continue
+                if failed:
+                    blocks |= failed
+            return blocks
+
+        return get_block_ids_with_load_errors
+
+    def _make_build_connector_worker_meta(self) -> Callable[[], ChainWorkerMetadata | None]:
+        calls, fault = self.calls["build_connector_worker_meta"], self.fault
+        worker_meta_type = self.worker_metadata_type
+        if not calls and not self.unreported_disabled:
+            return dispatch.none
+
+        def build_connector_worker_meta() -> ChainWorkerMetadata | None:
+            per_node = {}
+            for node_id, fn in calls:
+                try:
+                    meta = fn()
+                except Exception as exc:
+                    fault(node_id, "build_connector_worker_meta", exc)
+                    continue
+                if meta is not None:
+                    per_node[node_id] = meta
+            if self.unreported_disabled:
+                # The scheduler half of a node switched off here must stop too.
+                off, self.unreported_disabled = frozenset(self.unreported_disabled), set()
+                return worker_meta_type(per_node, off)
+            return worker_meta_type(per_node) if per_node else None
+
+        return build_connector_worker_meta
+
+    # -- once, at start ------------------------------------------------------- #
+
+    def initialize_worker_connector(
+        self, model: Any, vllm_config: Any, kv_cache_config: Any
+    ) -> None:
+        self.results("initialize_worker_connector", model, vllm_config, kv_cache_config)
+
+    def get_mem_pool_context(self) -> Any:
+        found = [(n, c) for n, c in self.results("get_mem_pool_context") if c is not None]
+        if len(found) > 1:
+            # MultiConnector's rule and wording: KV cache lives in one pool.
+            raise ValueError(
+                f"Multiple connectors provide a KV cache memory pool {[n for n, _ in found]}; "
+                "KV cache is allocated once and can only live in one pool. "
+                "Configure custom_mem_pool on at most one connector."
+            )
+        return found[0][1] if found else None
+
+    def register_kv_caches(self, canonical: Any, raw: dict[str, Any]) -> None:
+        self.results("register_kv_caches", canonical, raw)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        self.results("set_host_xfer_buffer_ops", copy_operation)
+
+    def get_handshake_metadata(self) -> Any:
+        for _, meta in self.results("get_handshake_metadata"):
+            if meta is not None:
+                return meta
+        return None

@@ -1,0 +1,111 @@
+"""The pipeline a ``ComposedConnector`` runs, read from vLLM's ``kv_connector_extra_config``.
+
+Also where a native node's vLLM config is built (``child_vllm_config`` in
+:mod:`composer.vllm.native` builds the node's own; this module finds the
+connector classes before any instance exists, for vLLM's class-level questions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, cast
+
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+from composer.builtin import VllmConnectorConfig
+from composer.pipeline import ResolvedNode, ResolvedPipeline
+from composer.validation import load_pipeline
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@lru_cache(maxsize=16)
+def _load(source: str) -> ResolvedPipeline:
+    spec = json.loads(source)
+    return load_pipeline(spec)
+
+
+def _pipeline_key(extra: dict[str, Any]) -> str:
+    spec = extra.get("pipeline")
+    if spec is None:
+        raise ValueError(
+            'ComposedConnector needs kv_connector_extra_config["pipeline"]: '
+            "a pipeline file path or the pipeline inline (see `kvc export`)"
+        )
+    # Not sorted: node order is the default load order, as in the file.
+    return json.dumps(spec)
+
+
+def pipeline_from_extra_config(extra: dict[str, Any]) -> ResolvedPipeline:
+    """The pipeline named by ``kv_connector_extra_config["pipeline"]`` (path or inline)."""
+    return _load(_pipeline_key(extra))
+
+
+def runtime_pipeline(extra: dict[str, Any]) -> ResolvedPipeline:
+    """The pipeline as it runs: native nodes' HMA support from their connector classes."""
+    return _runtime(_pipeline_key(extra))
+
+
+@lru_cache(maxsize=16)
+def _runtime(source: str) -> ResolvedPipeline:
+    pipeline = _load(source)
+    nodes = []
+    for node in pipeline.nodes:
+        if node.plugin.name == "vllm":
+            # Validation only has a table of vLLM's connectors (it must not import
+            # vLLM); what vLLM itself goes by is the class: SupportsHMA or not.
+            hma = KVConnectorFactory.supports_hma_config(_native_transfer_config(node, pipeline))
+            if hma != node.capabilities.hma:
+                caps = node.capabilities.model_copy(update={"hma": hma})
+                node = dataclasses.replace(node, capabilities=caps)
+        nodes.append(node)
+    mode = pipeline.source.get("hma", "auto")
+    hma = mode != "off" and all(n.capabilities.hma for n in nodes)
+    if mode == "on" and not hma:
+        lacking = [n.id for n in nodes if not n.capabilities.hma]
+        raise ValueError(
+            f'{pipeline.file}: hma: "hma: on" needs every node to support HMA, but the '
+            f"connector classes of nodes {lacking} do not implement vLLM's SupportsHMA"
+        )
+    return dataclasses.replace(pipeline, nodes=tuple(nodes), hma=hma)
+
+
+def _native_transfer_config(node: ResolvedNode, pipeline: ResolvedPipeline) -> Any:
+    # The class decides (SupportsHMA), found as vLLM finds it; a MultiConnector
+    # node answers for its children.
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    from composer.export import native_child_config
+
+    child = native_child_config(cast(VllmConnectorConfig, node.config), pipeline.kv_role)
+    return KVTransferConfig(**child)
+
+
+def native_classes(
+    pipeline: ResolvedPipeline, vllm_config: VllmConfig
+) -> list[tuple[str, type[KVConnectorBase_V1], Any]]:
+    """(node id, connector class, the node's vLLM config) of every native node."""
+    from composer.vllm.native import child_vllm_config
+
+    out = []
+    for node in pipeline.nodes:
+        if node.plugin.name == "vllm":
+            temp = child_vllm_config(cast(VllmConnectorConfig, node.config), vllm_config)
+            connector_cls = KVConnectorFactory.get_connector_class(temp.kv_transfer_config)
+            out.append((node.id, cast(type[KVConnectorBase_V1], connector_cls), temp))
+    return out
+
+
+def deep_check_at_start(pipeline: ResolvedPipeline) -> None:
+    """At engine start, native connector names are checked against vLLM's registry."""
+    try:
+        from composer.deep_check import deep_check
+    except ImportError:  # pragma: no cover - the module ships with the core
+        return
+    problems = deep_check(pipeline)
+    if problems:
+        raise ValueError("invalid pipeline:\n" + "\n".join(str(p) for p in problems))
