@@ -454,6 +454,72 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from composer import replay
+    from composer import simulate as sim
+
+    try:
+        trace = sim.read_trace(args.trace, limit=args.limit)
+    except sim.TraceError as exc:
+        print(escape(str(exc)), file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        if (args.model is None) == (args.url is None):
+            raise replay.BenchError("kvc bench needs exactly one of --model and --url")
+        if args.url is not None and args.config:
+            raise replay.BenchError("--config starts servers: give --model, not --url")
+        configs = [replay.Config.parse(c) for c in (args.config or ["none", "prefix"])]
+        if args.pipeline_prefix_cache == "off":
+            configs = [
+                replay.Config(c.name, c.pipeline, prefix_caching=False) if c.pipeline else c
+                for c in configs
+            ]
+        server = None
+        if args.model is not None:
+            server = replay.ServerSpec(
+                model=args.model,
+                block_size=args.block_size,
+                max_model_len=args.max_model_len,
+                num_blocks=args.num_gpu_blocks,
+                kv_cache_gib=args.kv_cache_gib,
+                extra_args=list(args.vllm_arg or []),
+            )
+        spec = replay.BenchSpec(
+            trace=trace,
+            configs=configs,
+            server=server,
+            url=args.url,
+            scale=args.scale,
+            concurrency=args.concurrency,
+            speedup=args.speedup,
+            max_output_tokens=args.max_output_tokens,
+            vocab_size=args.vocab_size,
+            workdir=Path(args.output),
+            progress=not args.no_progress,
+        )
+        results = replay.run(spec)
+        written = replay.write_report(results, spec.workdir, plot=not args.no_plot)
+    except replay.BenchError as exc:
+        raise CommandError(str(exc)) from None
+    if args.json:
+        print(_dump([r.summary() for r in results]))
+    else:
+        print(replay.markdown_table(results))
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from composer import top
+
+    if args.interval <= 0:
+        raise CommandError(f"--interval must be > 0, got {args.interval}")
+    try:
+        return top.run(args.url, interval=args.interval, once=args.once)
+    except OSError as exc:
+        raise CommandError(f"cannot scrape {args.url}: {exc}") from None
+
+
 @contextlib.contextmanager
 def _needs_runtime(what: str) -> Iterator[None]:
     """Turn a missing vLLM / torch into a one-line hint instead of a traceback."""
@@ -511,7 +577,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--deep",
         action="store_true",
-        help="also check vLLM-native connector names against the installed vLLM (imports vLLM)",
+        help=(
+            "also import every node class (per vLLM process) and check it against the hook "
+            "spec, and vLLM-native connector names against the installed vLLM (imports the "
+            "plugins' runtime modules, and vLLM when the pipeline has vllm nodes)"
+        ),
     )
     add_json(p)
 
@@ -601,6 +671,92 @@ def build_parser() -> argparse.ArgumentParser:
         "(default kvc-simulate-sweep.png)",
     )
     add_json(p)
+
+    p = add(
+        "bench",
+        cmd_bench,
+        "Replay a request trace against real vLLM servers: TTFT, latency, throughput, "
+        "prompt tokens served per node, for several configurations side by side.",
+    )
+    p.epilog = (
+        "Each hash id of the trace becomes a fixed block of 512/--scale token ids (the same id "
+        "always the same tokens); the partial last block is unique to its request, as in kvc "
+        "simulate --trace-block-tokens 512/SCALE. Configurations: 'none' (no connector, no "
+        "prefix cache), 'prefix' (vLLM's prefix cache only), or a pipeline file (kvc serve, "
+        "prefix cache on unless --pipeline-prefix-cache off). Writes OUTPUT/bench.md, "
+        "OUTPUT/bench.json and OUTPUT/ttft-cdf.png."
+    )
+    p.add_argument("trace", metavar="TRACE", help="Mooncake-format JSONL trace")
+    p.add_argument(
+        "--config", action="append", metavar="CONFIG",
+        help="none, prefix or a pipeline file; repeat for several (default: none and prefix)",
+    )
+    p.add_argument("--model", help="model for the servers this command starts")
+    p.add_argument("--url", help="a running server to target instead (one configuration)")
+    p.add_argument(
+        "--scale", type=int, default=16,
+        help="divide every length by this (512 tokens per hash id become 512/SCALE; default 16)",
+    )
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--concurrency", type=int, metavar="N",
+        help="keep N requests in flight, in trace order (default: the trace's arrival times)",
+    )
+    group.add_argument(
+        "--speedup", type=float, default=1.0,
+        help="send at the trace's arrival times divided by this (default 1)",
+    )
+    p.add_argument("--limit", type=int, metavar="N", help="the first N requests of the trace")
+    p.add_argument(
+        "--max-output-tokens", type=int, metavar="N", help="cap every request's output"
+    )
+    p.add_argument("--block-size", type=int, default=32, help="vLLM's block size (default 32)")
+    p.add_argument(
+        "--max-model-len", type=int, default=4096,
+        help="vLLM's max model length; longer requests are skipped and counted (default 4096)",
+    )
+    p.add_argument(
+        "--num-gpu-blocks", type=int, metavar="N",
+        help="size vLLM's own KV cache to N blocks (--num-gpu-blocks-override), so that it "
+        "overflows",
+    )
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=1,
+        help="VLLM_CPU_KVCACHE_SPACE for the servers (default 1)",
+    )
+    p.add_argument(
+        "--pipeline-prefix-cache", choices=("on", "off"), default="on",
+        help="vLLM's prefix cache with pipeline configurations (default on)",
+    )
+    p.add_argument(
+        "--vllm-arg", action="append", metavar="ARG",
+        help="one more argument for every vllm serve (repeat; e.g. --vllm-arg=--enforce-eager)",
+    )
+    p.add_argument(
+        "--vocab-size", type=int,
+        help="token ids to draw from (default: the model directory's config.json)",
+    )
+    p.add_argument(
+        "--output", "-o", default="kvc-bench", metavar="DIR",
+        help="directory for the table, the JSON and the plot (default kvc-bench)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")
+    add_json(p)
+
+    p = add(
+        "top",
+        cmd_top,
+        "Live view of a running server's KV Composer nodes (hits, hit rate, bytes/s, pool use).",
+    )
+    p.add_argument("url", metavar="URL", help="the server's base URL or its /metrics URL")
+    p.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between scrapes (default 2)"
+    )
+    p.add_argument(
+        "--once", action="store_true",
+        help="print one view (two scrapes INTERVAL apart, for the rates) and exit",
+    )
 
     p = add("demo", cmd_demo, "Serve a tiny local model through a composed pipeline.")
     p.add_argument("file", nargs="?", metavar="FILE", help="pipeline to use (default: built in)")

@@ -157,36 +157,30 @@ def test_readme_python_api_example_runs() -> None:
 
 
 def test_readme_plugin_example_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    package = tmp_path / "my_kv_plugin"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    for name in ("registration", "node"):
-        (package / f"{name}.py").write_text(
-            _block_starting("python", f"# my_kv_plugin/{name}.py")
-        )
+    """In-process; tests/test_plugin_api.py installs the same two files with pip."""
+    code = _block_starting("python", "# prompt_stats.py")
+    assert len(code.splitlines()) <= 25, "the README's plugin is meant to be one small file"
+    (tmp_path / "prompt_stats.py").write_text(code)
     toml = _block_starting("toml", "# pyproject.toml")
     assert f"[project.entry-points.{ENTRY_POINT_GROUP}]" in toml
-    assert 'prompt-stats = "my_kv_plugin.registration"' in toml
+    assert 'prompt-stats = "prompt_stats"' in toml
 
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        registration = importlib.import_module("my_kv_plugin.registration")
-        registry = discover(extra=[registration], entry_points=False)
-        # The registration is light: the node module is imported only on demand.
-        assert "my_kv_plugin.node" not in sys.modules
+        registry = discover(extra=[importlib.import_module("prompt_stats")], entry_points=False)
         pipeline = validate_text(
             "version: 1\nnodes:\n  stats: {plugin: prompt-stats, config: {min_prompt_tokens: 4}}\n",
             registry=registry,
         )
         rnode = pipeline.node("stats")
-        assert rnode.role == "service"
+        assert rnode.role == "service" and rnode.plugin.vllm_roles == {"scheduler"}
         with pytest.raises(PipelineInvalid, match='did you mean "min_prompt_tokens"'):
             validate_text(
                 "version: 1\nnodes:\n  s: {plugin: prompt-stats, config: {min_prompt_token: 4}}\n",
                 registry=registry,
             )
 
-        node = rnode.plugin.node_class()(
+        node = rnode.plugin.node_class("scheduler")(
             NodeContext(node_id="stats", config=rnode.config, role="service", vllm_role="scheduler")
         )
         pm = pluggy.PluginManager(PROJECT)
@@ -196,10 +190,9 @@ def test_readme_plugin_example_works(tmp_path: Path, monkeypatch: pytest.MonkeyP
         for tokens in (10, 2, 6):
             raw = types.SimpleNamespace(request_id=f"r{tokens}", num_prompt_tokens=tokens)
             pm.hook.on_new_request(request=RequestView(raw))
-        assert node.stats.extra == {"prompts": 2, "prompt_tokens": 16}
+        assert node.stats.extra == {"prompts": 2}
     finally:
-        for name in [m for m in sys.modules if m.startswith("my_kv_plugin")]:
-            del sys.modules[name]
+        sys.modules.pop("prompt_stats", None)
 
 
 def test_readme_documents_every_pipeline_field() -> None:
