@@ -1,0 +1,130 @@
+"""``kvc top URL``: a live terminal view of a running server's KV Composer nodes.
+
+Reads the server's Prometheus ``/metrics`` (the per-node series of
+:mod:`composer.vllm.metrics`) every ``interval`` seconds and shows, per node:
+lookups, hits, hit rate, tokens loaded, load and save bandwidth (bytes/s
+between two scrapes), pool use, errors, whether it is switched off; and
+vLLM's own prefix-cache hit rate and request queue. Standard library and
+``rich`` only: never torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from composer import scrape
+
+
+@dataclass
+class Snapshot:
+    at: float
+    samples: list[scrape.Sample]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} GiB"  # pragma: no cover - the loop always returns
+
+
+def _rate(now: Snapshot, before: Snapshot | None, node: str, key: str) -> str:
+    if before is None or now.at <= before.at:
+        return "-"
+    a = scrape.nodes(before.samples).get(node)
+    b = scrape.nodes(now.samples).get(node)
+    if a is None or b is None:
+        return "-"
+    delta = b.counters.get(key, 0.0) - a.counters.get(key, 0.0)
+    return f"{_size(max(delta, 0.0) / (now.at - before.at))}/s"
+
+
+def render(now: Snapshot, before: Snapshot | None = None, source: str = "") -> Group:
+    """The view of one scrape (``before``: the previous one, for the rates)."""
+    views = scrape.nodes(now.samples)
+    table = Table(title=f"KV Composer nodes — {source}" if source else "KV Composer nodes")
+    for column, justify in (
+        ("node", "left"),
+        ("plugin", "left"),
+        ("lookups", "right"),
+        ("hits", "right"),
+        ("hit rate", "right"),
+        ("tokens loaded", "right"),
+        ("load/s", "right"),
+        ("save/s", "right"),
+        ("pool use", "right"),
+        ("errors", "right"),
+        ("state", "left"),
+    ):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for node, view in sorted(views.items()):
+        lookups = view.counters.get("lookups", 0.0)
+        hits = view.counters.get("hits", 0.0)
+        pool = view.gauges.get("pool_use")
+        errors = view.counters.get("errors", 0.0)
+        table.add_row(
+            node,
+            view.plugin,
+            f"{lookups:,.0f}",
+            f"{hits:,.0f}",
+            f"{100 * hits / lookups:.1f}%" if lookups else "-",
+            f"{view.counters.get('tokens_loaded', 0.0):,.0f}",
+            _rate(now, before, node, "bytes_loaded"),
+            _rate(now, before, node, "bytes_saved"),
+            f"{100 * pool:.1f}%" if pool is not None else "-",
+            Text(f"{errors:,.0f}", style="red" if errors else ""),
+            Text("disabled", style="bold red") if view.disabled else Text("on", style="green"),
+        )
+    queries = scrape.total(now.samples, "vllm:prefix_cache_queries_total")
+    hits = scrape.total(now.samples, "vllm:prefix_cache_hits_total")
+    running = scrape.total(now.samples, "vllm:num_requests_running")
+    waiting = scrape.total(now.samples, "vllm:num_requests_waiting")
+    usage = [s.value for s in now.samples if s.name == "vllm:kv_cache_usage_perc"]
+    line = (
+        f"vLLM: prefix cache hit rate "
+        f"{f'{100 * hits / queries:.1f}%' if queries else '-'}, "
+        f"KV cache use {f'{100 * max(usage):.1f}%' if usage else '-'}, "
+        f"requests running {running:.0f}, waiting {waiting:.0f}"
+    )
+    if not views:
+        line += "\n(no KV Composer nodes on this server's /metrics)"
+    return Group(table, Text(line))
+
+
+def run(
+    url: str,
+    *,
+    interval: float = 2.0,
+    once: bool = False,
+    console: Console | None = None,
+    fetch: Callable[[str], list[scrape.Sample]] = scrape.fetch,
+    iterations: int | None = None,
+) -> int:
+    """Refresh the view every ``interval`` s until Ctrl-C (or ``iterations`` views);
+    ``once``: two scrapes ``interval`` apart, one view printed."""
+    console = console or Console()
+    before = Snapshot(time.monotonic(), fetch(url))
+    if once:
+        time.sleep(interval)
+        console.print(render(Snapshot(time.monotonic(), fetch(url)), before, url))
+        return 0
+    shown = 0
+    with Live(render(before, None, url), console=console, auto_refresh=False) as live:
+        try:
+            while iterations is None or shown < iterations:
+                time.sleep(interval)
+                now = Snapshot(time.monotonic(), fetch(url))
+                live.update(render(now, before, url), refresh=True)
+                before = now
+                shown += 1
+        except KeyboardInterrupt:
+            pass
+    return 0
