@@ -20,6 +20,7 @@ from composer import Capabilities, Plugin, PluginType, discover, hookimpl, load_
 from composer.chain import Chain
 from composer.faults import LOAD_HOOKS, RECOVERABLE_HOOKS, NodeFailed, WorkerLedger
 from composer.hookspecs import NodeSpec
+from composer.testing.chains import drive, spec_hooks
 
 SHUTDOWNS: list[str] = []
 
@@ -30,10 +31,6 @@ class FaultConfig(BaseModel):
     hit: int = 0
     load_async: bool = False
     hold: bool = False
-
-
-def _spec_hooks() -> list[str]:
-    return sorted(n for n, _ in inspect.getmembers(NodeSpec) if not n.startswith("_"))
 
 
 class Everything(Plugin):
@@ -75,7 +72,7 @@ def _make_hook(hook: str) -> Any:
 
 
 # Without get_transfer_results, whose nodes the chain asks instead of get_finished.
-ALL_HOOKS = [h for h in _spec_hooks() if h != "get_transfer_results"]
+ALL_HOOKS = [h for h in spec_hooks() if h != "get_transfer_results"]
 for _hook in ALL_HOOKS:
     setattr(Everything, _hook, _make_hook(_hook))
 
@@ -126,68 +123,6 @@ class _Blocks:
         return ([10, 11, 12, 13, 14],)
 
 
-def _call(chain: Chain, hook: str) -> Any:
-    """Drive ``hook`` through the chain the way vLLM calls it."""
-    req = _request()
-    step = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set())
-    calls: dict[str, Any] = {
-        "initialize_worker_connector": lambda: chain.initialize_worker_connector(None, None, None),
-        "get_mem_pool_context": chain.get_mem_pool_context,
-        "register_kv_caches": lambda: chain.register_kv_caches(None, {}),
-        "set_host_xfer_buffer_ops": lambda: chain.set_host_xfer_buffer_ops(None),
-        "get_handshake_metadata": chain.get_handshake_metadata,
-        "bind_kv_cache_manager": lambda: chain.bind_kv_cache_manager(None),
-        "bind_gpu_block_pool": lambda: chain.bind_gpu_block_pool(None),
-        "on_new_request": lambda: chain.on_new_request(req),
-        "get_num_new_matched_tokens": lambda: chain.get_num_new_matched_tokens(req, 0),
-        "update_state_after_alloc": lambda: chain.update_state_after_alloc(req, _Blocks(), 8),
-        # Asked of the node serving the request only: "bad" (hit) is chosen first.
-        "get_loaded_kv_cache_group_ids": lambda: (
-            chain.get_num_new_matched_tokens(req, 0),
-            chain.ask_chosen("get_loaded_kv_cache_group_ids", req),
-        ),
-        "get_external_cache_hit_sources": lambda: (
-            chain.get_num_new_matched_tokens(req, 0),
-            chain.ask_chosen("get_external_cache_hit_sources", req, 8),
-        ),
-        "build_connector_meta": lambda: chain.build_connector_meta(step),
-        "update_connector_output": lambda: chain.update_connector_output(
-            SimpleNamespace(kv_connector_worker_meta=None)
-        ),
-        "request_finished": lambda: chain.request_finished(req, [10, 11]),
-        "request_finished_all_groups": lambda: chain.request_finished_all_groups(req, ([10],)),
-        "register_finished_partial_tail": lambda: chain.register_finished_partial_tail(
-            req, [10], None
-        ),
-        "take_events": lambda: list(chain.take_events()),
-        "has_pending_block_frees": chain.has_pending_block_frees,
-        "has_pending_push_work": chain.has_pending_push_work,
-        "get_finished_count": chain.get_finished_count,
-        "set_xfer_handshake_metadata": lambda: chain.broadcast("set_xfer_handshake_metadata", {}),
-        "set_xfer_handshake_metadata_pp_aware": lambda: chain.broadcast(
-            "set_xfer_handshake_metadata_pp_aware", {}
-        ),
-        "reset_cache": chain.reset_cache,
-        "handle_preemptions": lambda: chain.handle_preemptions(_meta(chain)),
-        "bind_connector_metadata": lambda: chain.bind_connector_metadata(_meta(chain)),
-        "start_load_kv": lambda: chain.start_load_kv(None),
-        "wait_for_layer_load": lambda: chain.wait_for_layer_load("layer0"),
-        "save_kv_layer": lambda: chain.save_kv_layer("layer0", None, None),
-        "wait_for_save": chain.wait_for_save,
-        "finish_forward": chain.finish_forward,
-        "reset_capture_state": lambda: chain.broadcast("reset_capture_state"),
-        "clear_connector_metadata": chain.clear_connector_metadata,
-        "get_finished": lambda: chain.get_transfer_results(set()),
-        "get_transfer_results": lambda: chain.get_transfer_results(set()),
-        "get_block_ids_with_load_errors": chain.get_block_ids_with_load_errors,
-        "build_connector_worker_meta": chain.build_connector_worker_meta,
-        "get_kv_connector_stats": chain.take_stats,
-        "get_kv_connector_kv_cache_events": chain.get_kv_connector_kv_cache_events,
-        "shutdown": chain.shutdown,
-    }
-    return calls[hook]()
-
-
 def _meta(chain: Chain, **fields: Any) -> Any:
     from composer.chain import ChainMetadata
 
@@ -198,7 +133,7 @@ def test_every_spec_hook_is_driven() -> None:
     """A hook added to the spec without a case here fails this test."""
     chain = _chain("worker", "recompute")
     for hook in ALL_HOOKS:
-        _call(chain, hook)
+        drive(chain, hook, _request())
 
 
 @pytest.mark.parametrize("hook", ALL_HOOKS)
@@ -208,7 +143,7 @@ def test_fail_stops_with_the_node_hook_and_plugin_named(hook: str) -> None:
         if not chain.implemented(hook):
             continue
         with pytest.raises((NodeFailed, RuntimeError)) as raised:
-            _call(chain, hook)
+            drive(chain, hook, _request())
         if hook != "shutdown":  # shutdown re-raises the node's own error after the others ran
             assert isinstance(raised.value, NodeFailed)
             assert f'node "bad" (plugin everything) failed in {hook}' in str(raised.value)
@@ -225,7 +160,7 @@ def test_recompute_keeps_the_node_only_where_recompute_undoes_the_fault(
             continue
         if role == "worker" and hook in LOAD_HOOKS:
             chain.bind_connector_metadata(_meta(chain))
-        out = _call(chain, hook)  # never raises
+        out = drive(chain, hook, _request())  # never raises
         if hook == "get_kv_connector_stats":
             counted = out["bad"]["counters"]  # the report takes the counters
         else:

@@ -1,0 +1,198 @@
+"""Chains without vLLM, for tests: a node that implements every hook, and a driver.
+
+``Scripted`` answers each hook from its config (``returns``), records every call
+in ``CALLS`` and raises in the hook named ``fail_in``; :func:`drive` calls a hook
+through a chain the way vLLM calls it. Used by the project's own tests (fault
+policies, the combine table) and usable by a plugin's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from composer.chain import Chain, ChainMetadata
+from composer.discovery import Registry, discover
+from composer.hookspecs import NodeSpec, hookimpl
+from composer.plugin import Plugin
+from composer.plugin_types import Capabilities, PluginType
+from composer.validation import load_pipeline
+
+#: (node id, hook) of every call a ``Scripted`` node received, in order.
+CALLS: list[tuple[str, str]] = []
+#: What a ``Scripted`` node returns for a hook its config does not script:
+#: what the chain combines as "nothing".
+NOTHING: dict[str, Any] = {
+    "get_num_new_matched_tokens": (0, False),
+    "request_finished": (False, None),
+    "request_finished_all_groups": (False, None),
+    "get_finished": (None, None),
+    "get_block_ids_with_load_errors": set(),
+    "take_events": [],
+    "has_pending_block_frees": False,
+    "has_pending_push_work": False,
+    "register_finished_partial_tail": False,
+}
+KV_CACHE_CONFIG = SimpleNamespace(
+    kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4))]
+)
+
+
+def spec_hooks() -> list[str]:
+    """Every lifecycle hook of the spec, sorted."""
+    return sorted(n for n, _ in inspect.getmembers(NodeSpec) if not n.startswith("_"))
+
+
+class ScriptedConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: Hook -> what the node returns from it.
+    returns: dict[str, Any] = Field(default_factory=dict)
+    #: The hook the node raises in ("" for none).
+    fail_in: str = ""
+
+
+class Scripted(Plugin):
+    """Implements every hook of the spec (but ``get_transfer_results``: nodes without
+    it are asked ``get_finished``, as vLLM's are)."""
+
+    def answer(self, hook: str) -> Any:
+        CALLS.append((self.node_id, hook))
+        if self.config.fail_in == hook:
+            raise RuntimeError(f"boom in {hook}")
+        return self.config.returns.get(hook, NOTHING.get(hook))
+
+
+def _hookimpl_for(hook: str) -> Any:
+    params = [p for p in inspect.signature(getattr(NodeSpec, hook)).parameters if p != "self"]
+    # pluggy reads the argument names: the function gets the spec's own signature.
+    namespace: dict[str, Any] = {}
+    exec(  # noqa: S102 - builds a hookimpl with the spec's argument names
+        f"def {hook}(self, {', '.join(params)}):\n    return self.answer({hook!r})", namespace
+    )
+    return hookimpl(namespace[hook])
+
+
+for _hook in spec_hooks():
+    if _hook != "get_transfer_results":
+        setattr(Scripted, _hook, _hookimpl_for(_hook))
+
+
+@hookimpl
+def register_plugin_types(register: Any) -> None:
+    register(
+        PluginType(
+            name="scripted",
+            node=Scripted,
+            config=ScriptedConfig,
+            capabilities=Capabilities(hma=True),  # so request_finished_all_groups is called
+        )
+    )
+
+
+class _Module:
+    register_plugin_types = staticmethod(register_plugin_types)
+    __name__ = "composer.testing.chains"
+
+
+def registry() -> Registry:
+    """The plugin types discovered here, plus ``scripted``."""
+    return discover(extra=[_Module()], entry_points=False)
+
+
+def chain(nodes: dict[str, dict[str, Any]], role: str = "scheduler", **settings: Any) -> Chain:
+    """A chain of ``scripted`` nodes: node id -> its ``ScriptedConfig`` fields (plus
+    ``on_error``); ``settings`` are pipeline settings (``load_policy``, ...)."""
+    CALLS.clear()
+    spec = {
+        node_id: {
+            "plugin": "scripted",
+            "config": {k: v for k, v in fields.items() if k != "on_error"},
+            **({"on_error": fields["on_error"]} if "on_error" in fields else {}),
+        }
+        for node_id, fields in nodes.items()
+    }
+    pipeline = load_pipeline({"version": 1, "nodes": spec, **settings}, registry=registry())
+    return Chain(pipeline, role, kv_cache_config=KV_CACHE_CONFIG)  # type: ignore[arg-type]
+
+
+def request(rid: str = "r1") -> Any:
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(20)), num_tokens=20)
+
+
+class Blocks:
+    """vLLM's ``KVCacheBlocks``, as far as the chain reads it."""
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return ([10, 11, 12, 13, 14],)
+
+
+def metadata(**fields: Any) -> ChainMetadata:
+    return ChainMetadata(**{"per_node": {}, "loads": {}, **fields})
+
+
+def drive(chain: Chain, hook: str, req: Any = None) -> Any:
+    """Call ``hook`` through ``chain`` as vLLM calls it; the chain's answer."""
+    req = req if req is not None else request()
+    step = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set())
+    lookup = chain.get_num_new_matched_tokens
+    calls: dict[str, Any] = {
+        "initialize_worker_connector": lambda: chain.initialize_worker_connector(None, None, None),
+        "get_mem_pool_context": chain.get_mem_pool_context,
+        "register_kv_caches": lambda: chain.register_kv_caches(None, {}),
+        "set_host_xfer_buffer_ops": lambda: chain.set_host_xfer_buffer_ops(None),
+        "get_handshake_metadata": chain.get_handshake_metadata,
+        "bind_kv_cache_manager": lambda: chain.bind_kv_cache_manager(None),
+        "bind_gpu_block_pool": lambda: chain.bind_gpu_block_pool(None),
+        "on_new_request": lambda: chain.on_new_request(req),
+        "get_num_new_matched_tokens": lambda: lookup(req, 0),
+        "update_state_after_alloc": lambda: chain.update_state_after_alloc(req, Blocks(), 8),
+        # Asked of the node serving the request only (chosen by a lookup first).
+        "get_loaded_kv_cache_group_ids": lambda: (
+            lookup(req, 0),
+            chain.ask_chosen("get_loaded_kv_cache_group_ids", req),
+        )[1],
+        "get_external_cache_hit_sources": lambda: (
+            lookup(req, 0),
+            chain.ask_chosen("get_external_cache_hit_sources", req, 8),
+        )[1],
+        "build_connector_meta": lambda: chain.build_connector_meta(step),
+        "update_connector_output": lambda: chain.update_connector_output(
+            SimpleNamespace(kv_connector_worker_meta=None)
+        ),
+        "request_finished": lambda: chain.request_finished(req, [10, 11]),
+        "request_finished_all_groups": lambda: chain.request_finished_all_groups(req, ([10],)),
+        "register_finished_partial_tail": lambda: chain.register_finished_partial_tail(
+            req, [10], None
+        ),
+        "take_events": lambda: list(chain.take_events()),
+        "has_pending_block_frees": chain.has_pending_block_frees,
+        "has_pending_push_work": chain.has_pending_push_work,
+        "get_finished_count": chain.get_finished_count,
+        "set_xfer_handshake_metadata": lambda: chain.broadcast("set_xfer_handshake_metadata", {}),
+        "set_xfer_handshake_metadata_pp_aware": lambda: chain.broadcast(
+            "set_xfer_handshake_metadata_pp_aware", {}
+        ),
+        "reset_cache": chain.reset_cache,
+        "handle_preemptions": lambda: chain.handle_preemptions(metadata(loads={"bad": {10, 11}})),
+        "bind_connector_metadata": lambda: chain.bind_connector_metadata(
+            metadata(loads={"bad": {10, 11}})
+        ),
+        "start_load_kv": lambda: chain.start_load_kv(None),
+        "wait_for_layer_load": lambda: chain.wait_for_layer_load("layer0"),
+        "save_kv_layer": lambda: chain.save_kv_layer("layer0", None, None),
+        "wait_for_save": chain.wait_for_save,
+        "finish_forward": chain.finish_forward,
+        "reset_capture_state": lambda: chain.broadcast("reset_capture_state"),
+        "clear_connector_metadata": chain.clear_connector_metadata,
+        "get_finished": lambda: chain.get_transfer_results(set()),
+        "get_transfer_results": lambda: chain.get_transfer_results(set()),
+        "get_block_ids_with_load_errors": chain.get_block_ids_with_load_errors,
+        "build_connector_worker_meta": chain.build_connector_worker_meta,
+        "get_kv_connector_stats": chain.take_stats,
+        "get_kv_connector_kv_cache_events": chain.get_kv_connector_kv_cache_events,
+        "shutdown": chain.shutdown,
+    }
+    return calls[hook]()
