@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from composer.builtin import VllmConnectorConfig
-from composer.pipeline import ResolvedPipeline
+from composer.pipeline import ResolvedNode, ResolvedPipeline
 
 CONNECTOR_NAME = "ComposedConnector"
 
@@ -34,16 +35,47 @@ def kv_transfer_config(
     return config
 
 
+def _node_ids(pipeline: ResolvedPipeline) -> tuple[str, ...]:
+    return tuple(n.id for n in pipeline.nodes)
+
+
+#: Every pipeline setting (a field of :class:`composer.pipeline.Pipeline`), with
+#: the test a pipeline must pass for plain MultiConnector JSON to keep it: vLLM's
+#: MultiConnector has no such setting, so only its own behaviour survives.
+#: ``tests/test_export.py`` checks this lists every field, so a new setting is
+#: classified here before it can be silently dropped.
+MULTICONNECTOR_SAFE: dict[str, Callable[[ResolvedPipeline], bool]] = {
+    "version": lambda p: True,
+    "kv_role": lambda p: True,  # MultiConnector JSON has kv_role
+    "nodes": lambda p: all(_node_is_safe(n) for n in p.nodes),
+    "load_order": lambda p: p.load_order == _node_ids(p),  # config order, as MultiConnector
+    "load_policy": lambda p: p.load_policy == "first_hit",  # MultiConnector's rule
+    "save_to": lambda p: p.save_to == _node_ids(p),  # MultiConnector saves to every child
+    "hma": lambda p: p.source.get("hma", "auto") == "auto",  # vLLM decides, as for Multi
+    "annotate_outputs": lambda p: not p.annotate_outputs,
+    "time_layer_hooks": lambda p: not p.time_layer_hooks,
+    "time_step_hooks": lambda p: not p.time_step_hooks,
+    "trace": lambda p: not p.trace,
+}
+#: The same for every field of a node (:class:`composer.pipeline.Node`).
+MULTICONNECTOR_SAFE_NODE: dict[str, Callable[[ResolvedNode], bool]] = {
+    "plugin": lambda n: n.plugin.name == "vllm",
+    "config": lambda n: True,  # becomes the child's KVTransferConfig
+    "needs": lambda n: not n.needs,
+    "role": lambda n: True,  # what it changes shows in load_order / save_to
+    "on_error": lambda n: n.on_error == "fail",  # MultiConnector's only behaviour
+    "enabled": lambda n: True,  # disabled nodes are not in the resolved pipeline
+    "description": lambda n: True,
+}
+
+
+def _node_is_safe(node: ResolvedNode) -> bool:
+    return all(check(node) for check in MULTICONNECTOR_SAFE_NODE.values())
+
+
 def as_multiconnector(pipeline: ResolvedPipeline) -> bool:
-    return (
-        pipeline.all_native
-        and pipeline.load_policy == "first_hit"
-        and not pipeline.annotate_outputs
-        and not pipeline.time_layer_hooks
-        and all(n.on_error == "fail" and not n.needs for n in pipeline.nodes)
-        and pipeline.load_order == tuple(n.id for n in pipeline.nodes)
-        and pipeline.save_to == tuple(n.id for n in pipeline.nodes)
-    )
+    """Whether plain MultiConnector JSON keeps every setting of this pipeline."""
+    return all(check(pipeline) for check in MULTICONNECTOR_SAFE.values())
 
 
 def native_child_config(config: VllmConnectorConfig, default_role: str) -> dict[str, Any]:

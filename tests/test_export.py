@@ -10,6 +10,8 @@ import pytest
 
 from composer import ResolvedPipeline, kv_transfer_config, load_pipeline
 from composer.discovery import Registry
+from composer.export import MULTICONNECTOR_SAFE, MULTICONNECTOR_SAFE_NODE
+from composer.pipeline import Node, Pipeline
 
 Valid = Callable[..., ResolvedPipeline]
 
@@ -65,6 +67,11 @@ def test_native_nodes_export_as_multiconnector_children_in_order(valid: Valid) -
         "load_policy: longest_hit\n",
         "load_order: [mine, nixl]\n",
         "save_to: [nixl]\n",
+        "hma: off\n",
+        "annotate_outputs: true\n",
+        "time_layer_hooks: true\n",
+        "time_step_hooks: true\n",
+        "trace: true\n",
     ],
 )
 def test_anything_multiconnector_cannot_express_needs_the_composed_connector(
@@ -73,6 +80,13 @@ def test_anything_multiconnector_cannot_express_needs_the_composed_connector(
     config = kv_transfer_config(valid(TWO_NATIVE + change))
     assert config["kv_connector"] == "ComposedConnector"
     assert "kv_load_failure_policy" not in config
+
+
+def test_every_pipeline_and_node_setting_is_classified_for_multiconnector() -> None:
+    # A new setting must say whether MultiConnector JSON keeps it, or it could be
+    # silently dropped by `kvc export`.
+    assert set(MULTICONNECTOR_SAFE) == set(Pipeline.model_fields)
+    assert set(MULTICONNECTOR_SAFE_NODE) == set(Node.model_fields)
 
 
 def test_error_policy_other_than_fail_asks_vllm_to_recompute(valid: Valid) -> None:
