@@ -55,10 +55,3 @@ class CanonicalKVCaches:
 
     def group_regions(self, group_id: int) -> tuple[KVRegion, ...]:
         return tuple(self.regions[i] for i in self.groups[group_id].region_ids)
-
-
-def build_canonical_kv_caches(kv_caches: dict[str, Any], kv_cache_config: Any) -> CanonicalKVCaches:
-    """Build the canonical view from vLLM's layer -> tensor dict and its ``KVCacheConfig``."""
-    from composer.vllm.canonical import build
-
-    return build(kv_caches, kv_cache_config)
