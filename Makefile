@@ -5,7 +5,7 @@ PIP     := $(VENV)/bin/pip
 PLUGINS := $(wildcard plugins/*/pyproject.toml)
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test demo bench lint schema clean
+.PHONY: install test test-fast demo bench lint schema clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml $(PLUGINS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The inner loop: everything but the tests that start vLLM engines or servers.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not e2e"
 
 demo: $(STAMP)
 	$(VENV)/bin/kvc demo
