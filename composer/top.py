@@ -10,6 +10,7 @@ vLLM's own prefix-cache hit rate and request queue. Standard library and
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,7 +111,8 @@ def run(
 ) -> int:
     """Refresh the view every ``interval`` s until Ctrl-C (or ``iterations`` views);
     ``once``: two scrapes ``interval`` apart, one view printed."""
-    console = console or Console()
+    # Piped (a log, a test): wide enough that no column is cut.
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
     before = Snapshot(time.monotonic(), fetch(url))
     if once:
         time.sleep(interval)

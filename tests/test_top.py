@@ -1,0 +1,96 @@
+"""`kvc top`: the view of a recorded real /metrics payload, and its rates between scrapes."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from composer import scrape, top
+
+RECORDED = Path(__file__).parent / "data" / "metrics" / "kvc-serve-offload-cpu.prom"
+
+
+def _text(renderable: object) -> str:
+    out = io.StringIO()
+    Console(file=out, width=160).print(renderable)
+    return out.getvalue()
+
+
+def test_parse_reads_labels_values_and_escapes() -> None:
+    samples = scrape.parse(
+        '# HELP x y\nx_total{a="1",b="q\\"uote"} 3.5\nplain 2\nbad line\ny{a="z"} NaN\n'
+    )
+    assert samples[0] == scrape.Sample("x_total", {"a": "1", "b": 'q"uote'}, 3.5)
+    assert samples[1] == scrape.Sample("plain", {}, 2.0)
+    assert len(samples) == 3
+
+
+def test_recorded_payload_gives_each_nodes_series() -> None:
+    nodes = scrape.nodes(scrape.parse(RECORDED.read_text()))
+    cpu = nodes["cpu"]
+    assert cpu.plugin == "offload-cpu"
+    assert cpu.counters["lookups"] == 4 and cpu.counters["hits"] == 2
+    assert cpu.counters["tokens_loaded"] == 480
+    assert cpu.events["misses"] == 1
+    assert 0 < cpu.gauges["pool_use"] < 0.01
+    assert not cpu.disabled
+
+
+def test_view_shows_hit_rate_tokens_and_pool_use() -> None:
+    samples = scrape.parse(RECORDED.read_text())
+    text = _text(top.render(top.Snapshot(0.0, samples), None, "recorded"))
+    row = next(line for line in text.splitlines() if " cpu " in line)
+    cells = [c.strip() for c in row.strip("│ \n").split("│")]
+    assert cells[:6] == ["cpu", "offload-cpu", "4", "2", "50.0%", "480"]
+    assert cells[6:8] == ["-", "-"]  # no rate from a single scrape
+    assert cells[8] == "0.4%" and cells[10] == "on"
+
+
+def test_rates_are_bytes_per_second_between_two_scrapes() -> None:
+    text = RECORDED.read_text()
+    before = scrape.parse(text)
+    name = "vllm:kv_composer_bytes_loaded_total{"
+    line = next(x for x in text.splitlines() if x.startswith(name))
+    later = text.replace(line, line.rsplit(" ", 1)[0] + f" {245760 + 2 * 1024 * 1024}.0")
+    view = top.render(top.Snapshot(10.0, scrape.parse(later)), top.Snapshot(8.0, before))
+    row = next(x for x in _text(view).splitlines() if " cpu " in x)
+    assert "1.0 MiB/s" in row  # 2 MiB more in 2 s
+
+
+def test_once_prints_one_view_from_two_scrapes() -> None:
+    calls: list[str] = []
+
+    def fetch(url: str) -> list[scrape.Sample]:
+        calls.append(url)
+        return scrape.parse(RECORDED.read_text())
+
+    out = io.StringIO()
+    code = top.run(
+        "http://x", interval=0.01, once=True, console=Console(file=out, width=160), fetch=fetch
+    )
+    assert code == 0 and calls == ["http://x", "http://x"]
+    assert "offload-cpu" in out.getvalue() and "0 B/s" in out.getvalue()
+
+
+def test_top_scrape_and_replay_import_neither_torch_nor_vllm() -> None:
+    code = (
+        "import sys, composer.top, composer.replay, composer.scrape, composer.cli; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_kvc_top_reports_an_unreachable_server_with_exit_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "composer.cli", "top", "http://127.0.0.1:9", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "cannot scrape http://127.0.0.1:9" in proc.stderr and "Traceback" not in proc.stderr
