@@ -16,6 +16,7 @@ stays as light as ``import composer``:
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import pkgutil
@@ -115,17 +116,24 @@ def node_class_problems(node: ResolvedNode) -> list[str]:
     """What is wrong with the classes of ``node``'s plugin type, one message each."""
     ptype = node.plugin
     out: list[str] = []
-    for vllm_role, ref in ptype.class_refs().items():
-        what = f'plugin type "{ptype.name}": {vllm_role} class'
+    refs = ptype.class_refs()
+    # One class for both processes (``node=``) is checked once.
+    labelled = (
+        {"class": ptype.node}
+        if ptype.node is not None
+        else {f"{role} class": ref for role, ref in refs.items()}
+    )
+    for label, ref in labelled.items():
+        what = f'plugin type "{ptype.name}": {label} {_show(ref)}'
         try:
             cls = _import(ref)
         except _NotFound as exc:
-            out.append(f"{what} {_show(ref)}: {exc}")
+            out.append(f"{what}: {exc}")
             continue
         except Exception as exc:  # the plugin's module raised while importing
-            out.append(f"{what} {_show(ref)} failed to import: {type(exc).__name__}: {exc}")
+            out.append(f"{what} failed to import: {type(exc).__name__}: {exc}")
             continue
-        out += [f"{what} {_show(ref)}: {m}" for m in class_problems(cls)]
+        out += [f"{what}: {m}" for m in class_problems(cls)]
     return out
 
 
@@ -249,14 +257,15 @@ def _import(ref: ClassRef) -> type:
 
 
 def _module_hint(missing: str) -> str:
-    """Did-you-mean among the missing module's siblings (its package's submodules)."""
+    """Did-you-mean among the missing module's siblings (its package's submodules, or
+    every importable top-level module)."""
     parent, _, _ = missing.rpartition(".")
     try:
         search = importlib.import_module(parent).__path__ if parent else None
     except (ImportError, AttributeError):
         return ""
     prefix = parent + "." if parent else ""
-    if search is None:  # a top-level name: every importable top-level module
-        return did_you_mean(missing, [m.name for m in pkgutil.iter_modules()])
-    return did_you_mean(missing, [prefix + m.name for m in pkgutil.iter_modules(search)])
-
+    names = [prefix + m.name for m in pkgutil.iter_modules(search)]
+    # Not errors.did_you_mean: it gives up on long lists, and a venv has many modules.
+    close = difflib.get_close_matches(missing, names, n=1, cutoff=0.8)
+    return f' (did you mean "{close[0]}"?)' if close else ""
