@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from composer.errors import did_you_mean
 from composer.pipeline import Int, Number
+from kvc_lmcache.l2 import L2Adapter
 
 TCP_URL = re.compile(r"^tcp://(?P<host>[^:/\s]+):(?P<port>\d{1,5})$")
 HTTP_URL = re.compile(r"^https?://[^:/\s]+:\d{1,5}/?$")
@@ -103,9 +104,17 @@ class ServerConfig(BaseModel):
     startup_timeout: Number = Field(
         default=120.0, gt=0, description="Seconds to wait for a started server to be healthy."
     )
+    l2: list[L2Adapter] = Field(
+        default_factory=list,
+        description=(
+            "Started server: storage tiers under its L1, in order (one --l2-adapter each): "
+            "resp (Redis/Valkey), valkey (valkey-glide), fs (a directory), or any other "
+            "LMCache adapter by name. A Valkey shared by several servers is a fleet-wide cache."
+        ),
+    )
     extra_args: list[str] = Field(
         default_factory=list,
-        description="More `lmcache server` flags for a started server, e.g. an --l2-adapter.",
+        description="More `lmcache server` flags for a started server.",
     )
 
     @field_validator("url")
@@ -146,6 +155,11 @@ class ServerConfig(BaseModel):
             raise ValueError("no server: set url to a running `lmcache server`, or start: true")
         if self.url is not None and "start" in self.model_fields_set and self.start:
             raise ValueError("url and start: true both given; a server is either given or started")
+        if self.url is not None and self.l2:
+            raise ValueError(
+                "l2: tiers of a server this node starts; a given server (url) has its own "
+                "--l2-adapter flags"
+            )
         return self
 
 

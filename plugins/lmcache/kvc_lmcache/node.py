@@ -21,7 +21,9 @@ from composer.builtin import VllmConnectorConfig
 from composer.hookspecs import hookimpl
 from composer.plugin import NodeContext, Plugin
 from composer.vllm.native import NativeConnectorNode
+from kvc_lmcache import l2_stats
 from kvc_lmcache.config import TCP_URL, LMCacheConfig
+from kvc_lmcache.l2 import adapter_args
 from kvc_lmcache.server import (
     ServerError,
     ServerGone,
@@ -36,6 +38,8 @@ from kvc_lmcache.server import (
 )
 
 CONNECTOR = "LMCacheMPConnector"
+#: Watcher ticks (WATCH_INTERVAL each) between two reads of the server's L2 metrics.
+L2_SCRAPE_TICKS = 4
 
 
 def block_size_of(vllm_config: Any) -> int | None:
@@ -92,6 +96,7 @@ class LMCacheServerNode(NativeConnectorNode):
                 self.stats.gauges["server_chunk_size"] = int(mp.get("chunk_size", 0))
         else:
             check_chunk_size(config.server_chunk_size(), block_size)
+            l2_argv, l2_env = adapter_args(config.server.l2)
             self.shared = SharedServer(
                 _engine_key(ctx),
                 ServerSettings(
@@ -99,8 +104,9 @@ class LMCacheServerNode(NativeConnectorNode):
                     l1_size_gb=config.server.l1_size_gb,
                     eviction_policy=config.server.eviction_policy,
                     transfer_mode=server_transfer_mode(config.server.transfer_mode),
-                    extra_args=tuple(config.server.extra_args),
+                    extra_args=(*l2_argv, *config.server.extra_args),
                     startup_timeout=config.server.startup_timeout,
+                    env=tuple(sorted(l2_env.items())),
                 ),
             )
             self.server = self.shared.acquire()
@@ -137,6 +143,13 @@ class LMCacheServerNode(NativeConnectorNode):
         self._down_since = 0.0
         self._lock = threading.Lock()
         self._shut_down = False
+        #: The started server's L2 tiers: their work and failures, from its /metrics.
+        self.l2_tiers = len(config.server.l2) if self.shared is not None else 0
+        self._ticks = 0
+        if self.l2_tiers:
+            self.stats.gauges["l2_adapters"] = self.l2_tiers
+            for gauge in l2_stats.GAUGES:
+                self.stats.gauges[gauge] = 0
         self.watcher = self._make_watcher().start()
 
     # -- liveness ---------------------------------------------------------------- #
@@ -191,7 +204,20 @@ class LMCacheServerNode(NativeConnectorNode):
             owned=self.shared is not None,
         )
 
+    def _scrape_l2(self) -> None:
+        http_url = self.server.http_url
+        if not self.l2_tiers or http_url is None:
+            return
+        counts = l2_stats.scrape(http_url)
+        if counts is not None:
+            # Existing keys only: the chain reads this dict on another thread.
+            for gauge, value in counts.items():
+                self.stats.gauges[gauge] = value
+
     def _server_tick(self, alive: bool) -> None:
+        self._ticks += 1
+        if alive and self._ticks % L2_SCRAPE_TICKS == 0:
+            self._scrape_l2()
         if not alive:
             # Requests LMCache sent since the last tick would each wait out
             # mq_timeout: end those waits now.
@@ -334,6 +360,8 @@ class LMCacheServerNode(NativeConnectorNode):
         alive = self.server_alive and answers
         if self.server_alive and not answers:
             self._server_changed(False)
+        if alive:
+            self._scrape_l2()
         try:
             if not alive:
                 # LMCache's shutdown waits mq_timeout for the dead server to

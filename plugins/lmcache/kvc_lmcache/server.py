@@ -60,6 +60,8 @@ class ServerSettings:
     transfer_mode: str = "auto"
     extra_args: tuple[str, ...] = ()
     startup_timeout: float = 120.0
+    #: More environment for the server (L2 credentials: kept off its argv and out of repr).
+    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
 
 @dataclass
@@ -181,7 +183,12 @@ def start_server(
     while http_port == port:
         http_port = free_port(host)
     argv = server_argv(settings, host, port, http_port)
-    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "LMCACHE_DISABLE_BANNER": "1",
+        "PYTHONUNBUFFERED": "1",
+        **dict(settings.env),
+    }
     with log_file.open("ab") as log:
         proc = subprocess.Popen(
             argv,

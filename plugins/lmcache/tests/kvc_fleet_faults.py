@@ -1,0 +1,182 @@
+"""A test plugin that acts on the fleet's stores from inside a running engine.
+
+Registered in vLLM's processes through ``$KV_COMPOSER_PLUGIN_MODULES``. The
+``fleet-faults`` node comes first in ``load_order`` and ``needs`` the lmcache
+node. In the scheduler, when it first sees the N-th request (1-based; round
+``r``'s first request is ``r * prompts + 1``), it runs that request's actions
+in order, before the lmcache node looks the request up:
+
+* ``kill_valkey``: SIGKILL the Valkey server (pid from the config);
+* ``kill_valkey_in_flight``: the same, ``delay_s`` later from a timer, while
+  the round's requests are being computed and saved;
+* ``restart_valkey``: start ``valkey-server`` again on its port (empty);
+* ``clear_l1``: empty the lmcache server's L1 (``POST /cache/clear``), so the
+  next lookups can only hit in its L2 tiers;
+* ``corrupt_fs``: damage every chunk file under ``fs_path``: every other one
+  truncated to half its length, the others with 64 bytes in the middle flipped;
+* ``settle``: hold the scheduler ``settle_s`` seconds.
+
+It records per request the seconds from its first lookup to
+``request_finished``, and writes (at every finished request and at shutdown)
+what it did and the lmcache node's gauges to ``<report>.<vllm role>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from composer import Plugin, PluginType, hookimpl
+
+Action = Literal[
+    "kill_valkey", "kill_valkey_in_flight", "restart_valkey", "clear_l1", "corrupt_fs", "settle"
+]
+
+
+class FleetFaultsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    report: str
+    #: Request ordinal (1-based, as a string key) -> actions.
+    actions: dict[str, list[Action]]
+    valkey_pid: int | None = None
+    valkey_port: int | None = None
+    valkey_workdir: str | None = None
+    fs_path: str | None = None
+    delay_s: float = 0.3
+    settle_s: float = 1.0
+
+
+class FleetFaults(Plugin):
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        (self.target,) = ctx.needs.values()
+        self.seen: dict[str, float] = {}
+        self.latency: dict[str, float] = {}
+        self.done: list[tuple[int, str, float]] = []
+        self.valkey_pid = self.config.valkey_pid
+        self.restarted_pids: list[int] = []
+        self.corrupted = {"truncated": 0, "flipped": 0}
+
+    # -- actions ------------------------------------------------------------- #
+
+    def _kill_valkey(self) -> None:
+        assert self.valkey_pid is not None
+        os.kill(self.valkey_pid, signal.SIGKILL)
+
+    def _corrupt_fs(self) -> None:
+        assert self.config.fs_path is not None
+        files = sorted(p for p in Path(self.config.fs_path).rglob("*") if p.is_file())
+        for i, path in enumerate(files):
+            data = bytearray(path.read_bytes())
+            if i % 2 == 0:
+                path.write_bytes(bytes(data[: len(data) // 2]))
+                self.corrupted["truncated"] += 1
+            else:
+                middle = len(data) // 2
+                for j in range(middle, min(middle + 64, len(data))):
+                    data[j] ^= 0xFF
+                path.write_bytes(bytes(data))
+                self.corrupted["flipped"] += 1
+
+    def _restart_valkey(self) -> None:
+        from composer.testing.valkey import ValkeyServer, valkey_server_binary
+
+        assert self.config.valkey_port is not None and self.config.valkey_workdir is not None
+        server = ValkeyServer(
+            host="127.0.0.1",
+            port=self.config.valkey_port,
+            workdir=Path(self.config.valkey_workdir),
+            binary=valkey_server_binary(),
+        ).start()
+        assert server.pid is not None
+        self.valkey_pid = server.pid
+        self.restarted_pids.append(server.pid)
+        self._report()  # the test stops it, also if the engine dies later
+
+    def _clear_l1(self) -> None:
+        http_url = self.target.server.http_url
+        request = urllib.request.Request(
+            f"{http_url}/cache/clear",
+            data=json.dumps({"tier": "l1", "force": False}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - loopback
+            assert json.loads(response.read())["status"] == "ok"
+
+    def _run(self, ordinal: int, action: str) -> None:
+        if action == "kill_valkey":
+            self._kill_valkey()
+        elif action == "kill_valkey_in_flight":
+            threading.Timer(self.config.delay_s, self._in_flight).start()
+            return
+        elif action == "restart_valkey":
+            self._restart_valkey()
+        elif action == "clear_l1":
+            self._clear_l1()
+        elif action == "corrupt_fs":
+            self._corrupt_fs()
+        elif action == "settle":
+            time.sleep(self.config.settle_s)
+        self.done.append((ordinal, action, time.monotonic()))
+
+    def _in_flight(self) -> None:
+        self._kill_valkey()
+        self.done.append((-1, "kill_valkey_in_flight", time.monotonic()))
+
+    # -- hooks --------------------------------------------------------------- #
+
+    @hookimpl
+    def get_num_new_matched_tokens(self, request: Any) -> tuple[int, bool]:
+        if request.request_id not in self.seen:
+            self.seen[request.request_id] = time.monotonic()
+            ordinal = len(self.seen)
+            for action in self.config.actions.get(str(ordinal), []):
+                self._run(ordinal, action)
+        return 0, False
+
+    @hookimpl
+    def request_finished(self, request: Any) -> tuple[bool, None]:
+        start = self.seen.get(request.request_id)
+        if start is not None:
+            self.latency[request.request_id] = time.monotonic() - start
+            self._report()
+        return False, None
+
+    @hookimpl
+    def shutdown(self) -> None:
+        self._report()
+
+    def _report(self) -> None:
+        report = {
+            "done": self.done,
+            "restarted_pids": self.restarted_pids,
+            "corrupted": self.corrupted,
+            "latency": self.latency,
+            "gauges": dict(self.target.stats.gauges),
+        }
+        tmp = f"{self.config.report}.{self.ctx.vllm_role}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, f"{self.config.report}.{self.ctx.vllm_role}.json")
+
+
+@hookimpl
+def register_plugin_types(register: Any) -> None:
+    register(
+        PluginType(
+            name="fleet-faults",
+            node=FleetFaults,
+            config=FleetFaultsConfig,
+            default_role="load",
+            roles=frozenset({"load"}),
+        )
+    )
