@@ -464,6 +464,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(escape(str(exc)), file=sys.stderr)
         return EXIT_INVALID
     try:
+        replay.trace_block_tokens(args.scale)  # refused before any server starts
         if (args.model is None) == (args.url is None):
             raise replay.BenchError("kvc bench needs exactly one of --model and --url")
         if args.url is not None and args.config:

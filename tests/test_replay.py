@@ -1,0 +1,207 @@
+"""`kvc bench`'s replay without an engine: prompts from trace hash ids, the client
+against a local streaming HTTP server, the statistics, the report and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from composer import replay, simulate
+from composer.simulate import KeyMaker, TraceRequest
+
+TRACES = Path(__file__).parent / "data" / "traces"
+
+
+def req(ids: tuple[int, ...], input_length: int, output: int = 512, t: float = 0) -> TraceRequest:
+    return TraceRequest(input_length, output, ids, t)
+
+
+def test_the_same_hash_id_gives_the_same_tokens_in_every_maker() -> None:
+    a = replay.PromptMaker(32, 500).prompt(0, req((7, 8, 9), 3 * 512))
+    b = replay.PromptMaker(32, 500).prompt(5, req((7, 8, 10), 3 * 512))
+    assert a.token_ids[:64] == b.token_ids[:64]  # shared prefix: ids 7, 8
+    assert a.token_ids[64:] != b.token_ids[64:]
+    assert all(replay.FIRST_TOKEN_ID <= t < 500 for t in a.token_ids + b.token_ids)
+
+
+def test_the_partial_last_block_is_unique_to_its_request() -> None:
+    maker = replay.PromptMaker(32, 500)
+    a = maker.prompt(0, req((1, 2), 512 + 256))
+    b = maker.prompt(1, req((1, 2), 512 + 256))
+    assert len(a.token_ids) == 32 + 16
+    assert a.token_ids[:32] == b.token_ids[:32] and a.token_ids[32:] != b.token_ids[32:]
+
+
+def test_lengths_scale_as_kvc_simulate_counts_them() -> None:
+    trace = simulate.read_trace(TRACES / "mooncake-conversation_trace-500.jsonl", limit=50)
+    prompts, skipped = replay.make_prompts(trace, scale=16, vocab_size=512)
+    keys = KeyMaker(32, replay.trace_block_tokens(16))
+    assert not skipped
+    assert [len(p.token_ids) for p in prompts] == [keys.prompt_tokens(r) for r in trace]
+    assert [p.max_tokens for p in prompts] == [max(1, r.output_length // 16) for r in trace]
+    assert prompts[-1].arrival_s == trace[-1].timestamp_ms / 1000
+
+
+def test_requests_that_do_not_fit_are_skipped_and_named() -> None:
+    trace = [req((1,), 512, 512), req((1, 2, 3, 4), 4 * 512, 512)]
+    prompts, skipped = replay.make_prompts(trace, scale=4, vocab_size=512, max_model_len=256)
+    assert [p.index for p in prompts] == [0] and skipped == [1]
+
+
+@pytest.mark.parametrize("scale", [0, 3, 1024])
+def test_a_scale_that_does_not_divide_512_is_refused(scale: int) -> None:
+    with pytest.raises(replay.BenchError, match="--scale must divide 512"):
+        replay.trace_block_tokens(scale)
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert replay.percentile(values, 50) == 50
+    assert replay.percentile(values, 90) == 90
+    assert replay.percentile(values, 99) == 99
+    assert replay.percentile([], 50) is None
+
+
+class _Streaming(BaseHTTPRequestHandler):
+    """An OpenAI-style streaming completions endpoint: one chunk a token, then usage."""
+
+    delay_s = 0.05
+    bodies: list[dict] = []
+    in_flight = 0
+    peak = 0
+    lock = threading.Lock()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls = type(self)
+        with cls.lock:
+            cls.bodies.append(body)
+            cls.in_flight += 1
+            cls.peak = max(cls.peak, cls.in_flight)
+        try:
+            if body["max_tokens"] == 13:
+                self.send_response(400)
+                self.end_headers()
+                self.wfile.write(b'{"error": "bad"}')
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            time.sleep(cls.delay_s)
+            for _ in range(body["max_tokens"]):
+                chunk = {"choices": [{"text": "x"}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            usage = {
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": len(body["prompt"]),
+                    "completion_tokens": body["max_tokens"],
+                    "prompt_tokens_details": {"cached_tokens": 32},
+                },
+            }
+            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        finally:
+            with cls.lock:
+                cls.in_flight -= 1
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    _Streaming.bodies, _Streaming.peak, _Streaming.in_flight = [], 0, 0
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Streaming)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _prompts(n: int, max_tokens: int = 3) -> list[replay.Prompt]:
+    return [replay.Prompt(i, [5] * 40, max_tokens, i * 0.1) for i in range(n)]
+
+
+def test_fixed_concurrency_keeps_that_many_in_flight(server: str) -> None:
+    records, wall = replay.replay(server, "m", _prompts(8), concurrency=4)
+    assert [r.index for r in records] == list(range(8))
+    assert all(r.error is None for r in records)
+    assert _Streaming.peak == 4
+    assert all(r.output_tokens == 3 and r.cached_tokens == 32 for r in records)
+    assert all(r.ttft_s is not None and r.e2e_s is not None for r in records)
+    assert all(r.ttft_s <= r.e2e_s for r in records)  # type: ignore[operator]
+    body = _Streaming.bodies[0]
+    assert body["stream"] and body["ignore_eos"] and body["prompt"] == [5] * 40
+
+
+def test_arrival_times_are_kept_divided_by_the_speedup(server: str) -> None:
+    start = time.perf_counter()
+    records, wall = replay.replay(server, "m", _prompts(5), speedup=2.0)
+    # The last request arrives at 0.4 s of trace time, 0.2 s after a 2x speedup.
+    assert wall >= 0.2 and time.perf_counter() - start >= 0.2
+    assert len(records) == 5 and all(r.error is None for r in records)
+
+
+def test_errors_are_counted_not_raised(server: str) -> None:
+    prompts = _prompts(2) + [replay.Prompt(2, [5] * 40, 13, 0.0)]
+    records, wall = replay.replay(server, "m", prompts, concurrency=2)
+    result = replay.RunResult("x", records, wall)
+    assert result.errors == 1 and "HTTP 400" in (records[2].error or "")
+    assert result.summary()["requests"] == 3
+
+
+def test_unreachable_server_is_an_error_per_request() -> None:
+    record = replay.send("http://127.0.0.1:9", "m", _prompts(1)[0], timeout=5)
+    assert record.error is not None and record.ttft_s is None
+
+
+def test_report_table_json_and_plot(tmp_path: Path) -> None:
+    fast = [replay.Record(i, 100, 4, 0, 0.01 * (i + 1), 0.05) for i in range(10)]
+    slow = [replay.Record(i, 100, 4, 0, 0.1 * (i + 1), 0.5) for i in range(10)]
+    results = [
+        replay.RunResult("prefix", fast, 1.0, prompt_tokens=1000, prefix_cache_tokens=250),
+        replay.RunResult("none", slow, 2.0, prompt_tokens=1000, node_tokens={"cpu": 500}),
+    ]
+    written = replay.write_report(results, tmp_path)
+    table = (tmp_path / "bench.md").read_text()
+    assert "| prefix | 10 | 0 | 50 | 90 | 100 |" in table
+    assert "vllm prefix cache 25.0%" in table and "cpu 50.0%" in table
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data[1]["requests_per_s"] == 5.0 and len(data[1]["records"]) == 10
+    png = tmp_path / "ttft-cdf.png"
+    assert png in written and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _kvc(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "composer.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_cli_usage_errors_exit_2_without_a_traceback(tmp_path: Path) -> None:
+    trace = str(TRACES / "mooncake-synthetic_trace-200.jsonl")
+    cases = [
+        ((trace, "--url", "http://127.0.0.1:9", "--scale", "3"), "--scale must divide 512"),
+        ((trace,), "exactly one of --model and --url"),
+        ((trace, "--model", "m", "--config", "nope.yaml"), "'none', 'prefix' or a pipeline"),
+        ((trace, "--url", "http://x", "--config", "none"), "--config starts servers"),
+    ]
+    for args, message in cases:
+        proc = _kvc("bench", *args, "--output", str(tmp_path))
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert message in proc.stderr and "Traceback" not in proc.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_length": 3}\n')
+    proc = _kvc("bench", str(bad), "--url", "http://x")
+    assert proc.returncode == 2 and f"{bad}:1: " in proc.stderr
