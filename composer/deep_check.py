@@ -28,7 +28,7 @@ from composer.errors import Problem, did_you_mean, one_of
 from composer.hookspecs import PROJECT, NodeSpec
 from composer.loader import Marks
 from composer.pipeline import ResolvedNode, ResolvedPipeline
-from composer.plugin_types import ClassRef
+from composer.plugin_types import ClassRef, choose_class
 
 #: Hookimpl options the chain does not honour: a wrapper never wraps (the chain
 #: is no pluggy hook call) and order is pipeline order, not tryfirst/trylast.
@@ -126,14 +126,21 @@ def node_class_problems(node: ResolvedNode) -> list[str]:
     for label, ref in labelled.items():
         what = f'plugin type "{ptype.name}": {label} {_show(ref)}'
         try:
-            cls = _import(ref)
+            obj = _resolve(ref)
         except _NotFound as exc:
             out.append(f"{what}: {exc}")
             continue
         except Exception as exc:  # the plugin's module raised while importing
             out.append(f"{what} failed to import: {type(exc).__name__}: {exc}")
             continue
-        out += [f"{what}: {m}" for m in class_problems(cls)]
+        if not isinstance(obj, type):  # chosen from the config: check the one chosen
+            try:
+                obj = choose_class(obj, node.config, f'plugin type "{ptype.name}"')
+            except Exception as exc:
+                out.append(f"{what} failed choosing the class: {type(exc).__name__}: {exc}")
+                continue
+            what += f" (chose {_show(obj)})"
+        out += [f"{what}: {m}" for m in class_problems(obj)]
     return out
 
 
@@ -229,12 +236,14 @@ class _NotFound(Exception):
 
 
 def _show(ref: ClassRef) -> str:
-    return f'"{ref}"' if isinstance(ref, str) else f"{ref.__module__}.{ref.__qualname__}"
+    if isinstance(ref, str):
+        return f'"{ref}"'
+    return f"{getattr(ref, '__module__', '?')}.{getattr(ref, '__qualname__', repr(ref))}"
 
 
-def _import(ref: ClassRef) -> type:
-    """The class ``ref`` names; :class:`_NotFound` (with did-you-mean) when it does not exist."""
-    if isinstance(ref, type):
+def _resolve(ref: ClassRef) -> object:
+    """What ``ref`` names; :class:`_NotFound` (with did-you-mean) when it does not exist."""
+    if not isinstance(ref, str):
         return ref
     module_name, _, attr = ref.partition(":")
     try:
@@ -251,7 +260,7 @@ def _import(ref: ClassRef) -> type:
                 f"{did_you_mean(part, names)}"
             )
         obj = getattr(obj, part)
-    if not isinstance(obj, type):
+    if not (isinstance(obj, type) or callable(obj)):
         raise _NotFound(f"is a {type(obj).__name__}, not a class")
     return obj
 

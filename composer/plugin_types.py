@@ -47,8 +47,10 @@ class Capabilities(BaseModel):
 
 
 #: A node class, or ``"module:Class"`` so that validating a pipeline never imports
-#: the (possibly torch-heavy) runtime module.
-ClassRef = str | type
+#: the (possibly torch-heavy) runtime module; or a function of the node's config
+#: returning the class (a plugin whose class depends on a config option), or its
+#: ``"module:function"``.
+ClassRef = str | type | Callable[[Any], type]
 #: Extra checks of a node against the whole pipeline file: yields (path, message).
 Check = Callable[[str, BaseModel, dict[str, Any]], Iterable[tuple[tuple[str | int, ...], str]]]
 _ALL_VLLM_ROLES: frozenset[VllmRole] = frozenset({"scheduler", "worker"})
@@ -65,7 +67,8 @@ class PluginType:
 
     The node's classes: ``node`` is one class for every vLLM process it runs in;
     or ``scheduler`` / ``worker`` name a class per process (either alone makes a
-    node of that process only). Each is a class or ``"module:Class"``.
+    node of that process only). Each is a class or ``"module:Class"``, or a
+    function of the node's config that returns the class.
 
     Inferred when not given: ``vllm_roles`` from the classes named (``node``
     alone: both processes); ``default_role`` is the only role in ``roles``, else
@@ -138,11 +141,14 @@ class PluginType:
             if (ref := given[role] or self.node) is not None
         }
 
-    def node_class(self, vllm_role: VllmRole | None = None) -> type:
+    def node_class(
+        self, vllm_role: VllmRole | None = None, config: BaseModel | None = None
+    ) -> type:
         """The class the node is made of in ``vllm_role``'s process (imports it).
 
         Without ``vllm_role``: the one class of the type (``node``, or the only
-        per-process class given).
+        per-process class given). ``config`` (the node's validated config) is
+        needed where the type chooses its class from the config.
         """
         refs = self.class_refs()
         if vllm_role is None:
@@ -160,7 +166,7 @@ class PluginType:
                 f'plugin type "{self.name}" does not run in the {vllm_role} process '
                 f"(it runs in: {', '.join(sorted(self.vllm_roles))})"
             )
-        return import_class(ref)
+        return choose_class(resolve_ref(ref), config, f'plugin type "{self.name}"')
 
     def resolve_capabilities(self, config: BaseModel) -> Capabilities:
         if isinstance(self.capabilities, Capabilities):
@@ -178,7 +184,9 @@ class PluginType:
         for key in ("node", *named):
             ref = getattr(self, key)
             if ref is not None and not _is_class_ref(ref):
-                out.append(f'{key} must be a class or "module:Class", not {ref!r}')
+                out.append(
+                    f'{key} must be a class, "module:Class" or a function, not {ref!r}'
+                )
         if not self.vllm_roles or not self.vllm_roles <= _ALL_VLLM_ROLES:
             out.append(
                 f"vllm_roles must name scheduler and/or worker, not {sorted(self.vllm_roles)}"
@@ -210,21 +218,33 @@ class PluginType:
         }
 
 
-def import_class(ref: ClassRef) -> type:
-    """The class ``ref`` names (``"module:Class"`` is imported; a class is itself)."""
-    if isinstance(ref, type):
+def resolve_ref(ref: ClassRef) -> object:
+    """What ``ref`` names: ``"module:attr"`` is imported, anything else is itself."""
+    if not isinstance(ref, str):
         return ref
     module, _, attr = ref.partition(":")
-    obj = importlib.import_module(module)
+    obj: object = importlib.import_module(module)
     for part in attr.split("."):
         obj = getattr(obj, part)
-    if not isinstance(obj, type):
-        raise PluginTypeError(f'"{ref}" is a {type(obj).__name__}, not a class')
     return obj
 
 
+def choose_class(obj: object, config: BaseModel | None, owner: str) -> type:
+    """``obj`` if it is a class; else the class it returns for ``config``."""
+    if isinstance(obj, type):
+        return obj
+    if not callable(obj):
+        raise PluginTypeError(f"{owner}: {obj!r} is neither a class nor a function")
+    if config is None:
+        raise PluginTypeError(f"{owner} chooses its class from the node's config: pass it")
+    cls = obj(config)
+    if not isinstance(cls, type):
+        raise PluginTypeError(f"{owner}: {obj!r} returned {cls!r}, not a class")
+    return cls
+
+
 def _is_class_ref(ref: object) -> bool:
-    if isinstance(ref, type):
+    if callable(ref):
         return True
     if not isinstance(ref, str):
         return False

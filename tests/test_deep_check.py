@@ -54,6 +54,15 @@ class NotAPlugin:
     pass
 
 
+class ChooseConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    broken: bool = False
+
+
+def choose(config: ChooseConfig) -> type:
+    return Misspelled if config.broken else Good
+
+
 TYPES = {
     "good": dict(node=Good),
     "split": dict(scheduler="deep_plugins:Good", worker="deep_plugins:Goood"),
@@ -63,6 +72,7 @@ TYPES = {
     "wrapper": dict(node=Wrapper),
     "not-a-plugin": dict(node="deep_plugins:NotAPlugin"),
     "raises": dict(node="deep_raising:Node"),
+    "chooser": dict(node="deep_plugins:choose", config=ChooseConfig),
 }
 
 
@@ -152,6 +162,23 @@ def test_a_broken_node_class_is_located_at_the_node(
     # Line 6, column 13: the second node's `plugin:` value.
     assert f"bad.yaml:6:13: nodes.n1.plugin: {message}\n" in out
     assert "Traceback" not in out
+
+
+def test_a_class_chosen_from_the_config_is_the_one_checked(
+    plugins: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (plugins / "ok.yaml").write_text("version: 1\nnodes:\n  c: {plugin: chooser}\n")
+    assert _validate(capsys, "--deep", "ok.yaml")[0] == 0
+    (plugins / "bad.yaml").write_text(
+        "version: 1\nnodes:\n  c: {plugin: chooser, config: {broken: true}}\n"
+    )
+    code, out = _validate(capsys, "--deep", "bad.yaml")
+    assert code == 2
+    assert out.startswith(
+        'bad.yaml:3:15: nodes.c.plugin: plugin type "chooser": class "deep_plugins:choose" '
+        '(chose deep_plugins.Misspelled): "on_new_reqest" is not a hook (did you mean '
+        '"on_new_request"?)\n'
+    )
 
 
 def test_every_process_and_every_problem_is_reported(

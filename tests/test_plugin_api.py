@@ -73,6 +73,21 @@ def test_classes_as_strings_are_imported_on_demand() -> None:
     assert t.node_class("worker") is json.JSONDecoder
 
 
+def _choose(config: Config) -> type:
+    return Sched if config.size == 1 else Work
+
+
+def test_a_class_chosen_from_the_config() -> None:
+    """A function of the config in place of a class (a plugin whose classes differ by mode)."""
+    t = PluginType("chosen", node=_choose, config=Config)
+    assert t.node_class("scheduler", Config()) is Sched
+    assert t.node_class("worker", Config(size=2)) is Work
+    as_string = PluginType("chosen", node=f"{__name__}:_choose", config=Config)
+    assert as_string.node_class("worker", Config(size=2)) is Work
+    with pytest.raises(PluginTypeError, match="chooses its class from the node's config"):
+        t.node_class("scheduler")
+
+
 def test_default_role_is_inferred_from_a_single_role() -> None:
     assert PluginType("s", node=Sched, roles={"service"}).default_role == "service"
     assert PluginType("l", node=Sched, roles={"load"}).default_role == "load"
@@ -118,7 +133,8 @@ def test_discovery_keeps_inferred_fields_through_its_copy() -> None:
     [
         ({}, "give node= (one class) or scheduler= / worker= (a class per process)"),
         ({"node": Sched, "worker": Work}, "give node= or worker=, not both"),
-        ({"node": "no_colon"}, "node must be a class or \"module:Class\", not 'no_colon'"),
+        ({"node": "no_colon"},
+         "node must be a class, \"module:Class\" or a function, not 'no_colon'"),
         ({"scheduler": Sched, "vllm_roles": {"worker"}},
          "scheduler= is given but vllm_roles does not include scheduler"),
         ({"worker": Work, "vllm_roles": {"scheduler", "worker"}},
