@@ -205,3 +205,13 @@ def test_cli_usage_errors_exit_2_without_a_traceback(tmp_path: Path) -> None:
     bad.write_text('{"input_length": 3}\n')
     proc = _kvc("bench", str(bad), "--url", "http://x")
     assert proc.returncode == 2 and f"{bad}:1: " in proc.stderr
+
+
+def test_the_benchmark_pipelines_are_valid() -> None:
+    from composer.validation import load_pipeline
+
+    files = sorted((Path(__file__).parents[1] / "bench" / "serving").glob("*.yaml"))
+    assert len(files) == 2
+    for file in files:
+        assert replay.Config.parse(str(file)).pipeline == file
+        load_pipeline(file)
