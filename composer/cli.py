@@ -304,6 +304,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             print(f"  {escape(info['description'])}")
         print(f"  roles: {', '.join(info['roles'])} (default {info['default_role']})")
         print(f"  runs in: {', '.join(info['vllm_roles'])}")
+        classes = info["classes"]
+        if len(set(classes.values())) == 1:
+            print(escape(f"  class: {next(iter(classes.values()))}"))
+        else:
+            print(escape(f"  classes: {', '.join(f'{k} {v}' for k, v in classes.items())}"))
         caps = info["capabilities"]
         if isinstance(caps, str):
             print(f"  capabilities: {caps}")
