@@ -38,6 +38,7 @@ YAML_EXAMPLES = {
     "cpu-offload.yaml": (["cpu"], "ComposedConnector"),
     "offload-before-nixl.yaml": (["cpu", "nixl"], "ComposedConnector"),
     "tracker-offload-lmcache.yaml": (["tracker", "cpu", "lmcache"], "ComposedConnector"),
+    "fleet-valkey.yaml": (["cpu", "lmcache"], "ComposedConnector"),
 }
 PY_EXAMPLES = {"compose.py"}
 
@@ -99,6 +100,21 @@ def test_lmcache_gets_the_model_from_the_tracker() -> None:
     assert pipeline.node("tracker").capabilities.provides_model
     assert pipeline.load_order == ("cpu", "lmcache")
     assert pipeline.annotate_outputs
+
+
+def test_fleet_example_shares_valkey_and_keeps_a_disk_tier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("VALKEY_PASSWORD", "from-the-environment")
+    monkeypatch.delenv("VALKEY_HOST", raising=False)
+    pipeline = load_pipeline(EXAMPLES / "fleet-valkey.yaml")
+    resp, disk = pipeline.node("lmcache").config.server.l2  # type: ignore[attr-defined]
+    assert (resp.type, resp.host, resp.port, resp.password_env) == (
+        "resp", "127.0.0.1", 6379, "VALKEY_PASSWORD"
+    )
+    assert resp.adapter_env() == {"LMCACHE_RESP_PASSWORD": "from-the-environment"}
+    assert (disk.type, disk.path) == ("fs", "/var/cache/kv-composer/lmcache")
+    assert pipeline.load_policy == "longest_hit" and pipeline.load_order == ("cpu", "lmcache")
 
 
 def test_compose_py_builds_the_cpu_offload_pipeline() -> None:

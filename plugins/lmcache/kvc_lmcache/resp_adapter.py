@@ -169,7 +169,9 @@ class ReconnectingRespClient:
         if not first and now - self._last_attempt < RETRY_S:
             return
         self._last_attempt = now
-        if not first and not self._ping():
+        # LMCache's client does not fail when the store is down: it logs and
+        # keeps dead sockets. Ask the store first.
+        if not self._ping():
             return
         try:
             self._native = self._connect()

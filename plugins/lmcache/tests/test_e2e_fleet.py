@@ -1,0 +1,232 @@
+"""One KV cache for a fleet: two engines, two `lmcache server`s, one real Valkey (real vLLM).
+
+As two hosts would run them: engine A and engine B each start their own
+`lmcache server` (its L1 is that "host's" memory) with the same Valkey as L2
+(``server.l2: [{type: resp, ...}]``). vLLM's prefix cache is off and B's
+server starts empty, so a hit in B can only come from Valkey. Every engine
+has the same VLLM_CPU_OMP_THREADS_BIND, so tokens compare exactly with a
+plain engine's.
+
+* A (``offload-cpu`` in front, ``longest_hit``, annotated) computes P twice:
+  round 1 is served by the CPU tier in front; Valkey now holds P.
+* B computes nothing of P: round 0 is served from Valkey. Then, from inside
+  B's scheduler (the ``fleet-faults`` node), Valkey is SIGKILLed while round
+  1 (Q) is being computed and saved; round 2 repeats P with B's L1 emptied, so
+  only the dead Valkey could serve it: it is recomputed. Valkey is started
+  again (empty) before round 3 (R, computed and saved to it); round 4 repeats
+  R with B's L1 emptied again: served from Valkey, vLLM never restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not skip)
+import pytest
+import valkey
+import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
+
+from composer import kv_transfer_config, load_pipeline
+from composer.discovery import discover
+from composer.testing.engine import EngineResult, EngineSpec, run_engine
+from composer.testing.tiny_model import build_tiny_model, make_prompts
+from composer.testing.valkey import ValkeyServer, valkey_server
+
+pytestmark = pytest.mark.e2e
+
+HERE = Path(__file__).parent
+BLOCK = 32
+N = 3
+P = make_prompts(N, words=120, seed=61)  # computed by A only
+Q = make_prompts(N, words=120, seed=62)  # computed by B while Valkey is killed
+R = make_prompts(N, words=120, seed=63)  # computed by B after Valkey is back
+A_ROUNDS = [P, P]
+B_ROUNDS = [P, Q, P, R, R]
+#: Request ordinal (1-based) -> what the fleet-faults node does first.
+B_ACTIONS = {
+    str(1 * N + 1): ["kill_valkey_in_flight"],
+    str(2 * N + 1): ["clear_l1"],
+    str(3 * N + 1): ["restart_valkey", "settle"],
+    str(4 * N + 1): ["clear_l1"],
+}
+
+
+def _lmcache(valkey_server: ValkeyServer) -> dict[str, Any]:
+    return {
+        "plugin": "lmcache",
+        "config": {
+            "chunk_size": BLOCK,
+            "server": {
+                "l1_size_gb": 0.25,
+                "mq_timeout": 30,
+                "l2": [
+                    {
+                        "type": "resp",
+                        "host": valkey_server.host,
+                        "port": valkey_server.port,
+                        "num_workers": 2,
+                    }
+                ],
+            },
+        },
+    }
+
+
+def _kv_a(vk: ValkeyServer) -> dict[str, Any]:
+    pipeline = {
+        "version": 1,
+        "annotate_outputs": True,
+        "load_policy": "longest_hit",
+        "nodes": {
+            "cpu": {"plugin": "offload-cpu", "config": {"capacity": "64MiB"}},
+            "lmcache": _lmcache(vk),
+        },
+        "load_order": ["cpu", "lmcache"],
+    }
+    return kv_transfer_config(load_pipeline(pipeline))
+
+
+def _kv_b(vk: ValkeyServer, report: Path) -> dict[str, Any]:
+    import kvc_fleet_faults
+
+    pipeline = {
+        "version": 1,
+        "annotate_outputs": True,
+        "nodes": {
+            "faults": {
+                "plugin": "fleet-faults",
+                "needs": ["lmcache"],
+                "config": {
+                    "report": str(report),
+                    "actions": B_ACTIONS,
+                    "valkey_pid": vk.pid,
+                    "valkey_port": vk.port,
+                    "valkey_workdir": str(vk.workdir),
+                },
+            },
+            "lmcache": {**_lmcache(vk), "on_error": "recompute"},
+        },
+        "load_order": ["faults", "lmcache"],
+    }
+    return kv_transfer_config(
+        load_pipeline(pipeline, registry=discover(extra=[kvc_fleet_faults]))
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    sys.path.insert(0, str(HERE))
+    model = str(build_tiny_model())
+    state = tmp_path_factory.mktemp("lmcache-state")
+    env = {
+        "KVC_LMCACHE_STATE_DIR": str(state),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
+        "KV_COMPOSER_PLUGIN_MODULES": "kvc_fleet_faults",
+    }
+    out: dict[str, Any] = {}
+
+    def run(rounds: list[list[str]], kv: dict[str, Any] | None) -> EngineResult:
+        return run_engine(
+            EngineSpec(model=model, rounds=rounds, kv_transfer_config=kv, env=env, max_tokens=8)
+        )
+
+    restarted: list[int] = []
+    report = tmp_path_factory.mktemp("fleet-b") / "report"
+    try:
+        with valkey_server(tmp_path_factory.mktemp("valkey")) as vk:
+            client = valkey.Valkey(host=vk.host, port=vk.port)
+            out["plain"] = run(B_ROUNDS, None)
+            out["a"] = run(A_ROUNDS, _kv_a(vk))
+            out["keys_after_a"] = client.dbsize()
+            client.close()
+            out["b"] = run(B_ROUNDS, _kv_b(vk, report))
+            out["b/report"] = json.loads(Path(f"{report}.scheduler.json").read_text())
+            restarted = out["b/report"]["restarted_pids"]
+            client = valkey.Valkey(host=vk.host, port=vk.port)
+            out["keys_after_b"] = client.dbsize()
+            client.close()
+            out["valkey_killed"] = vk.proc is not None and vk.proc.poll() is not None
+            yield out
+    finally:
+        for pid in restarted:
+            _stop_valkey(pid)
+        sys.path.remove(str(HERE))
+
+
+def _stop_valkey(pid: int) -> None:
+    """Stop a valkey-server the fleet-faults node started (only if it is one)."""
+    import signal
+
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return
+    if b"valkey-server" in cmdline:
+        os.kill(pid, signal.SIGKILL)
+
+
+def _served(result: EngineResult, r: int) -> list[str | None]:
+    return [
+        (x.kv_transfer_params or {}).get("kv_composer", {}).get("served_by")
+        for x in result.rounds[r]
+    ]
+
+
+def test_tokens_equal_a_plain_engine_in_every_round(runs: dict[str, Any]) -> None:
+    plain = runs["plain"]
+    for r in range(len(A_ROUNDS)):
+        assert runs["a"].tokens(r) == plain.tokens(r), f"A round {r}"
+    for r in range(len(B_ROUNDS)):
+        assert runs["b"].tokens(r) == plain.tokens(r), f"B round {r}"
+
+
+def test_a_saves_its_prompts_to_valkey(runs: dict[str, Any]) -> None:
+    # One key per LMCache chunk of every prompt A computed.
+    assert runs["keys_after_a"] >= sum(
+        r.prompt_tokens // BLOCK for r in runs["a"].rounds[0]
+    ), runs["keys_after_a"]
+
+
+def test_the_cpu_tier_in_front_serves_a_repeat_on_the_same_engine(runs: dict[str, Any]) -> None:
+    assert _served(runs["a"], 0) == [None] * N
+    assert _served(runs["a"], 1) == ["cpu"] * N
+
+
+def test_b_serves_from_valkey_what_only_a_computed(runs: dict[str, Any]) -> None:
+    assert _served(runs["b"], 0) == ["lmcache"] * N
+    for r in runs["b"].rounds[0]:
+        # Every whole chunk of the prompt; the last partial one is computed.
+        assert r.cached_tokens == (r.prompt_tokens - 1) // BLOCK * BLOCK, r
+
+
+def test_valkey_was_killed_in_flight_and_restarted_by_the_faults_node(
+    runs: dict[str, Any],
+) -> None:
+    actions = [a for _, a, _ in runs["b/report"]["done"]]
+    assert actions.count("kill_valkey_in_flight") == 1
+    assert "restart_valkey" in actions and actions.count("clear_l1") == 2
+    assert runs["valkey_killed"]
+    assert len(runs["b/report"]["restarted_pids"]) == 1
+
+
+def test_nothing_is_served_from_a_dead_valkey(runs: dict[str, Any]) -> None:
+    # Round 2 repeats round 0's prompts with B's L1 emptied: only Valkey held them.
+    assert _served(runs["b"], 2) == [None] * N
+    assert [r.cached_tokens for r in runs["b"].rounds[2]] == [0] * N
+
+
+def test_the_node_counts_the_l2_errors(runs: dict[str, Any]) -> None:
+    gauges = runs["b/report"]["gauges"]
+    assert gauges["l2_adapters"] == 1
+    assert gauges["l2_failed"] > 0, gauges
+
+
+def test_hits_resume_once_valkey_is_back_without_restarting_vllm(runs: dict[str, Any]) -> None:
+    assert _served(runs["b"], 3) == [None] * N
+    assert _served(runs["b"], 4) == ["lmcache"] * N
+    assert runs["keys_after_b"] > 0
