@@ -197,7 +197,13 @@ class PluginType:
         if self.node is None and named and not self.vllm_roles <= set(named):
             missing = sorted(self.vllm_roles - set(named))
             out.append(f"vllm_roles includes {', '.join(missing)} but no class is given for it")
-        if self.default_role not in self.roles:
+        unknown = sorted(map(str, self.roles - set(get_args(NodeRole))))
+        if unknown or not self.roles:
+            out.append(
+                f"roles must name some of {', '.join(get_args(NodeRole))}, "
+                f"not {unknown or 'nothing'}"
+            )
+        elif self.default_role not in self.roles:
             out.append(
                 f'default_role "{self.default_role}" is not one of roles '
                 f"({', '.join(sorted(self.roles))}); set default_role"

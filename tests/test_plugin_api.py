@@ -141,6 +141,10 @@ def test_discovery_keeps_inferred_fields_through_its_copy() -> None:
          "vllm_roles includes scheduler but no class is given for it"),
         ({"node": Sched, "vllm_roles": {"gpu"}},
          "vllm_roles must name scheduler and/or worker, not ['gpu']"),
+        ({"node": Sched, "roles": "load"},
+         "roles must name some of load, save, both, transport, service, not ['a', 'd', 'l', 'o']"),
+        ({"node": Sched, "roles": ()},
+         "roles must name some of load, save, both, transport, service, not nothing"),
     ],
 )
 def test_inconsistent_declarations_are_refused_at_discovery(
