@@ -26,6 +26,18 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    # vLLM's objects, named for readers and type checkers; never imported at run
+    # time (validation and `import composer` stay free of torch and vLLM).
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+
     from composer.kv_caches import CanonicalKVCaches
     from composer.plugin_types import PluginType
     from composer.views import RequestView, StepView
@@ -57,7 +69,7 @@ class NodeSpec:
 
     @hookspec
     def initialize_worker_connector(
-        self, model: Any, vllm_config: Any, kv_cache_config: Any
+        self, model: torch.nn.Module, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
     ) -> None:
         """Worker, once, after the model is loaded: the model, vLLM config and KV cache config.
 
@@ -74,7 +86,9 @@ class NodeSpec:
         """
 
     @hookspec
-    def register_kv_caches(self, kv_caches: CanonicalKVCaches, raw: dict[str, Any]) -> None:
+    def register_kv_caches(
+        self, kv_caches: CanonicalKVCaches, raw: dict[str, torch.Tensor]
+    ) -> None:
         """Worker, once: the canonical KV cache view, plus vLLM's layer-name -> tensor dict."""
 
     @hookspec
@@ -88,11 +102,11 @@ class NodeSpec:
     # -- phase 2: scheduler side, per request -------------------------------- #
 
     @hookspec
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         """Scheduler, once: vLLM's KV cache manager (an escape hatch; most nodes never need it)."""
 
     @hookspec
-    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """Scheduler, once: vLLM's device block pool (escape hatch)."""
 
     @hookspec
@@ -117,7 +131,7 @@ class NodeSpec:
         request: RequestView,
         block_ids: tuple[list[int], ...],
         num_external_tokens: int,
-        blocks: Any,
+        blocks: KVCacheBlocks,
     ) -> None:
         """Scheduler, after blocks are allocated: the chosen node gets its token count, others 0.
 
@@ -136,7 +150,7 @@ class NodeSpec:
         """Scheduler: split the loaded tokens by cache source. Asked of the chosen node only."""
 
     @hookspec
-    def build_connector_meta(self, step: StepView, scheduler_output: Any) -> Any:
+    def build_connector_meta(self, step: StepView, scheduler_output: SchedulerOutput) -> Any:
         """Scheduler, every step: this node's metadata (picklable) for its worker half.
 
         Combine: one entry per node, delivered to the same node on the worker
@@ -144,7 +158,9 @@ class NodeSpec:
         """
 
     @hookspec
-    def update_connector_output(self, connector_output: Any, worker_meta: Any) -> None:
+    def update_connector_output(
+        self, connector_output: KVConnectorOutput, worker_meta: Any
+    ) -> None:
         """Scheduler, every step: the workers' output, with this node's own worker metadata.
 
         ``worker_meta`` is what this node's ``build_connector_worker_meta``
@@ -222,7 +238,7 @@ class NodeSpec:
         """Worker, every step before the forward: this node's ``build_connector_meta`` result."""
 
     @hookspec
-    def start_load_kv(self, forward_context: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext) -> None:
         """Worker, before the forward: start (or do) this node's loads into vLLM's KV cache.
 
         A node that raises here turns the blocks it was to load into load errors.
@@ -233,7 +249,9 @@ class NodeSpec:
         """Worker, per attention layer, hot path: block until this layer's load is done."""
 
     @hookspec
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> None:
         """Worker, per attention layer, hot path: start saving this layer's KV."""
 
     @hookspec
