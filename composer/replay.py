@@ -430,6 +430,8 @@ class RunResult:
     prompt_tokens: float = 0.0
     #: Prompt tokens vLLM's own prefix cache served during the run.
     prefix_cache_tokens: float = 0.0
+    #: Requests vLLM preempted (its KV cache full) during the run; each recomputes or reloads.
+    preemptions: int = 0
     #: Prompt tokens each KV Composer node loaded during the run, by node id.
     node_tokens: dict[str, float] = field(default_factory=dict)
 
@@ -453,6 +455,7 @@ class RunResult:
             "requests": len(self.records),
             "errors": self.errors,
             "skipped": self.skipped,
+            "preemptions": self.preemptions,
             "wall_s": self.wall_s,
             "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
             "e2e_s": {f"p{q}": percentile(e2e, q) for q in (50, 90, 99)},
@@ -478,8 +481,8 @@ def _ms(value: float | None) -> str:
 def markdown_table(results: Sequence[RunResult]) -> str:
     lines = [
         "| config | requests | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms "
-        "| e2e p90 ms | e2e p99 ms | req/s | output tok/s | prompt tokens served |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| e2e p90 ms | e2e p99 ms | req/s | output tok/s | preemptions | prompt tokens served |",
+        "| --- " + "| ---: " * 11 + "| --- |",
     ]
     for result in results:
         s = result.summary()
@@ -488,7 +491,8 @@ def markdown_table(results: Sequence[RunResult]) -> str:
             f"| {s['config']} | {s['requests']} | {s['errors']} | {_ms(s['ttft_s']['p50'])} "
             f"| {_ms(s['ttft_s']['p90'])} | {_ms(s['ttft_s']['p99'])} "
             f"| {_ms(s['e2e_s']['p50'])} | {_ms(s['e2e_s']['p90'])} | {_ms(s['e2e_s']['p99'])} "
-            f"| {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} | {served} |"
+            f"| {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} "
+            f"| {s['preemptions']} | {served} |"
         )
     return "\n".join(lines)
 
@@ -523,14 +527,15 @@ def plot_ttft_cdf(path: Path, results: Sequence[RunResult]) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def _counters(samples: list[scrape.Sample]) -> tuple[float, float, dict[str, float]]:
+def _counters(samples: list[scrape.Sample]) -> tuple[float, float, float, dict[str, float]]:
     prompt = scrape.total(samples, "vllm:prompt_tokens_total")
     prefix = scrape.total(samples, "vllm:prefix_cache_hits_total")
+    preemptions = scrape.total(samples, "vllm:num_preemptions_total")
     nodes = {
         node: view.counters.get("tokens_loaded", 0.0)
         for node, view in scrape.nodes(samples).items()
     }
-    return prompt, prefix, nodes
+    return prompt, prefix, preemptions, nodes
 
 
 def measure(
@@ -559,7 +564,7 @@ def measure(
     # Counters arrive with the engine's step outputs; the last step's may trail the response.
     time.sleep(settle_s)
     after = _counters(scrape.fetch(base_url))
-    nodes = {n: t - before[2].get(n, 0.0) for n, t in after[2].items()}
+    nodes = {n: t - before[3].get(n, 0.0) for n, t in after[3].items()}
     return RunResult(
         name,
         records,
@@ -567,6 +572,7 @@ def measure(
         skipped=skipped,
         prompt_tokens=after[0] - before[0],
         prefix_cache_tokens=after[1] - before[1],
+        preemptions=int(after[2] - before[2]),
         node_tokens=nodes,
     )
 
