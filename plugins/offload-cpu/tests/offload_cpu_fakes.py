@@ -20,6 +20,7 @@ from kvc_offload_cpu.worker import WorkerHalf
 
 from composer.kv_caches import CanonicalKVCaches, KVGroup, KVRegion
 from composer.plugin import NodeContext
+from composer.plugin_types import NodeRole
 from composer.views import RequestView, StepView
 
 BLOCK = 32
@@ -193,16 +194,16 @@ class Engine:
     """
 
     def __init__(
-        self, num_blocks: int = 64, role: str = "both", layout: str = "block", **config: Any
+        self, num_blocks: int = 64, role: NodeRole = "both", layout: str = "block", **config: Any
     ) -> None:
         config.setdefault("capacity", 64 * SLOT)
         self.config = OffloadCPUConfig(**config)
         kvc = kv_cache_config(num_blocks)
         self.sched = SchedulerHalf(
-            NodeContext("cpu", self.config, role, "scheduler", kv_cache_config=kvc)  # type: ignore[arg-type]
+            NodeContext("cpu", self.config, role, "scheduler", kv_cache_config=kvc)
         )
         self.worker = WorkerHalf(
-            NodeContext("cpu", self.config, role, "worker", kv_cache_config=kvc)  # type: ignore[arg-type]
+            NodeContext("cpu", self.config, role, "worker", kv_cache_config=kvc)
         )
         self.caches, _ = canonical(num_blocks, layout)
         self.region = Blocks(self.caches)
