@@ -105,7 +105,8 @@ def ttfts(tmp: Path, vk: ValkeyServer) -> dict[str, float]:
         valkey_hit.append(from_valkey.ttft_s or float("nan"))
         disk_hit.append(from_disk.ttft_s or float("nan"))
         for name, r in (("valkey", from_valkey), ("disk", from_disk)):
-            served[name].append(((r.kv_transfer_params or {}).get("kv_composer") or {}).get("served_by"))
+            info = (r.kv_transfer_params or {}).get("kv_composer") or {}
+            served[name].append(info.get("served_by"))
         tokens = first.prompt_tokens
     med = {
         "recompute": statistics.median(recompute),
@@ -146,7 +147,7 @@ def _wait(client: Any, future: int, timeout: float = 60.0) -> tuple[int, bool, s
         select.select([client.event_fd()], [], [], 0.5)
         for done in client.drain_completions():
             if done[0] == future:
-                return tuple(done)  # type: ignore[return-value]
+                return tuple(done)
     raise TimeoutError("the RESP client did not complete")
 
 
@@ -220,10 +221,12 @@ def throughput(vk: ValkeyServer) -> dict[str, float]:
 
 def main() -> None:
     print("== a fleet's shared tier: Valkey and disk under LMCache vs vLLM's cache vs recompute ==")
-    with tempfile.TemporaryDirectory(prefix="kvc-bench-fleet-") as tmp:
-        with valkey_server(Path(tmp) / "valkey") as vk:
-            throughput(vk)
-            ttfts(Path(tmp), vk)
+    with (
+        tempfile.TemporaryDirectory(prefix="kvc-bench-fleet-") as tmp,
+        valkey_server(Path(tmp) / "valkey") as vk,
+    ):
+        throughput(vk)
+        ttfts(Path(tmp), vk)
 
 
 if __name__ == "__main__":

@@ -326,7 +326,11 @@ class OtherL2(BaseModel):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    type: str = Field(description="An LMCache L2 adapter type name.")
+    type: str = Field(
+        description="An LMCache L2 adapter type name.",
+        # So that an editor's JSON Schema matches one model per entry (oneOf).
+        json_schema_extra={"not": {"enum": ["resp", "valkey", "fs"]}},
+    )
 
     @model_validator(mode="after")
     def _known(self) -> OtherL2:
@@ -357,7 +361,7 @@ class OtherL2(BaseModel):
         return self.type
 
 
-TYPED = ("resp", "valkey", "fs")
+TYPED = ("resp", "valkey", "fs")  # the typed models; OtherL2's schema excludes them
 
 
 def _which(value: Any) -> str:

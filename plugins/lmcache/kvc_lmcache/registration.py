@@ -66,7 +66,11 @@ LMCACHE = PluginType(
     name="lmcache",
     node="kvc_lmcache.node:LMCacheNode",
     config=LMCacheConfig,
-    description="LMCache: a `lmcache server` (started or given) or LMCache in-process (GPU).",
+    description=(
+        "LMCache: a `lmcache server` (started or given) or LMCache in-process (GPU). A started "
+        "server's L2 tiers (server.l2): resp (Valkey/Redis, shared by a fleet), valkey "
+        "(valkey-glide: cluster, TLS), fs (a directory), or another LMCache adapter by name."
+    ),
     default_role="both",
     roles=frozenset({"load", "save", "both"}),
     capabilities=capabilities(LMCacheConfig()),

@@ -9,6 +9,8 @@ in order, before the lmcache node looks the request up:
 * ``kill_valkey``: SIGKILL the Valkey server (pid from the config);
 * ``kill_valkey_in_flight``: the same, ``delay_s`` later from a timer, while
   the round's requests are being computed and saved;
+* ``wait_valkey_dead``: wait for that timer's kill to have happened and the
+  process to be gone (its port free);
 * ``restart_valkey``: start ``valkey-server`` again on its port (empty);
 * ``clear_l1``: empty the lmcache server's L1 (``POST /cache/clear``), so the
   next lookups can only hit in its L2 tiers;
@@ -37,7 +39,13 @@ from pydantic import BaseModel, ConfigDict
 from composer import Plugin, PluginType, hookimpl
 
 Action = Literal[
-    "kill_valkey", "kill_valkey_in_flight", "restart_valkey", "clear_l1", "corrupt_fs", "settle"
+    "kill_valkey",
+    "kill_valkey_in_flight",
+    "wait_valkey_dead",
+    "restart_valkey",
+    "clear_l1",
+    "corrupt_fs",
+    "settle",
 ]
 
 
@@ -64,12 +72,28 @@ class FleetFaults(Plugin):
         self.valkey_pid = self.config.valkey_pid
         self.restarted_pids: list[int] = []
         self.corrupted = {"truncated": 0, "flipped": 0}
+        self._timer: threading.Timer | None = None
 
     # -- actions ------------------------------------------------------------- #
 
     def _kill_valkey(self) -> None:
         assert self.valkey_pid is not None
         os.kill(self.valkey_pid, signal.SIGKILL)
+        self._wait_dead(self.valkey_pid)
+
+    @staticmethod
+    def _wait_dead(pid: int, timeout: float = 10.0) -> None:
+        """SIGKILL is delivered asynchronously: wait until the process holds no socket."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+            except OSError:
+                return
+            if state in ("Z", "X"):
+                return
+            time.sleep(0.01)
+        raise TimeoutError(f"valkey-server {pid} still runs {timeout} s after SIGKILL")
 
     def _corrupt_fs(self) -> None:
         assert self.config.fs_path is not None
@@ -116,8 +140,12 @@ class FleetFaults(Plugin):
         if action == "kill_valkey":
             self._kill_valkey()
         elif action == "kill_valkey_in_flight":
-            threading.Timer(self.config.delay_s, self._in_flight).start()
+            self._timer = threading.Timer(self.config.delay_s, self._in_flight)
+            self._timer.start()
             return
+        elif action == "wait_valkey_dead":
+            assert self._timer is not None
+            self._timer.join(timeout=30)
         elif action == "restart_valkey":
             self._restart_valkey()
         elif action == "clear_l1":
@@ -153,6 +181,8 @@ class FleetFaults(Plugin):
 
     @hookimpl
     def shutdown(self) -> None:
+        # The lmcache node reads its server's L2 metrics every 2 s: read them now.
+        self.target._scrape_l2()
         self._report()
 
     def _report(self) -> None:
