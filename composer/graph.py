@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, get_args
 
 from pydantic import BaseModel
@@ -10,7 +11,7 @@ from pydantic import BaseModel
 from composer.discovery import Registry, call_plugin
 from composer.errors import Reporter, did_you_mean, one_of
 from composer.pipeline import LOADING_ROLES, SAVING_ROLES
-from composer.plugin_types import NodeRole
+from composer.plugin_types import Capabilities, NodeRole
 
 
 def dependency_order(needs: Mapping[str, Sequence[str]]) -> list[str]:
@@ -90,8 +91,10 @@ def check_graph(
     nodes = {k: v for k, v in raw_nodes.items() if isinstance(v, dict)}
     ids = list(nodes)
     needs: dict[str, list[str]] = {}
-    if nodes and len(nodes) == len(raw_nodes) and all(
-        n.get("enabled") is False for n in nodes.values()
+    if (
+        nodes
+        and len(nodes) == len(raw_nodes)
+        and all(n.get("enabled") is False for n in nodes.values())
     ):
         reporter.add(("nodes",), "every node is disabled; enable at least one")
 
@@ -162,6 +165,21 @@ def _check_order_list(
         seen.add(node_id)
 
 
+@dataclass
+class _Nodes:
+    """What the capability checks read: each enabled node's capabilities and config."""
+
+    caps: dict[str, Capabilities]
+    configs: dict[str, BaseModel]
+    nodes: dict[str, Any]
+    data: dict[str, Any]
+    reporter: Reporter
+
+    def needs(self, node_id: str) -> list[str]:
+        deps = self.nodes[node_id].get("needs")
+        return [d for d in deps if isinstance(d, str)] if isinstance(deps, list) else []
+
+
 def _check_capabilities(
     data: dict[str, Any],
     nodes: dict[str, Any],
@@ -187,83 +205,114 @@ def _check_capabilities(
                 f'plugin "{ptype.name}" cannot take role "{role}"; '
                 f"expected one of {one_of(ptype.roles)}",
             )
+    view = _Nodes(caps, configs, nodes, data, reporter)
+    for check in _CAPABILITY_CHECKS:
+        check(view)
+    _plugin_checks(view, registry)
 
-    def at_most_one(attr: str, what: str) -> None:
-        providers = [n for n, c in caps.items() if getattr(c, attr)]
+
+def _one_provider(view: _Nodes) -> None:
+    for attr, what in (
+        ("provides_handshake", "the P/D handshake"),
+        ("provides_memory_pool", "the KV cache memory pool"),
+    ):
+        providers = [n for n, c in view.caps.items() if getattr(c, attr)]
         for extra in providers[1:]:
-            reporter.add(
+            view.reporter.add(
                 ("nodes", extra),
                 f'both "{providers[0]}" and "{extra}" provide {what}; at most one node may',
             )
 
-    at_most_one("provides_handshake", "the P/D handshake")
-    at_most_one("provides_memory_pool", "the KV cache memory pool")
 
-    layouts = {n: c.kv_layout for n, c in caps.items() if c.kv_layout}
-    if len(set(layouts.values())) > 1:
-        first = next(iter(layouts))
-        for node_id, layout in layouts.items():
-            if layout != layouts[first]:
-                reporter.add(
-                    ("nodes", node_id),
-                    f'needs KV cache layout {layout} but "{first}" needs {layouts[first]}; '
-                    "all nodes must agree",
-                )
+def _layouts_agree(view: _Nodes) -> None:
+    layouts = {n: c.kv_layout for n, c in view.caps.items() if c.kv_layout}
+    if len(set(layouts.values())) <= 1:
+        return
+    first = next(iter(layouts))
+    for node_id, layout in layouts.items():
+        if layout != layouts[first]:
+            view.reporter.add(
+                ("nodes", node_id),
+                f'needs KV cache layout {layout} but "{first}" needs {layouts[first]}; '
+                "all nodes must agree",
+            )
 
-    hma = data.get("hma", "auto")
-    no_hma = [n for n, c in caps.items() if not c.hma]
-    if hma == "on":
+
+def _hma_and_groups(view: _Nodes) -> None:
+    no_hma = [n for n, c in view.caps.items() if not c.hma]
+    if view.data.get("hma", "auto") == "on":
         for node_id in no_hma:
-            reporter.add(
+            view.reporter.add(
                 ("nodes", node_id),
                 'does not support the hybrid memory allocator, but "hma: on" requires every '
                 "node to (set hma: off or auto, or remove the node)",
             )
-    for node_id, c in caps.items():
-        if c.kv_cache_groups == "one" and not isinstance(
-            getattr(configs[node_id], "kv_cache_group", None), int
-        ):
-            reporter.add(
+    for node_id, c in view.caps.items():
+        if c.kv_cache_groups != "one":
+            continue
+        if not isinstance(getattr(view.configs[node_id], "kv_cache_group", None), int):
+            view.reporter.add(
                 ("nodes", node_id, "config"),
                 "handles one KV cache group, so its config needs kv_cache_group: <group index>",
             )
-        if c.kv_cache_groups == "one" and no_hma:
-            reporter.add(
+        if no_hma:
+            view.reporter.add(
                 ("nodes", node_id),
                 f'handles one KV cache group and needs HMA, but "{no_hma[0]}" does not support '
                 "the hybrid memory allocator",
             )
 
+
+def _transfer_params_keys(view: _Nodes) -> None:
     writers: dict[str, str] = {}
-    for node_id, c in caps.items():
+    for node_id, c in view.caps.items():
         for key in sorted(c.transfer_params_keys):
             if key in writers:
-                reporter.add(
+                view.reporter.add(
                     ("nodes", node_id),
                     f'writes kv_transfer_params key "{key}", which "{writers[key]}" writes too',
                 )
             else:
                 writers[key] = node_id
 
+
+def _model_needs(view: _Nodes) -> None:
+    caps = view.caps
     for node_id, c in caps.items():
-        deps = nodes[node_id].get("needs")
-        deps = [d for d in deps if isinstance(d, str)] if isinstance(deps, list) else []
+        deps = view.needs(node_id)
         if c.needs_model and not any(dep in caps and caps[dep].provides_model for dep in deps):
             trackers = [n for n, cc in caps.items() if cc.provides_model]
             hint = f" (add needs: [{trackers[0]}])" if trackers else " (add a model-tracker node)"
-            reporter.add(
+            view.reporter.add(
                 ("nodes", node_id, "needs"),
                 f"needs the model but no dependency provides it{hint}",
             )
 
-    for node_id, config in configs.items():
-        ptype = registry[nodes[node_id]["plugin"]]
+
+_CAPABILITY_CHECKS = (
+    _one_provider,
+    _layouts_agree,
+    _hma_and_groups,
+    _transfer_params_keys,
+    _model_needs,
+)
+
+
+def _plugin_checks(view: _Nodes, registry: Registry) -> None:
+    for node_id, config in view.configs.items():
+        ptype = registry[view.nodes[node_id]["plugin"]]
         if ptype.check is not None:
             found = call_plugin(
-                ptype.name, "checking the pipeline", _run_check, ptype.check, node_id, config, data
+                ptype.name,
+                "checking the pipeline",
+                _run_check,
+                ptype.check,
+                node_id,
+                config,
+                view.data,
             )
             for path, message in found:
-                reporter.add(("nodes", node_id, *path), message)
+                view.reporter.add(("nodes", node_id, *path), message)
 
 
 def _run_check(
