@@ -432,6 +432,9 @@ class RunResult:
     prefix_cache_tokens: float = 0.0
     #: Requests vLLM preempted (its KV cache full) during the run; each recomputes or reloads.
     preemptions: int = 0
+    #: Prompt tokens the KV connector loaded during the run, as vLLM counts them (all
+    #: nodes; a node that does not count its own loads shows here only).
+    connector_tokens: float = 0.0
     #: Prompt tokens each KV Composer node loaded during the run, by node id.
     node_tokens: dict[str, float] = field(default_factory=dict)
 
@@ -466,6 +469,7 @@ class RunResult:
             "prompt_tokens": self.prompt_tokens,
             "served": {
                 "vllm prefix cache": self.fraction(self.prefix_cache_tokens),
+                "connector": self.fraction(self.connector_tokens),
                 **{node: self.fraction(t) for node, t in self.node_tokens.items()},
             },
         }
@@ -527,15 +531,19 @@ def plot_ttft_cdf(path: Path, results: Sequence[RunResult]) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def _counters(samples: list[scrape.Sample]) -> tuple[float, float, float, dict[str, float]]:
-    prompt = scrape.total(samples, "vllm:prompt_tokens_total")
-    prefix = scrape.total(samples, "vllm:prefix_cache_hits_total")
-    preemptions = scrape.total(samples, "vllm:num_preemptions_total")
-    nodes = {
-        node: view.counters.get("tokens_loaded", 0.0)
-        for node, view in scrape.nodes(samples).items()
+def _counters(samples: list[scrape.Sample]) -> dict[str, float]:
+    out = {
+        "prompt": scrape.total(samples, "vllm:prompt_tokens_total"),
+        "prefix": scrape.total(samples, "vllm:prefix_cache_hits_total"),
+        "preemptions": scrape.total(samples, "vllm:num_preemptions_total"),
+        # vLLM's own count of the prompt tokens its KV connector loaded (all nodes).
+        "connector": scrape.total(
+            samples, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        ),
     }
-    return prompt, prefix, preemptions, nodes
+    for node, view in scrape.nodes(samples).items():
+        out[f"node:{node}"] = view.counters.get("tokens_loaded", 0.0)
+    return out
 
 
 def measure(
@@ -564,15 +572,17 @@ def measure(
     # Counters arrive with the engine's step outputs; the last step's may trail the response.
     time.sleep(settle_s)
     after = _counters(scrape.fetch(base_url))
-    nodes = {n: t - before[3].get(n, 0.0) for n, t in after[3].items()}
+    delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    nodes = {k.removeprefix("node:"): v for k, v in delta.items() if k.startswith("node:")}
     return RunResult(
         name,
         records,
         wall,
         skipped=skipped,
-        prompt_tokens=after[0] - before[0],
-        prefix_cache_tokens=after[1] - before[1],
-        preemptions=int(after[2] - before[2]),
+        prompt_tokens=delta["prompt"],
+        prefix_cache_tokens=delta["prefix"],
+        connector_tokens=delta["connector"],
+        preemptions=int(delta["preemptions"]),
         node_tokens=nodes,
     )
 

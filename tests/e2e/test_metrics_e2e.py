@@ -71,6 +71,7 @@ def test_metrics_show_every_node_and_kvc_top_reads_them(
     # The requests' own usage agrees: with vLLM's prefix cache off, every cached
     # token came from the tier.
     assert sum(r.cached_tokens or 0 for r in result.records) == 480
+    assert result.connector_tokens == 480  # vLLM's own count of the connector's tokens
     assert top.returncode == 0, top.stderr
     assert "cpu" in top.stdout and "offload-cpu" in top.stdout
     assert "50.0%" in top.stdout  # 2 lookups per request (vLLM asks again), 1 of 2 hit

@@ -79,6 +79,7 @@ def test_simulated_hit_rate_matches_a_real_engine(
     measured = result.fraction(result.node_tokens["cpu"])
     # The requests' own usage says the same (prefix cache off: every cached token is the tier's).
     assert sum(r.cached_tokens or 0 for r in result.records) == result.node_tokens["cpu"]
+    assert result.connector_tokens == result.node_tokens["cpu"]
     assert evictions > 0
     gap = abs(measured - node.fraction_served)
     print(
