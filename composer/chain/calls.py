@@ -2,8 +2,9 @@
 
 pluggy is the registry, the validator (``check_pending``) and the tracer; the
 calls themselves go through these lists, in pipeline order, so a node that does
-not implement a hook costs nothing and a per-layer hook is a plain loop (see
-DESIGN.md, "Hot paths"). Lists are rebuilt only when a node is switched off.
+not implement a hook costs nothing and a per-layer hook is a plain loop (``make bench``
+measures it against MultiConnector). Lists are rebuilt only when a node is
+switched off.
 """
 
 from __future__ import annotations

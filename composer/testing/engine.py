@@ -3,7 +3,7 @@
 Each engine runs in its own process group with a hard timeout, so a hung
 engine never stalls a test run, and with explicit CPU thread settings, so two
 runs that are compared use the same number of OpenMP threads (tiny random
-models have near-ties; see VLLM-ON-CPU.md).
+models have near-ties: a different thread count can flip a greedy token).
 """
 
 from __future__ import annotations
