@@ -27,63 +27,44 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.int8, device=t.device).set_(t.untyped_storage())
 
 
+class _Regions:
+    """Regions as found, one per distinct view; aliasing views (overlaid groups) are one."""
+
+    def __init__(self) -> None:
+        self.regions: list[KVRegion] = []
+        self.seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], int] = {}
+        #: Layer name -> indexes of the regions holding it.
+        self.of_layer: dict[str, list[int]] = {}
+
+    def add(self, view: torch.Tensor, layers: tuple[str, ...]) -> None:
+        key = (view.data_ptr(), tuple(view.shape), tuple(view.stride()))
+        if key in self.seen:
+            index = self.seen[key]
+            merged = tuple(dict.fromkeys(self.regions[index].layers + layers))
+            self.regions[index] = KVRegion(self.regions[index].tensor, merged)
+        else:
+            index = self.seen[key] = len(self.regions)
+            self.regions.append(KVRegion(view, layers))
+        for layer in layers:
+            indexes = self.of_layer.setdefault(layer, [])
+            if index not in indexes:
+                indexes.append(index)
+
+
 def build(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any) -> CanonicalKVCaches:
     num_blocks = int(kv_cache_config.num_blocks)
-    regions: list[KVRegion] = []
-    seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], int] = {}
-    layer_region: dict[str, list[int]] = {}
-
-    def add(view: torch.Tensor, layers: tuple[str, ...]) -> None:
-        key = (view.data_ptr(), tuple(view.shape), tuple(view.stride()))
-        if key in seen:  # aliasing tensors (overlaid groups) are one region
-            index = seen[key]
-            merged = tuple(dict.fromkeys(regions[index].layers + layers))
-            regions[index] = KVRegion(regions[index].tensor, merged)
-        else:
-            index = seen[key] = len(regions)
-            regions.append(KVRegion(view, layers))
-        for layer in layers:
-            layer_region.setdefault(layer, [])
-            if index not in layer_region[layer]:
-                layer_region[layer].append(index)
-
+    found = _Regions()
     page_of = _page_sizes(kv_cache_config)
     for spec in kv_cache_config.kv_cache_tensors:
-        layers = [name for name in getattr(spec, "layers", None) or getattr(spec, "shared_by", [])]
-        present = [name for name in layers if name in kv_caches]
-        if not present:
-            continue
-        block_stride = getattr(spec, "block_stride", None)
-        layer_stride = getattr(spec, "layer_stride", None)
-        if block_stride is None or layer_stride is None:
-            for name in present:  # older vLLM: one tensor per layer, block-major
-                add(_rows(kv_caches[name], num_blocks), (name,))
-            continue
-        first = kv_caches[present[0]]
-        flat = _storage_bytes(first)
-        base = first.data_ptr() - flat.data_ptr() - layers.index(present[0]) * layer_stride
-        page = page_of.get(present[0]) or _row_bytes(first)
-        if len(layers) * page <= block_stride and layer_stride == page:
-            # Block-outermost: a block is one row holding every layer's page.
-            add(
-                flat.as_strided((num_blocks, len(layers) * page), (block_stride, 1), base),
-                tuple(layers),
-            )
-        else:
-            for i, name in enumerate(layers):
-                if name in kv_caches:
-                    view = flat.as_strided(
-                        (num_blocks, page), (block_stride, 1), base + i * layer_stride
-                    )
-                    add(view, (name,))
+        for view, layers in _views(spec, kv_caches, num_blocks, page_of):
+            found.add(view, layers)
     for name, tensor in kv_caches.items():
-        if name not in layer_region:  # layers vLLM did not describe: take them as they are
-            add(_rows(tensor, num_blocks), (name,))
-
+        if name not in found.of_layer:  # layers vLLM did not describe: take them as they are
+            found.add(_rows(tensor, num_blocks), (name,))
     groups = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        ids = sorted({i for layer in group.layer_names for i in layer_region.get(layer, [])})
+        ids = sorted({i for layer in group.layer_names for i in found.of_layer.get(layer, [])})
         groups.append(
             KVGroup(
                 group_id=gid,
@@ -93,7 +74,37 @@ def build(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any) -> Canonical
                 region_ids=tuple(ids),
             )
         )
-    return CanonicalKVCaches(num_blocks=num_blocks, regions=tuple(regions), groups=tuple(groups))
+    return CanonicalKVCaches(
+        num_blocks=num_blocks, regions=tuple(found.regions), groups=tuple(groups)
+    )
+
+
+def _views(
+    spec: Any, kv_caches: dict[str, torch.Tensor], num_blocks: int, page_of: dict[str, int]
+) -> list[tuple[torch.Tensor, tuple[str, ...]]]:
+    """(block-major view, its layers) of one of vLLM's KV cache tensors."""
+    layers = [name for name in getattr(spec, "layers", None) or getattr(spec, "shared_by", [])]
+    present = [name for name in layers if name in kv_caches]
+    if not present:
+        return []
+    block_stride = getattr(spec, "block_stride", None)
+    layer_stride = getattr(spec, "layer_stride", None)
+    if block_stride is None or layer_stride is None:
+        # Older vLLM: one tensor per layer, block-major.
+        return [(_rows(kv_caches[name], num_blocks), (name,)) for name in present]
+    first = kv_caches[present[0]]
+    flat = _storage_bytes(first)
+    base = first.data_ptr() - flat.data_ptr() - layers.index(present[0]) * layer_stride
+    page = page_of.get(present[0]) or _row_bytes(first)
+    if len(layers) * page <= block_stride and layer_stride == page:
+        # Block-outermost: a block is one row holding every layer's page.
+        rows = flat.as_strided((num_blocks, len(layers) * page), (block_stride, 1), base)
+        return [(rows, tuple(layers))]
+    return [
+        (flat.as_strided((num_blocks, page), (block_stride, 1), base + i * layer_stride), (name,))
+        for i, name in enumerate(layers)
+        if name in kv_caches
+    ]
 
 
 def _page_sizes(kv_cache_config: Any) -> dict[str, int]:
