@@ -208,3 +208,27 @@ def test_kvc_plugins_and_the_schema_list_the_adapters() -> None:
     schema = json.dumps(LMCacheConfig.model_json_schema())
     for name in ("RespL2", "ValkeyL2", "FsL2", "OtherL2", "seal_key_file", "password_env"):
         assert name in schema
+
+
+def test_l2_gauges_from_the_servers_prometheus_text() -> None:
+    from kvc_lmcache.l2_stats import parse
+
+    text = textwrap.dedent("""\
+        # HELP lmcache_mp_l2_store_submitted_objects_chunks_total chunks submitted
+        lmcache_mp_l2_store_submitted_objects_chunks_total 18.0
+        lmcache_mp_l2_store_completed_objects_chunks_total 9.0
+        lmcache_mp_l2_prefetch_failure_chunks_total{reason="not_found",model_name="m"} 2.0
+        lmcache_mp_l2_prefetch_failure_chunks_total{reason="l1_oom",model_name="m"} 1.0
+        lmcache_mp_l2_prefetch_load_completed_chunks_total 6.0
+        lmcache_mp_lookup_hit_l2_tokens_total{cache_salt="",model_name="m"} 288.0
+        lmcache_mp_l2_store_submitted_requests_total 3.0
+        """)
+    assert parse(text) == {
+        "l2_store_chunks": 18,
+        "l2_stored_chunks": 9,
+        "l2_load_failed": 3,
+        "l2_loaded_chunks": 6,
+        "l2_hit_tokens": 288,
+        "l2_failed": 12,
+    }
+    assert parse("")["l2_failed"] == 0
