@@ -502,6 +502,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             vocab_size=args.vocab_size,
             workdir=Path(args.output),
             progress=not args.no_progress,
+            rounds=args.rounds,
         )
         results = replay.run(spec)
         written = replay.write_report(results, spec.workdir, plot=not args.no_plot)
@@ -745,6 +746,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output", "-o", default="kvc-bench", metavar="DIR",
         help="directory for the table, the JSON and the plot (default kvc-bench)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=1, metavar="N",
+        help="run the configurations N times in alternating order (ABC, CBA, ...) and pool "
+        "each one's requests, so that a machine's drifting load favours none (default 1)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")

@@ -624,6 +624,9 @@ class BenchSpec:
     vocab_size: int | None = None
     workdir: Path = Path("kvc-bench")
     progress: bool = True
+    #: Run the configurations this many times, in alternating order (ABCD, DCBA, ...),
+    #: pooling each configuration's requests: a drifting machine load then favours none.
+    rounds: int = 1
 
 
 def run(spec: BenchSpec) -> list[RunResult]:
@@ -655,11 +658,38 @@ def run(spec: BenchSpec) -> list[RunResult]:
     if spec.url is not None:
         return [measure(spec.url, spec.url, prompts, **kwargs)]
     assert spec.server is not None
-    results = []
-    for config in spec.configs:
-        with server(config, spec.server, spec.workdir / f"{config.name}.log") as base:
-            results.append(measure(config.name, base, prompts, **kwargs))
-    return results
+    if spec.rounds < 1:
+        raise BenchError(f"--rounds must be >= 1, got {spec.rounds}")
+    pooled: dict[str, RunResult] = {}
+    for round_index in range(spec.rounds):
+        order = list(spec.configs) if round_index % 2 == 0 else list(reversed(spec.configs))
+        for config in order:
+            log = spec.workdir / f"{config.name}-{round_index + 1}.log"
+            with server(config, spec.server, log) as base:
+                result = measure(config.name, base, prompts, **kwargs)
+            pooled[config.name] = (
+                pool(pooled[config.name], result) if config.name in pooled else result
+            )
+    return [pooled[c.name] for c in spec.configs]
+
+
+def pool(a: RunResult, b: RunResult) -> RunResult:
+    """Two runs of one configuration as one: requests together, times and counts added."""
+    nodes = {
+        n: a.node_tokens.get(n, 0.0) + b.node_tokens.get(n, 0.0)
+        for n in {*a.node_tokens, *b.node_tokens}
+    }
+    return RunResult(
+        a.config,
+        a.records + b.records,
+        a.wall_s + b.wall_s,
+        skipped=a.skipped + b.skipped,
+        prompt_tokens=a.prompt_tokens + b.prompt_tokens,
+        prefix_cache_tokens=a.prefix_cache_tokens + b.prefix_cache_tokens,
+        connector_tokens=a.connector_tokens + b.connector_tokens,
+        preemptions=a.preemptions + b.preemptions,
+        node_tokens=nodes,
+    )
 
 
 def write_report(results: Sequence[RunResult], workdir: Path, plot: bool = True) -> list[Path]:

@@ -215,3 +215,26 @@ def test_the_benchmark_pipelines_are_valid() -> None:
     for file in files:
         assert replay.Config.parse(str(file)).pipeline == file
         load_pipeline(file)
+
+
+def test_rounds_pool_a_configurations_requests_and_counts() -> None:
+    a = replay.RunResult(
+        "cpu",
+        [replay.Record(0, 10, 1, 0, 0.1, 0.2)],
+        2.0,
+        prompt_tokens=10,
+        node_tokens={"cpu": 4},
+        preemptions=1,
+    )
+    b = replay.RunResult(
+        "cpu",
+        [replay.Record(0, 10, 1, 0, 0.3, 0.4)],
+        3.0,
+        prompt_tokens=10,
+        node_tokens={"cpu": 2, "l2": 1},
+        preemptions=2,
+    )
+    pooled = replay.pool(a, b)
+    assert len(pooled.records) == 2 and pooled.wall_s == 5.0
+    assert pooled.node_tokens == {"cpu": 6, "l2": 1} and pooled.preemptions == 3
+    assert pooled.summary()["served"]["cpu"] == 0.3
