@@ -13,8 +13,9 @@ I/O is the fast path) behind the interface ``NativeConnectorL2Adapter``
 expects, with one stable eventfd and its own future ids. When an operation
 fails for a connection reason, the client is marked broken: operations fail at
 once (nothing is sent to a dead socket; the misses are recomputed by vLLM) and,
-at most every ``RETRY_S`` seconds, a ``PING`` checks the store; once it
-answers, a new native client replaces the old one. :class:`ReconnectingRespL2Adapter`
+at most every ``RETRY_S`` seconds, a ``PING`` from its own thread (no
+operation ever waits on it) checks the store; once it answers, a new native
+client replaces the old one. :class:`ReconnectingRespL2Adapter`
 is LMCache's own ``NativeConnectorL2Adapter`` over that client.
 
 This module imports LMCache (and so torch): only the server process loads it.
@@ -83,8 +84,8 @@ class ReconnectingRespClient:
         self.reconnects = 0
         self.failed_fast = 0
         self._stop = threading.Event()
-        with self._lock:
-            self._reconnect_locked(first=True)
+        self._native = self._connect_if_up()
+        self._last_attempt = time.monotonic()
         self._thread = threading.Thread(
             target=self._forward, daemon=True, name="kvc-resp-forward"
         )
@@ -134,8 +135,6 @@ class ReconnectingRespClient:
             ours = self._next_id
             self._next_id += 1
             if self._native is None:
-                self._reconnect_locked()
-            if self._native is None:
                 # The store is unreachable: fail now instead of on a dead socket.
                 self.failed_fast += 1
                 self._complete_locked(ours, False, "kvc: the RESP store is unreachable", None)
@@ -164,21 +163,29 @@ class ReconnectingRespClient:
             # all the same, so that a hung close never blocks a submission.
             threading.Thread(target=native.close, daemon=True).start()
 
-    def _reconnect_locked(self, first: bool = False) -> None:
-        now = time.monotonic()
-        if not first and now - self._last_attempt < RETRY_S:
-            return
-        self._last_attempt = now
+    def _connect_if_up(self) -> Any:
+        """A new native client if the store answers PING, else None (no lock held)."""
         # LMCache's client does not fail when the store is down: it logs and
         # keeps dead sockets. Ask the store first.
         if not self._ping():
-            return
+            return None
         try:
-            self._native = self._connect()
+            return self._connect()
         except Exception:
-            self._native = None
+            return None
+
+    def _reconnect(self) -> None:
+        """On the forwarding thread, so that no submission waits on a PING or a connect."""
+        now = time.monotonic()
+        if now - self._last_attempt < RETRY_S:
+            self._stop.wait(0.05)
             return
-        if not first:
+        self._last_attempt = now
+        native = self._connect_if_up()
+        if native is None:
+            return
+        with self._lock:
+            self._native = native
             self.reconnects += 1
 
     def _forward(self) -> None:
@@ -186,7 +193,7 @@ class ReconnectingRespClient:
         while not self._stop.is_set():
             native = self._native
             if native is None:
-                self._stop.wait(0.05)
+                self._reconnect()
                 continue
             try:
                 ready, _, _ = select.select([native.event_fd()], [], [], 0.2)
