@@ -83,6 +83,8 @@ class ReconnectingRespClient:
         self._last_attempt = 0.0
         self.reconnects = 0
         self.failed_fast = 0
+        #: Operations that completed with a failure (any reason).
+        self.errors = 0
         self._stop = threading.Event()
         self._native = self._connect_if_up()
         self._last_attempt = time.monotonic()
@@ -149,6 +151,8 @@ class ReconnectingRespClient:
             return ours
 
     def _complete_locked(self, ours: int, ok: bool, error: str, result: Any) -> None:
+        if not ok:
+            self.errors += 1
         self._queue.append((ours, ok, error, result))
         os.eventfd_write(self._efd, 1)
 
@@ -254,5 +258,6 @@ class ReconnectingRespL2Adapter(NativeConnectorL2Adapter):
             connected=self._resp.connected,
             reconnects=self._resp.reconnects,
             failed_fast=self._resp.failed_fast,
+            errors=self._resp.errors,
         )
         return status

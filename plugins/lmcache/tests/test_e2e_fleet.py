@@ -230,9 +230,10 @@ def test_the_node_counts_the_l2_errors(runs: dict[str, Any]) -> None:
     for report in (runs["b/report"], runs["b/worker"]):
         gauges = report["gauges"]
         assert gauges["l2_adapters"] == 1
-        # Round 1's saves to the dead Valkey failed, rounds 3's reached the restarted one.
-        assert gauges["l2_failed"] > 0, gauges
-        assert 0 < gauges["l2_stored_chunks"] < gauges["l2_store_chunks"], gauges
+        # Round 2's lookups (Valkey surely dead by then) failed, and whatever
+        # part of round 1 met the kill; round 3's saves reached the restarted one.
+        assert gauges["l2_errors"] > 0, gauges
+        assert 0 < gauges["l2_stored_chunks"] <= gauges["l2_store_chunks"], gauges
         # Rounds 0 and 4 were served from Valkey.
         assert gauges["l2_hit_tokens"] >= 2 * BLOCK * N, gauges
 

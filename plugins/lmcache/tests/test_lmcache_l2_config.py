@@ -230,5 +230,14 @@ def test_l2_gauges_from_the_servers_prometheus_text() -> None:
         "l2_loaded_chunks": 6,
         "l2_hit_tokens": 288,
         "l2_failed": 12,
+        "l2_errors": 0,
     }
     assert parse("")["l2_failed"] == 0
+
+
+def test_adapter_errors_from_the_servers_status() -> None:
+    from kvc_lmcache.l2_stats import adapter_errors
+
+    status = {"storage_manager": {"l2_adapters": [{"type": "resp", "errors": 4}, {"type": "fs"}]}}
+    assert adapter_errors(status) == 4
+    assert adapter_errors({}) == 0
