@@ -117,7 +117,7 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
                 kv_cache_config=kv_cache_config,
                 stats=NodeStats(changes=self.stats_changes),
             )
-            instance = rnode.plugin.node_class(self.vllm_role)(ctx)
+            instance = rnode.plugin.node_class(self.vllm_role, rnode.config)(ctx)
             self.pm.register(instance, name=rnode.id)
             self.nodes[rnode.id] = instance
             self.stats[rnode.id] = ctx.stats

@@ -8,6 +8,7 @@ hook forwards vLLM's raw objects to it unchanged, exactly as MultiConnector does
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, cast
@@ -23,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from composer.builtin import VllmConnectorConfig
 from composer.export import native_child_config
-from composer.hookspecs import hookimpl
+from composer.hookspecs import NodeSpec, hookimpl
 from composer.plugin import NodeContext, Plugin
 
 #: Hooks whose vLLM base-class default does nothing and returns what the chain
@@ -96,62 +97,29 @@ class NativeConnectorNode(Plugin):
         }
 
     def direct_hooks(self) -> dict[str, Any]:
-        """Hooks bound straight to the connector: no wrapper on the per-layer and per-step paths.
-
-        Each takes the arguments the hookimpl of the same name takes, positionally,
-        and does exactly what it does. A hook mapped to None is not called at
-        all: the connector keeps vLLM's do-nothing default for it.
+        """Pass-through hooks bound straight to the connector's methods: no wrapper on
+        the per-layer and per-step paths. A hook mapped to None is not called at
+        all: the connector keeps vLLM's do-nothing default for it. A subclass that
+        overrides a pass-through hook keeps its override (it is not made direct).
         """
         c = self.connector
-        hooks: dict[str, Any] = {
-            # per layer
-            "wait_for_layer_load": c.wait_for_layer_load,
-            "save_kv_layer": c.save_kv_layer,
-            # worker, per step
-            "handle_preemptions": c.handle_preemptions,
-            "bind_connector_metadata": c.bind_connector_metadata,
-            "start_load_kv": c.start_load_kv,
-            "wait_for_save": c.wait_for_save,
-            "finish_forward": c.finish_forward,
-            "clear_connector_metadata": c.clear_connector_metadata,
-            "get_transfer_results": c.get_transfer_results,
-            "get_block_ids_with_load_errors": c.get_block_ids_with_load_errors,
-            "build_connector_worker_meta": c.build_connector_worker_meta,
-            "get_kv_connector_stats": c.get_kv_connector_stats,
-            "get_kv_connector_kv_cache_events": c.get_kv_connector_kv_cache_events,
-            # scheduler, per step
-            "build_connector_meta": c.build_connector_meta,
-            "update_connector_output": c.update_connector_output,
-            "take_events": c.take_events,
-            "has_pending_block_frees": c.has_pending_block_frees,
-            "has_pending_push_work": c.has_pending_push_work,
-        }
-        for hook, methods in SKIP_IF_DEFAULT.items():
-            if all(_is_base_default(c, m) for m in methods):
+        hooks: dict[str, Any] = {}
+        for hook in (*PASS_THROUGH, *SKIP_IF_DEFAULT):
+            if getattr(type(self), hook) is not getattr(NativeConnectorNode, hook):
+                continue  # a subclass's override
+            defaults = SKIP_IF_DEFAULT.get(hook)
+            if defaults and all(_is_base_default(c, m) for m in defaults):
                 hooks[hook] = None
+            elif hook in PASS_THROUGH:
+                hooks[hook] = getattr(c, hook)
         return hooks
 
-    # initialize
-    @hookimpl
-    def get_mem_pool_context(self) -> Any:
-        return self.connector.get_mem_pool_context()
+    # Hooks whose arguments are not vLLM's own: the request view's raw request,
+    # a different order, or what vLLM's method does not take.
 
     @hookimpl
     def register_kv_caches(self, raw: dict[str, Any]) -> None:
         self.connector.register_kv_caches(raw)
-
-    @hookimpl
-    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
-        self.connector.set_host_xfer_buffer_ops(copy_operation)
-
-    @hookimpl
-    def get_handshake_metadata(self) -> Any:
-        return self.connector.get_handshake_metadata()
-
-    # scheduler
-    @hookimpl
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        self.connector.bind_kv_cache_manager(kv_cache_manager)
 
     @hookimpl
     def on_new_request(self, request: Any) -> None:
@@ -200,94 +168,56 @@ class NativeConnectorNode(Plugin):
             request.raw, block_ids, partial_tail_offloads
         )
 
-    @hookimpl
-    def take_events(self) -> Any:
-        return self.connector.take_events()
 
-    @hookimpl
-    def has_pending_block_frees(self) -> bool:
-        return self.connector.has_pending_block_frees()
+#: Hooks that take exactly the arguments of vLLM's connector method of the same
+#: name: each is one generated hookimpl below, and a direct call where it is hot.
+PASS_THROUGH = (
+    # worker, once
+    "get_mem_pool_context",
+    "set_host_xfer_buffer_ops",
+    "get_handshake_metadata",
+    # worker, per layer and per step
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "handle_preemptions",
+    "bind_connector_metadata",
+    "start_load_kv",
+    "wait_for_save",
+    "finish_forward",
+    "reset_capture_state",
+    "clear_connector_metadata",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+    "get_kv_connector_stats",
+    "get_kv_connector_kv_cache_events",
+    # scheduler
+    "bind_kv_cache_manager",
+    "take_events",
+    "has_pending_block_frees",
+    "has_pending_push_work",
+    "get_finished_count",
+    "set_xfer_handshake_metadata",
+    "set_xfer_handshake_metadata_pp_aware",
+    "reset_cache",
+    # either
+    "shutdown",
+)
 
-    @hookimpl
-    def has_pending_push_work(self) -> bool:
-        return self.connector.has_pending_push_work()
 
-    @hookimpl
-    def get_finished_count(self) -> int | None:
-        return self.connector.get_finished_count()
+def _pass_through(hook: str) -> Any:
+    """A hookimpl calling the connector's ``hook`` with the spec's arguments.
 
-    @hookimpl
-    def set_xfer_handshake_metadata(self, metadata: Any) -> None:
-        self.connector.set_xfer_handshake_metadata(metadata)
+    ``functools.wraps`` makes pluggy read the spec's own argument names (it
+    unwraps ``__wrapped__``), so the chain passes every spec argument.
+    """
 
-    @hookimpl
-    def set_xfer_handshake_metadata_pp_aware(self, metadata: Any) -> None:
-        self.connector.set_xfer_handshake_metadata_pp_aware(metadata)
+    @functools.wraps(getattr(NodeSpec, hook))
+    def forward(self: NativeConnectorNode, *args: Any) -> Any:
+        return getattr(self.connector, hook)(*args)
 
-    @hookimpl
-    def reset_cache(self) -> bool | None:
-        return self.connector.reset_cache()
+    return hookimpl(forward)
 
-    # worker, per step
-    @hookimpl
-    def handle_preemptions(self, metadata: Any) -> None:
-        self.connector.handle_preemptions(metadata)
 
-    @hookimpl
-    def bind_connector_metadata(self, metadata: Any) -> None:
-        self.connector.bind_connector_metadata(metadata)
-
-    @hookimpl
-    def start_load_kv(self, forward_context: Any) -> None:
-        self.connector.start_load_kv(forward_context, **self.call_kwargs["start_load_kv"])
-
-    @hookimpl
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        self.connector.wait_for_layer_load(layer_name)
-
-    @hookimpl
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
-        self.connector.save_kv_layer(
-            layer_name, kv_layer, attn_metadata, **self.call_kwargs["save_kv_layer"]
-        )
-
-    @hookimpl
-    def wait_for_save(self) -> None:
-        self.connector.wait_for_save()
-
-    @hookimpl
-    def finish_forward(self) -> None:
-        self.connector.finish_forward()
-
-    @hookimpl
-    def reset_capture_state(self) -> None:
-        self.connector.reset_capture_state()
-
-    @hookimpl
-    def clear_connector_metadata(self) -> None:
-        self.connector.clear_connector_metadata()
-
-    @hookimpl
-    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        return self.connector.get_transfer_results(finished_req_ids)
-
-    @hookimpl
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.connector.get_block_ids_with_load_errors()
-
-    @hookimpl
-    def build_connector_worker_meta(self) -> Any:
-        return self.connector.build_connector_worker_meta()
-
-    # stats, shutdown
-    @hookimpl
-    def get_kv_connector_stats(self) -> Any:
-        return self.connector.get_kv_connector_stats()
-
-    @hookimpl
-    def get_kv_connector_kv_cache_events(self) -> Any:
-        return self.connector.get_kv_connector_kv_cache_events()
-
-    @hookimpl
-    def shutdown(self) -> None:
-        self.connector.shutdown()
+for _hook in PASS_THROUGH:
+    setattr(NativeConnectorNode, _hook, _pass_through(_hook))
