@@ -80,11 +80,25 @@ class Misspelled(Plugin):
         pass
 
 
+class Ordered(Plugin):
+    @hookimpl(tryfirst=True)
+    def on_new_request(self, request: Any) -> None:
+        pass
+
+
+class Wrapping(Plugin):
+    @hookimpl(wrapper=True)
+    def wait_for_save(self) -> Any:
+        return (yield)
+
+
 @hookimpl
 def register_plugin_types(register: Any) -> None:
     register(PluginType(name="tier", node=Tier, config=FakeConfig))
     register(PluginType(name="saver", node=Saver, config=FakeConfig))
     register(PluginType(name="misspelled", node=Misspelled, capabilities=Capabilities()))
+    register(PluginType(name="ordered", node=Ordered))
+    register(PluginType(name="wrapping", node=Wrapping))
 
 
 class _Module:
@@ -259,6 +273,35 @@ def test_per_layer_hooks_call_only_implementing_saving_nodes() -> None:
 def test_misspelled_hookimpl_is_an_error() -> None:
     with pytest.raises(pluggy.PluginValidationError, match="start_lod_kv"):
         chain({"m": {"plugin": "misspelled"}})
+
+
+@pytest.mark.parametrize(
+    ("plugin", "hook", "option"),
+    [("ordered", "on_new_request", "tryfirst"), ("wrapping", "wait_for_save", "wrapper")],
+)
+def test_hookimpl_options_the_chain_cannot_honour_are_refused(
+    plugin: str, hook: str, option: str
+) -> None:
+    # Nodes are called once each in pipeline order: an option that reorders or
+    # wraps calls would be silently ignored, so it is an error naming node and hook.
+    with pytest.raises(ValueError, match=f"node 'x' hook '{hook}': {option}=True"):
+        chain({"a": {"plugin": "tier"}, "x": {"plugin": plugin}})
+
+
+def test_trace_logs_every_hook_call_through_pluggys_tracer() -> None:
+    traced: list[str] = []
+    c = chain({"a": {"plugin": "saver"}, "b": {"plugin": "tier"}}, role="worker", trace=True)
+    c.pm.trace.root.setwriter(traced.append)
+    c.save_kv_layer("layer.0", None, None)
+    c.start_load_kv(None)
+    text = "".join(traced)
+    assert "save_kv_layer node=a" in text and "'layer.0'" in text
+    assert "start_load_kv node=a" in text and "start_load_kv node=b" in text
+    untraced = chain({"a": {"plugin": "saver"}}, role="worker")
+    untraced.pm.trace.root.setwriter(traced.append)
+    traced.clear()
+    untraced.save_kv_layer("layer.0", None, None)
+    assert traced == []
 
 
 def test_stats_are_reported_when_a_node_counts_and_not_otherwise() -> None:

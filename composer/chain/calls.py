@@ -22,10 +22,6 @@ from composer.stats import NodeStats
 
 Call = Callable[..., Any]
 
-#: pluggy hookimpl options that change call order or wrap calls: the chain
-#: dispatches in pipeline order, one plain call per node, so it cannot honour them.
-UNSUPPORTED_OPTIONS = ("wrapper", "hookwrapper", "tryfirst", "trylast")
-
 
 @dataclass
 class CallLists:
@@ -43,18 +39,6 @@ class CallLists:
 
 def hook_names() -> list[str]:
     return [name for name in dir(NodeSpec) if not name.startswith("_")]
-
-
-def unsupported_options(pm: pluggy.PluginManager) -> list[tuple[str, str, str]]:
-    """(node id, hook, option) for every hookimpl option the chain would ignore."""
-    found = []
-    for name in hook_names():
-        caller = getattr(pm.hook, name, None)
-        for impl in caller.get_hookimpls() if caller is not None else ():
-            for option in UNSUPPORTED_OPTIONS:
-                if getattr(impl, option, False):
-                    found.append((impl.plugin_name, name, option))
-    return found
 
 
 def bind_calls(

@@ -20,13 +20,14 @@ import pluggy
 import structlog
 
 from composer.chain.base import VllmRole
-from composer.chain.calls import Call, bind_calls, timed, traced, unsupported_options
+from composer.chain.calls import Call, bind_calls, timed, traced
 from composer.chain.fault_policy import FaultPolicy
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata, TransferResults
 from composer.chain.reports import Reports
 from composer.chain.scheduler import SchedulerSide
 from composer.chain.worker import WorkerSide
 from composer.chain.worker_output import WorkerOutput
+from composer.deep_check import unsupported_hookimpl_options
 from composer.faults import LOAD_HOOKS, WorkerLedger
 from composer.hookspecs import PROJECT, NodeSpec
 from composer.pipeline import ResolvedPipeline
@@ -126,14 +127,17 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
             services[rnode.id] = instance.service()
             self.log.debug("node created", node=rnode.id, plugin=rnode.plugin.name)
         # A misspelled @hookimpl is an error, not a silently skipped node; so is
-        # an option the chain would ignore.
+        # an option the chain would ignore (nodes are called once each, in order).
         self.pm.check_pending()
-        ignored = unsupported_options(self.pm)
+        ignored = [
+            f"node {node_id!r} hook {hook!r}: {option}=True"
+            for node_id, node in self.nodes.items()
+            for hook, option in unsupported_hookimpl_options(type(node))
+        ]
         if ignored:
             raise ValueError(
                 "hookimpl options KV Composer does not honour (nodes are called once "
-                "each, in pipeline order): "
-                + "; ".join(f"node {n!r} hook {h!r}: {o}=True" for n, h, o in ignored)
+                "each, in pipeline order): " + "; ".join(ignored)
             )
         if self.pipeline.trace:
             self.pm.trace.root.setwriter(lambda msg: self.log.debug("hook", trace=msg.rstrip()))
