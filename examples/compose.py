@@ -19,7 +19,6 @@ def build() -> composer.Pipeline:
                 plugin="offload-cpu",
                 config={
                     "capacity": "4GiB",
-                    "eviction": "lru",
                     "save": "prompt",
                     "min_blocks": 1,
                     "load_mode": "sync",

@@ -21,9 +21,6 @@ class OffloadCPUConfig(BaseModel):
             "of one KV block (all layers); the pool is preallocated and never grows."
         ),
     )
-    eviction: Literal["lru"] = Field(
-        default="lru", description="What to drop when the pool is full: least recently used block."
-    )
     save: Literal["prompt", "all"] = Field(
         default="prompt",
         description=(

@@ -239,15 +239,6 @@ class HostPool:
         """A copy of one slot's bytes (all regions, in plan order)."""
         return torch.cat([p[slot] for p in self.pools])
 
-    def corrupt(self, slot: int, offset: int = 0) -> None:
-        """Flip bits of one byte of a slot (tests, fault drills)."""
-        for pool in self.pools:
-            if offset < pool.shape[1]:
-                pool[slot, offset] ^= 0x5A
-                return
-            offset -= pool.shape[1]
-        raise IndexError(offset)
-
     # -- save: vLLM blocks -> slots ----------------------------------------- #
 
     def save(
@@ -287,7 +278,11 @@ class HostPool:
         return time.perf_counter() - t0
 
     def _save_from_device(
-        self, plan: RegionPlan, pool: torch.Tensor, ids: torch.Tensor, slot_t: torch.Tensor,
+        self,
+        plan: RegionPlan,
+        pool: torch.Tensor,
+        ids: torch.Tensor,
+        slot_t: torch.Tensor,
         ready_event: Any,
     ) -> None:  # pragma: no cover - needs a GPU
         stream = self._stream

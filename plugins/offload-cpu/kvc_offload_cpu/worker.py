@@ -57,6 +57,10 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
         self.pool: HostPool | None = None
         self.block_size = layout.block_size if layout else 0
         self._slot_gen: list[int] = []
+        #: Blocks loaded into vLLM, and blocks refused at load (checksum, stale
+        #: slot, error), since start: stats report deltas, these never reset.
+        self.blocks_loaded = 0
+        self.blocks_refused = 0
         self._meta: OffloadMetadata | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._futures: list[tuple[Future[Any], Callable[[Any], None]]] = []
@@ -83,7 +87,8 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
         if len(kv_caches.groups) == 1 and slot_bytes != kv_caches.bytes_per_block:
             self.log.warning(
                 "offload-cpu: canonical regions of the group differ from bytes_per_block",
-                slot_bytes=slot_bytes, bytes_per_block=kv_caches.bytes_per_block,
+                slot_bytes=slot_bytes,
+                bytes_per_block=kv_caches.bytes_per_block,
             )
         if self.layout is not None:
             # Same slot count as the scheduler half (it computed it from the same config).
@@ -91,7 +96,8 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
             if self.layout.slot_bytes != slot_bytes:
                 self.log.warning(
                     "offload-cpu: KVCacheConfig bytes per block differ from the canonical view",
-                    kv_cache_config=self.layout.slot_bytes, canonical=slot_bytes,
+                    kv_cache_config=self.layout.slot_bytes,
+                    canonical=slot_bytes,
                 )
         else:
             num_slots = int(self.config.capacity) // slot_bytes if slot_bytes else 0
@@ -111,8 +117,12 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
         self.stats.gauges["pool_bytes"] = self.pool.nbytes
         self.log.info(
             "offload-cpu worker pool",
-            slots=num_slots, slot_bytes=slot_bytes, regions=len(plans),
-            pool_gib=round(self.pool.nbytes / GiB, 3), pinned=pin, device=str(device),
+            slots=num_slots,
+            slot_bytes=slot_bytes,
+            regions=len(plans),
+            pool_gib=round(self.pool.nbytes / GiB, 3),
+            pinned=pin,
+            device=str(device),
         )
 
     # -- per step ------------------------------------------------------------ #
@@ -299,6 +309,10 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
         self.stats.bytes_saved += n * self.pool.slot_bytes
         self._add_time("save", result.seconds, self.stats.bytes_saved)
 
+    def saved_slots(self) -> list[tuple[int, int]]:
+        """(slot, generation) of every slot holding a finished save."""
+        return [(slot, gen) for slot, gen in enumerate(self._slot_gen) if gen > 0]
+
     def _finish_load(self, result: _LoadResult) -> None:
         assert self.pool is not None
         if result.error is not None:
@@ -328,6 +342,8 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
                     self.stats.extra.add("load_errors")
                 i += 1
         bad = i - good
+        self.blocks_loaded += good
+        self.blocks_refused += bad
         if bad:
             self.stats.errors += bad
             self.log.warning("offload-cpu: blocks failed to load; vLLM recomputes them", blocks=bad)

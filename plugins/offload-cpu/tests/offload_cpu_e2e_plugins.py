@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from offload_cpu_fakes import corrupt
 from pydantic import BaseModel, ConfigDict
 
 from composer import Plugin, PluginType, hookimpl
@@ -27,7 +28,6 @@ class Corruptor(Plugin[CorruptorConfig]):
         super().__init__(ctx)
         self.done: set[tuple[int, int]] = set()
         self.report = {"corrupted": 0, "load_failures": 0, "loads_ok": 0}
-        self.hooked = False
 
     def _half(self) -> Any:
         """The target node's worker half (its service is the node itself)."""
@@ -38,31 +38,23 @@ class Corruptor(Plugin[CorruptorConfig]):
         half = self._half()
         if half is None or half.pool is None:
             return
-        if not self.hooked:
-            self._count_loads(half)
-        changed = False
-        for slot, gen in enumerate(half._slot_gen):
-            if gen > 0 and slot % self.config.every == 0 and (slot, gen) not in self.done:
-                half.pool.corrupt(slot, 7)
+        for slot, gen in half.saved_slots():
+            if slot % self.config.every == 0 and (slot, gen) not in self.done:
+                corrupt(half.pool, slot, 7)
                 self.done.add((slot, gen))
                 self.report["corrupted"] += 1
-                changed = True
-        if changed:
-            self._write()
+        self._write(half)
 
-    def _count_loads(self, half: Any) -> None:
-        finish = half._finish_load
+    @hookimpl
+    def shutdown(self) -> None:
+        half = self._half()
+        if half is not None:
+            self._write(half)
 
-        def counting(result: Any) -> None:
-            finish(result)
-            self.report["load_failures"] += sum(not ok for ok in result.ok)
-            self.report["loads_ok"] += sum(bool(ok) for ok in result.ok)
-            self._write()
-
-        half._finish_load = counting
-        self.hooked = True
-
-    def _write(self) -> None:
+    def _write(self, half: Any) -> None:
+        # The target's own public counters: loads refused (checksum) and served.
+        self.report["load_failures"] = half.blocks_refused
+        self.report["loads_ok"] = half.blocks_loaded
         with open(self.config.report, "w") as f:
             json.dump(self.report, f)
 

@@ -23,6 +23,17 @@ from composer.plugin import NodeContext
 from composer.plugin_types import NodeRole
 from composer.views import RequestView, StepView
 
+
+def corrupt(pool: Any, slot: int, offset: int = 0) -> None:
+    """Flip bits of one byte of a host-pool slot (host memory gone bad)."""
+    for region in pool.pools:
+        if offset < region.shape[1]:
+            region[slot, offset] ^= 0x5A
+            return
+        offset -= region.shape[1]
+    raise IndexError(offset)
+
+
 BLOCK = 32
 LAYERS = 2
 KV_HEADS = 2
@@ -251,9 +262,7 @@ class Engine:
             new_ids = [self.free.pop(0)]
             r.block_ids += new_ids
         out = FakeSchedulerOutput(num_scheduled_tokens={req_id: 1})
-        out.scheduled_cached_reqs = CachedReqs(
-            [req_id], set(), [(new_ids,)], [r.num_computed], {}
-        )
+        out.scheduled_cached_reqs = CachedReqs([req_id], set(), [(new_ids,)], [r.num_computed], {})
         self.step(out)
 
     def finish(self, req_id: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kvc_offload_cpu.metadata import OffloadMetadata, Transfer
-from offload_cpu_fakes import BLOCK, SLOT, Engine, content, prompt
+from offload_cpu_fakes import BLOCK, SLOT, Engine, content, corrupt, prompt
 
 
 @pytest.mark.parametrize("layout", ["block", "layer"])
@@ -157,9 +157,11 @@ def test_slot_overwritten_while_load_pending_is_a_load_error() -> None:
     eng.prefill("a")
     eng.finish("a")
     eng.add("b", a)
-    load_meta = eng.sched.build_connector_meta(__import__("composer.views").views.StepView(
-        __import__("offload_cpu_fakes").FakeSchedulerOutput()
-    ))
+    load_meta = eng.sched.build_connector_meta(
+        __import__("composer.views").views.StepView(
+            __import__("offload_cpu_fakes").FakeSchedulerOutput()
+        )
+    )
     (load,) = load_meta.loads
     # Before the worker runs that load, slot of block 1 is rewritten with a newer block
     # (what a lost pin or a racing writer would do).
@@ -193,7 +195,7 @@ def test_checksum_mismatch_is_a_load_error_and_the_block_is_dropped(layout: str)
     eng.prefill("a")
     eng.finish("a")
     slot = _slot_of(eng, a, 1)
-    eng.pool.corrupt(slot, SLOT - 1000)  # one flipped byte in host memory
+    corrupt(eng.pool, slot, SLOT - 1000)  # one flipped byte in host memory
     eng.add("b", a)
     eng.prefill("b")
     bid = eng.running["b"].block_ids
@@ -214,7 +216,7 @@ def test_corruption_without_checksums_serves_wrong_bytes() -> None:
     eng.prefill("a")
     eng.finish("a")
     slot = _slot_of(eng, a, 1)
-    eng.pool.corrupt(slot, 1000)
+    corrupt(eng.pool, slot, 1000)
     eng.add("b", a)
     eng.prefill("b")
     bid = eng.running["b"].block_ids
@@ -228,7 +230,7 @@ def test_blocks_computed_over_a_failed_load_are_not_saved() -> None:
     eng.add("a", a)
     eng.prefill("a")
     eng.finish("a")
-    eng.pool.corrupt(_slot_of(eng, a, 0), 0)
+    corrupt(eng.pool, _slot_of(eng, a, 0), 0)
     longer = a[:96] + prompt(19, 64)  # loads blocks 0-2, computes and would save 3, 4
     eng.add("b", longer)
     eng.prefill("b")
