@@ -19,8 +19,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from composer import replay, simulate
+from composer import bench_report, bench_run, bench_servers
 from composer.testing.tiny_model import build_tiny_model
+from composer.trace import read_trace
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -44,10 +45,10 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 def main() -> int:
     model = str(build_tiny_model())
-    spec = replay.BenchSpec(
-        trace=simulate.read_trace(TRACE, limit=REQUESTS),
-        configs=[replay.Config.parse(c) for c in CONFIGS],
-        server=replay.ServerSpec(
+    spec = bench_run.BenchSpec(
+        trace=read_trace(TRACE, limit=REQUESTS),
+        configs=[bench_servers.Config.parse(c) for c in CONFIGS],
+        server=bench_servers.ServerSpec(
             model=model, num_blocks=VLLM_BLOCKS, extra_args=["--enforce-eager"]
         ),
         scale=16,
@@ -55,9 +56,9 @@ def main() -> int:
         max_output_tokens=16,
         workdir=Path("kvc-bench-serving"),
     )
-    results = replay.run(spec)
-    replay.write_report(results, spec.workdir)
-    print(replay.markdown_table(results))
+    results = bench_run.run(spec)
+    bench_report.write_report(results, spec.workdir)
+    print(bench_report.markdown_table(results))
     base = results[0].summary()
     print(f"\nratios to {base['config']} (lower TTFT is better, higher throughput is better):")
     for result in results[1:]:

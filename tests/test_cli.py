@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from composer.cli import main, mermaid_text
+from composer.cli import main
+from composer.cli.showing import mermaid_text
 from composer.loader import MAX_FILE_BYTES
 from composer.pipeline import SCHEMA_ID
 

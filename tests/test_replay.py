@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from composer import replay, simulate
-from composer.simulate import KeyMaker, TraceRequest
+from composer import bench_report, bench_servers, replay
+from composer.trace import KeyMaker, TraceRequest, read_trace
 
 TRACES = Path(__file__).parent / "data" / "traces"
 
@@ -41,7 +41,7 @@ def test_the_partial_last_block_is_unique_to_its_request() -> None:
 
 
 def test_lengths_scale_as_kvc_simulate_counts_them() -> None:
-    trace = simulate.read_trace(TRACES / "mooncake-conversation_trace-500.jsonl", limit=50)
+    trace = read_trace(TRACES / "mooncake-conversation_trace-500.jsonl", limit=50)
     prompts, skipped = replay.make_prompts(trace, scale=16, vocab_size=512)
     keys = KeyMaker(32, replay.trace_block_tokens(16))
     assert not skipped
@@ -64,10 +64,10 @@ def test_a_scale_that_does_not_divide_512_is_refused(scale: int) -> None:
 
 def test_percentiles_are_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
-    assert replay.percentile(values, 50) == 50
-    assert replay.percentile(values, 90) == 90
-    assert replay.percentile(values, 99) == 99
-    assert replay.percentile([], 50) is None
+    assert bench_report.percentile(values, 50) == 50
+    assert bench_report.percentile(values, 90) == 90
+    assert bench_report.percentile(values, 99) == 99
+    assert bench_report.percentile([], 50) is None
 
 
 class _Streaming(BaseHTTPRequestHandler):
@@ -156,7 +156,7 @@ def test_arrival_times_are_kept_divided_by_the_speedup(server: str) -> None:
 def test_errors_are_counted_not_raised(server: str) -> None:
     prompts = _prompts(2) + [replay.Prompt(2, [5] * 40, 13, 0.0)]
     records, wall = replay.replay(server, "m", prompts, concurrency=2)
-    result = replay.RunResult("x", records, wall)
+    result = bench_report.RunResult("x", records, wall)
     assert result.errors == 1 and "HTTP 400" in (records[2].error or "")
     assert result.summary()["requests"] == 3
 
@@ -170,10 +170,10 @@ def test_report_table_json_and_plot(tmp_path: Path) -> None:
     fast = [replay.Record(i, 100, 4, 0, 0.01 * (i + 1), 0.05) for i in range(10)]
     slow = [replay.Record(i, 100, 4, 0, 0.1 * (i + 1), 0.5) for i in range(10)]
     results = [
-        replay.RunResult("prefix", fast, 1.0, prompt_tokens=1000, prefix_cache_tokens=250),
-        replay.RunResult("none", slow, 2.0, prompt_tokens=1000, node_tokens={"cpu": 500}),
+        bench_report.RunResult("prefix", fast, 1.0, prompt_tokens=1000, prefix_cache_tokens=250),
+        bench_report.RunResult("none", slow, 2.0, prompt_tokens=1000, node_tokens={"cpu": 500}),
     ]
-    written = replay.write_report(results, tmp_path)
+    written = bench_report.write_report(results, tmp_path)
     table = (tmp_path / "bench.md").read_text()
     assert "| prefix | 10 | 0 | 50 | 90 | 100 |" in table
     assert "vllm prefix cache 25.0%" in table and "cpu 50.0%" in table
@@ -213,12 +213,12 @@ def test_the_benchmark_pipelines_are_valid() -> None:
     files = sorted((Path(__file__).parents[1] / "bench" / "serving").glob("*.yaml"))
     assert len(files) == 2
     for file in files:
-        assert replay.Config.parse(str(file)).pipeline == file
+        assert bench_servers.Config.parse(str(file)).pipeline == file
         load_pipeline(file)
 
 
 def test_rounds_pool_a_configurations_requests_and_counts() -> None:
-    a = replay.RunResult(
+    a = bench_report.RunResult(
         "cpu",
         [replay.Record(0, 10, 1, 0, 0.1, 0.2)],
         2.0,
@@ -226,7 +226,7 @@ def test_rounds_pool_a_configurations_requests_and_counts() -> None:
         node_tokens={"cpu": 4},
         preemptions=1,
     )
-    b = replay.RunResult(
+    b = bench_report.RunResult(
         "cpu",
         [replay.Record(0, 10, 1, 0, 0.3, 0.4)],
         3.0,
@@ -234,7 +234,7 @@ def test_rounds_pool_a_configurations_requests_and_counts() -> None:
         node_tokens={"cpu": 2, "l2": 1},
         preemptions=2,
     )
-    pooled = replay.pool(a, b)
+    pooled = bench_report.pool(a, b)
     assert len(pooled.records) == 2 and pooled.wall_s == 5.0
     assert pooled.node_tokens == {"cpu": 6, "l2": 1} and pooled.preemptions == 3
     assert pooled.summary()["served"]["cpu"] == 0.3

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from composer import discover
-from composer.cli import schema_json
+from composer.cli.validating import schema_json
 from composer.discovery import ALLOW_ENV, DENY_ENV
 from composer.loader import PipelineLoader
 from composer.pipeline import SCHEMA_ID

@@ -24,14 +24,8 @@ from kvc_offload_cpu.simulate import OffloadCPUModel
 from composer.cli import main
 from composer.discovery import discover
 from composer.pipeline import ResolvedPipeline
-from composer.simulate import (
-    VLLM_CACHE_ID,
-    KeyMaker,
-    Result,
-    TraceRequest,
-    read_trace,
-    simulate,
-)
+from composer.simulate import VLLM_CACHE_ID, Result, simulate
+from composer.trace import KeyMaker, TraceRequest, read_trace
 from composer.validation import validate_text
 
 BS = 32

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from composer import replay, scrape
-from composer.simulate import TraceRequest
+from composer import bench_run, bench_servers, replay, scrape
+from composer.trace import TraceRequest
 
 pytestmark = pytest.mark.e2e
 
@@ -31,8 +31,8 @@ def test_metrics_show_every_node_and_kvc_top_reads_them(
 ) -> None:
     pipeline = tmp_path / "cpu.yaml"
     pipeline.write_text(PIPELINE)
-    config = replay.Config("cpu", pipeline, prefix_caching=False)
-    spec = replay.ServerSpec(
+    config = bench_servers.Config("cpu", pipeline, prefix_caching=False)
+    spec = bench_servers.ServerSpec(
         model=tiny_model, max_model_len=1024, extra_args=["--enforce-eager"], env=engine_env
     )
     # The same four 128-token trace blocks twice (512 tokens, 16 blocks): the
@@ -41,12 +41,12 @@ def test_metrics_show_every_node_and_kvc_top_reads_them(
     prompts, _ = replay.make_prompts(
         trace, scale=4, vocab_size=replay.vocab_size_of(tiny_model) or 512
     )
-    with replay.server(config, spec, tmp_path / "serve.log") as base:
+    with bench_servers.server(config, spec, tmp_path / "serve.log") as base:
         before = scrape.nodes(scrape.fetch(base))
         # Listed before any request, at 0.
         assert before["cpu"].plugin == "offload-cpu"
         assert before["cpu"].counters["lookups"] == 0
-        result = replay.measure("cpu", base, prompts, concurrency=1, speedup=1.0, progress=False)
+        result = bench_run.measure("cpu", base, prompts, concurrency=1, speedup=1.0, progress=False)
         assert result.errors == 0, [r.error for r in result.records]
         text = _raw(base)
         samples = scrape.parse(text)

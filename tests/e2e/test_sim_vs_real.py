@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from composer import replay, scrape, simulate
+from composer import bench_run, bench_servers, replay, scrape, simulate
+from composer.model_size import bytes_per_block_from_config
+from composer.trace import read_trace
 from composer.validation import load_pipeline
 
 pytestmark = pytest.mark.e2e
@@ -37,7 +39,7 @@ def test_simulated_hit_rate_matches_a_real_engine(
 ) -> None:
     pipeline = tmp_path / "cpu.yaml"
     pipeline.write_text(PIPELINE)
-    trace = simulate.read_trace(TRACE, limit=REQUESTS)
+    trace = read_trace(TRACE, limit=REQUESTS)
     prompts, skipped = replay.make_prompts(
         trace,
         scale=SCALE,
@@ -51,7 +53,7 @@ def test_simulated_hit_rate_matches_a_real_engine(
     predicted = simulate.simulate(
         load_pipeline(pipeline),
         kept,
-        bytes_per_block=simulate.bytes_per_block_from_config(
+        bytes_per_block=bytes_per_block_from_config(
             Path(tiny_model) / "config.json", BLOCK_SIZE
         ),
         block_size=BLOCK_SIZE,
@@ -63,16 +65,16 @@ def test_simulated_hit_rate_matches_a_real_engine(
 
     # One request at a time, in trace order, as the simulator replays it; vLLM's
     # own prefix cache off, so every hit is the tier's.
-    config = replay.Config("cpu", pipeline, prefix_caching=False)
-    spec = replay.ServerSpec(
+    config = bench_servers.Config("cpu", pipeline, prefix_caching=False)
+    spec = bench_servers.ServerSpec(
         model=tiny_model,
         block_size=BLOCK_SIZE,
         max_model_len=MAX_MODEL_LEN,
         extra_args=["--enforce-eager"],
         env=engine_env,
     )
-    with replay.server(config, spec, tmp_path / "serve.log") as base:
-        result = replay.measure("cpu", base, prompts, concurrency=1, speedup=1.0, progress=False)
+    with bench_servers.server(config, spec, tmp_path / "serve.log") as base:
+        result = bench_run.measure("cpu", base, prompts, concurrency=1, speedup=1.0, progress=False)
         evictions = scrape.nodes(scrape.fetch(base))["cpu"].events.get("evictions", 0)
     assert result.errors == 0, [r.error for r in result.records if r.error][:3]
     assert result.prompt_tokens == predicted.prompt_tokens

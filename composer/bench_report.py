@@ -1,0 +1,166 @@
+"""``kvc bench``'s results: one configuration's requests and counters, and the report.
+
+:class:`RunResult` holds a run's records and the server's counters around it;
+``pool`` joins two runs of one configuration; the report is ``bench.md`` (a
+markdown table), ``bench.json`` (every request) and ``ttft-cdf.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from composer.replay import Record
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass
+class RunResult:
+    config: str
+    records: list[Record]
+    wall_s: float
+    skipped: int = 0
+    #: Prompt tokens the server counted (``vllm:prompt_tokens``) during the run.
+    prompt_tokens: float = 0.0
+    #: Prompt tokens vLLM's own prefix cache served during the run.
+    prefix_cache_tokens: float = 0.0
+    #: Requests vLLM preempted (its KV cache full) during the run; each recomputes or reloads.
+    preemptions: int = 0
+    #: Prompt tokens the KV connector loaded during the run, as vLLM counts them (all
+    #: nodes; a node that does not count its own loads shows here only).
+    connector_tokens: float = 0.0
+    #: Prompt tokens each KV Composer node loaded during the run, by node id.
+    node_tokens: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> list[Record]:
+        return [r for r in self.records if r.error is None]
+
+    @property
+    def errors(self) -> int:
+        return len(self.records) - len(self.ok)
+
+    def fraction(self, tokens: float) -> float:
+        return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        ok = self.ok
+        ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+        e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+        return {
+            "config": self.config,
+            "requests": len(self.records),
+            "errors": self.errors,
+            "skipped": self.skipped,
+            "preemptions": self.preemptions,
+            "wall_s": self.wall_s,
+            "ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
+            "e2e_s": {f"p{q}": percentile(e2e, q) for q in (50, 90, 99)},
+            "requests_per_s": len(ok) / self.wall_s if self.wall_s else 0.0,
+            "output_tokens_per_s": sum(r.output_tokens for r in ok) / self.wall_s
+            if self.wall_s
+            else 0.0,
+            "prompt_tokens": self.prompt_tokens,
+            "served": {
+                "vllm prefix cache": self.fraction(self.prefix_cache_tokens),
+                "connector": self.fraction(self.connector_tokens),
+                **{node: self.fraction(t) for node, t in self.node_tokens.items()},
+            },
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.summary(), "records": [asdict(r) for r in self.records]}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1000 * value:,.0f}"
+
+
+def markdown_table(results: Sequence[RunResult]) -> str:
+    lines = [
+        "| config | requests | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms "
+        "| e2e p90 ms | e2e p99 ms | req/s | output tok/s | preemptions | prompt tokens served |",
+        "| --- " + "| ---: " * 11 + "| --- |",
+    ]
+    for result in results:
+        s = result.summary()
+        served = ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["served"].items() if v) or "0%"
+        lines.append(
+            f"| {s['config']} | {s['requests']} | {s['errors']} | {_ms(s['ttft_s']['p50'])} "
+            f"| {_ms(s['ttft_s']['p90'])} | {_ms(s['ttft_s']['p99'])} "
+            f"| {_ms(s['e2e_s']['p50'])} | {_ms(s['e2e_s']['p90'])} | {_ms(s['e2e_s']['p99'])} "
+            f"| {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} "
+            f"| {s['preemptions']} | {served} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_ttft_cdf(path: Path, results: Sequence[RunResult]) -> None:
+    """A PNG of the TTFT CDF of every configuration (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for result in results:
+        ttft = sorted(1000 * r.ttft_s for r in result.ok if r.ttft_s is not None)
+        if not ttft:
+            continue
+        ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
+        ax.step(ttft, ys, where="post", label=result.config)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF per configuration")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def pool(a: RunResult, b: RunResult) -> RunResult:
+    """Two runs of one configuration as one: requests together, times and counts added."""
+    nodes = {
+        n: a.node_tokens.get(n, 0.0) + b.node_tokens.get(n, 0.0)
+        for n in {*a.node_tokens, *b.node_tokens}
+    }
+    return RunResult(
+        a.config,
+        a.records + b.records,
+        a.wall_s + b.wall_s,
+        skipped=a.skipped + b.skipped,
+        prompt_tokens=a.prompt_tokens + b.prompt_tokens,
+        prefix_cache_tokens=a.prefix_cache_tokens + b.prefix_cache_tokens,
+        connector_tokens=a.connector_tokens + b.connector_tokens,
+        preemptions=a.preemptions + b.preemptions,
+        node_tokens=nodes,
+    )
+
+
+def write_report(results: Sequence[RunResult], workdir: Path, plot: bool = True) -> list[Path]:
+    """``bench.md`` (the table), ``bench.json`` (every request) and ``ttft-cdf.png``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    table = workdir / "bench.md"
+    table.write_text(markdown_table(results) + "\n")
+    data = workdir / "bench.json"
+    data.write_text(json.dumps([r.as_dict() for r in results], indent=1) + "\n")
+    written = [table, data]
+    if plot:
+        png = workdir / "ttft-cdf.png"
+        plot_ttft_cdf(png, results)
+        written.append(png)
+    return written

@@ -1,0 +1,161 @@
+"""The servers ``kvc bench`` measures: one per configuration, health-checked, stopped.
+
+A configuration is ``none`` (no connector, no prefix cache), ``prefix`` (vLLM's
+prefix cache only) or a pipeline file (``kvc serve`` with it). Each server runs
+on a free loopback port in its own process group, and is always stopped with
+everything it started, also when the body of :func:`server` fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from composer.replay import BenchError
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one server runs: ``none``, ``prefix``, or a pipeline file."""
+
+    name: str
+    pipeline: Path | None = None
+    prefix_caching: bool = True
+
+    @classmethod
+    def parse(cls, text: str) -> Config:
+        if text == "none":
+            return cls("none", None, prefix_caching=False)
+        if text == "prefix":
+            return cls("prefix", None, prefix_caching=True)
+        path = Path(text)
+        if not path.is_file():
+            raise BenchError(
+                f"--config {text!r}: not 'none', 'prefix' or a pipeline file that exists"
+            )
+        return cls(path.stem, path, prefix_caching=True)
+
+
+@dataclass
+class ServerSpec:
+    model: str
+    block_size: int = 32
+    max_model_len: int = 4096
+    #: vLLM's own KV cache in blocks (--num-gpu-blocks-override); None: VLLM_CPU_KVCACHE_SPACE.
+    num_blocks: int | None = None
+    kv_cache_gib: float = 1
+    threads_bind: str = "0-1"
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(config: Config, spec: ServerSpec, port: int) -> list[str]:
+    args = [
+        spec.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--block-size",
+        str(spec.block_size),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--enable-prompt-tokens-details",
+        "--seed",
+        "0",
+        "--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if spec.num_blocks is not None:
+        args += ["--num-gpu-blocks-override", str(spec.num_blocks)]
+    args += spec.extra_args
+    if config.pipeline is None:
+        from composer.serve import vllm_command
+
+        return [*vllm_command(), "serve", *args]
+    kvc = Path(sys.executable).with_name("kvc")
+    launcher = [str(kvc)] if kvc.exists() else [sys.executable, "-m", "composer.cli"]
+    return [*launcher, "serve", str(config.pipeline), "--", *args]
+
+
+@contextlib.contextmanager
+def server(config: Config, spec: ServerSpec, log_path: Path) -> Iterator[str]:
+    """A server for ``config`` on a free loopback port, healthy; yields its base URL.
+    Always stopped (with everything it started), also when the body fails."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": spec.threads_bind,
+        "TOKENIZERS_PARALLELISM": "false",
+        **spec.env,
+    }
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            server_command(config, spec, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(base, proc, log_path, spec.startup_timeout_s)
+            yield base
+        finally:
+            stop(proc)
+
+
+def wait_healthy(base: str, proc: subprocess.Popen[Any], log_path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise BenchError(f"server exited with {proc.returncode}; log tail:\n{tail}")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise BenchError(
+                    f"server not healthy after {timeout:.0f} s; see {log_path}"
+                ) from None
+            time.sleep(1)
+
+
+def stop(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM to the API server first (vLLM then stops its engine and unlinks its
+    shared memory); whatever outlives that, its whole process group, is killed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)

@@ -1,0 +1,96 @@
+"""What every ``kvc`` command shares: exit codes, the two user-facing errors, loading
+a pipeline (a file or stdin), and small text and JSON helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any, TextIO
+
+from pydantic_core import to_jsonable_python
+
+from composer.discovery import Registry
+from composer.errors import PipelineInvalid, Problem
+from composer.export import CONNECTOR_NAME, as_multiconnector
+from composer.loader import FileProblem, read_pipeline_stream
+from composer.pipeline import ResolvedNode, ResolvedPipeline
+from composer.validation import load_pipeline, validate_text
+
+EXIT_OK = 0
+EXIT_ENVIRONMENT = 1
+EXIT_INVALID = 2
+
+
+class CommandError(Exception):
+    """A user-facing failure that is not about a pipeline's contents (exit 2)."""
+
+
+class MissingRuntime(Exception):
+    """A command needs vLLM (or torch) and it is not importable here (exit 1)."""
+
+
+def load(file: str, registry: Registry) -> ResolvedPipeline:
+    if file == "-":
+        try:
+            # Bytes, decoded strictly: the locale's decoder may keep bad bytes as surrogates.
+            text = read_pipeline_stream(sys.stdin.buffer)
+        except FileProblem as exc:
+            message = exc.message.replace("pipeline file", "input")
+            raise PipelineInvalid(
+                [Problem((), message, "<stdin>", exc.line, exc.column)]
+            ) from None
+        except OSError as exc:
+            raise PipelineInvalid(
+                [Problem((), f"cannot read input: {exc.strerror or exc}", "<stdin>")]
+            ) from None
+        return validate_text(text, file="<stdin>", registry=registry)
+    return load_pipeline(file, registry=registry)
+
+
+def print_problems(problems: Sequence[Problem], stream: TextIO) -> None:
+    for problem in problems:
+        print(problem, file=stream)
+
+
+def plugin_label(node: ResolvedNode) -> str:
+    """Raw (user text included): callers escape it for their output."""
+    if node.plugin.name == "vllm":
+        return f"vllm ({getattr(node.config, 'connector', '?')})"
+    return str(node.plugin.name)
+
+
+def runs_as(pipeline: ResolvedPipeline) -> str:
+    return "MultiConnector" if as_multiconnector(pipeline) else CONNECTOR_NAME
+
+
+def disabled_nodes(pipeline: ResolvedPipeline) -> list[str]:
+    nodes = pipeline.source.get("nodes", {})
+    return [n for n, s in nodes.items() if isinstance(s, dict) and s.get("enabled") is False]
+
+
+
+def dump(data: Any) -> str:
+    return json.dumps(to_jsonable_python(data, fallback=str), indent=2, sort_keys=False)
+
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
+
+@contextlib.contextmanager
+def needs_runtime(what: str) -> Iterator[None]:
+    """Turn a missing vLLM / torch into a one-line hint instead of a traceback."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("vllm", "torch"):
+            raise
+        raise MissingRuntime(
+            f"{what} needs vLLM ({exc}); install it with "
+            "`pip install 'kv-composer[vllm]'` or run `make demo`"
+        ) from None
+

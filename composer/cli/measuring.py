@@ -1,0 +1,176 @@
+"""``kvc simulate`` and ``kvc bench``: predict hit rates on a trace with no engine, and
+measure them on real servers.
+
+Their modules (:mod:`composer.simulate`, :mod:`composer.bench_run`, ...) are
+imported inside the commands, so that the other commands never load them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+from composer.cli.common import EXIT_INVALID, EXIT_OK, CommandError, dump, load
+from composer.discovery import discover
+from composer.errors import escape
+from composer.pipeline import ResolvedPipeline
+
+if TYPE_CHECKING:
+    from composer.bench_run import BenchSpec
+    from composer.trace import TraceRequest
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from composer import simulate as sim
+    from composer import trace as traces
+
+    pipeline = load(args.file, discover())
+    try:
+        bpb = _bytes_per_block(args)
+        trace = traces.read_trace(args.trace)
+        kwargs: dict[str, Any] = {
+            "bytes_per_block": bpb,
+            "block_size": args.block_size,
+            "trace_block_tokens": args.trace_block_tokens,
+            "vllm_cache_blocks": args.vllm_cache_blocks,
+            "trace_name": os.path.basename(args.trace),
+            "exact": args.exact,
+        }
+        if args.sweep is None:
+            text = _simulate_once(args, pipeline, trace, kwargs)
+        else:
+            text = _simulate_sweep(args, pipeline, trace, kwargs)
+    except traces.TraceError as exc:
+        print(escape(str(exc)), file=sys.stderr)
+        return EXIT_INVALID
+    except (sim.SimulateError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    if args.output:
+        try:
+            Path(args.output).write_text(text + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise CommandError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    else:
+        print(text)
+    return EXIT_OK
+
+
+def _bytes_per_block(args: argparse.Namespace) -> int:
+    if args.bytes_per_block is not None:
+        try:
+            return int(TypeAdapter(ByteSize).validate_python(args.bytes_per_block))
+        except ValidationError:
+            raise CommandError(
+                f"--bytes-per-block: not a size: {args.bytes_per_block!r} (e.g. 2MiB)"
+            ) from None
+    if args.model_config is not None:
+        from composer.model_size import bytes_per_block_from_config
+
+        return bytes_per_block_from_config(args.model_config, args.block_size)
+    raise CommandError("kvc simulate needs --bytes-per-block or --model-config")
+
+
+def _simulate_once(
+    args: argparse.Namespace,
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    kwargs: dict[str, Any],
+) -> str:
+    from composer.sim_report import format_result
+    from composer.simulate import simulate
+
+    result = simulate(pipeline, trace, **kwargs)
+    return dump(result.as_dict()) if args.json else format_result(result)
+
+
+def _simulate_sweep(
+    args: argparse.Namespace,
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    kwargs: dict[str, Any],
+) -> str:
+    from composer.sim_report import format_sweep, plot_sweep
+    from composer.simulate import parse_sweep, sweep
+
+    name, values = parse_sweep(args.sweep)
+    results = sweep(pipeline, trace, name, values, **kwargs)
+    png = Path(args.output).with_suffix(".png") if args.output else Path(
+        "kvc-simulate-sweep.png"
+    )
+    plot_sweep(png, name, values, results)
+    print(f"wrote {png}", file=sys.stderr)
+    if args.json:
+        return dump({"sweep": name, "values": values, "plot": str(png),
+                     "results": [r.as_dict() for r in results]})
+    return format_sweep(name, values, results)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from composer import bench_report, bench_run, replay
+    from composer import trace as traces
+
+    try:
+        trace = traces.read_trace(args.trace, limit=args.limit)
+    except traces.TraceError as exc:
+        print(escape(str(exc)), file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        spec = _bench_spec(args, trace)
+        results = bench_run.run(spec)
+        written = bench_report.write_report(results, spec.workdir, plot=not args.no_plot)
+    except replay.BenchError as exc:
+        raise CommandError(str(exc)) from None
+    if args.json:
+        print(dump([r.summary() for r in results]))
+    else:
+        print(bench_report.markdown_table(results))
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return EXIT_OK
+
+
+def _bench_spec(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> BenchSpec:
+    from composer.bench_run import BenchSpec
+    from composer.bench_servers import Config, ServerSpec
+    from composer.replay import BenchError, trace_block_tokens
+
+    trace_block_tokens(args.scale)  # refused before any server starts
+    if (args.model is None) == (args.url is None):
+        raise BenchError("kvc bench needs exactly one of --model and --url")
+    if args.url is not None and args.config:
+        raise BenchError("--config starts servers: give --model, not --url")
+    configs = [Config.parse(c) for c in (args.config or ["none", "prefix"])]
+    if args.pipeline_prefix_cache == "off":
+        configs = [
+            Config(c.name, c.pipeline, prefix_caching=False) if c.pipeline else c
+            for c in configs
+        ]
+    server = None
+    if args.model is not None:
+        server = ServerSpec(
+            model=args.model,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            num_blocks=args.num_gpu_blocks,
+            kv_cache_gib=args.kv_cache_gib,
+            extra_args=list(args.vllm_arg or []),
+        )
+    return BenchSpec(
+        trace=trace,
+        configs=configs,
+        server=server,
+        url=args.url,
+        scale=args.scale,
+        concurrency=args.concurrency,
+        speedup=args.speedup,
+        max_output_tokens=args.max_output_tokens,
+        vocab_size=args.vocab_size,
+        workdir=Path(args.output),
+        progress=not args.no_progress,
+        rounds=args.rounds,
+    )

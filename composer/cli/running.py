@@ -1,0 +1,36 @@
+"""``kvc serve``, ``kvc demo`` and ``kvc top``: commands that run or watch a vLLM server.
+
+vLLM is imported inside the command, never at import time: ``kvc --help`` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from composer.cli.common import CommandError, needs_runtime
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    vllm_args = list(args.vllm_args)
+    if vllm_args[:1] == ["--"]:
+        vllm_args = vllm_args[1:]
+    with needs_runtime("kvc serve"):
+        from composer.serve import serve
+    return serve(args.file, vllm_args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    with needs_runtime("kvc demo"):
+        from composer.demo import main as demo_main
+    return demo_main(args.file)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from composer import top
+
+    if args.interval <= 0:
+        raise CommandError(f"--interval must be > 0, got {args.interval}")
+    try:
+        return top.run(args.url, interval=args.interval, once=args.once)
+    except OSError as exc:
+        raise CommandError(f"cannot scrape {args.url}: {exc}") from None

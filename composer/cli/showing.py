@@ -1,0 +1,190 @@
+"""``kvc graph`` and ``kvc plugins``: draw a pipeline (text, Mermaid or JSON) and
+list the installed plugin types with their config options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from pydantic import ByteSize
+from pydantic_core import to_jsonable_python
+
+from composer.cli.common import EXIT_OK, disabled_nodes, dump, load, plugin_label, runs_as
+from composer.discovery import discover
+from composer.errors import escape
+from composer.pipeline import ResolvedPipeline
+from composer.plugin_types import Capabilities, PluginType
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    pipeline = load(args.file, discover())
+    if args.json:
+        print(dump(_graph_data(pipeline)))
+    elif args.format == "mermaid":
+        print(_mermaid(pipeline))
+    else:
+        print(_graph_text(pipeline))
+    return EXIT_OK
+
+
+def _graph_data(p: ResolvedPipeline) -> dict[str, Any]:
+    return {
+        "file": p.file,
+        "kv_role": p.kv_role,
+        "hma": p.hma,
+        "runs_as": runs_as(p),
+        "nodes": [
+            {
+                "id": n.id,
+                "plugin": n.plugin.name,
+                "connector": getattr(n.config, "connector", None)
+                if n.plugin.name == "vllm"
+                else None,
+                "role": n.role,
+                "needs": list(n.needs),
+                "on_error": n.on_error,
+            }
+            for n in p.nodes
+        ],
+        "disabled": disabled_nodes(p),
+        "load_order": list(p.load_order),
+        "load_policy": p.load_policy,
+        "save_to": list(p.save_to),
+    }
+
+
+def _graph_text(p: ResolvedPipeline) -> str:
+    labels = {n.id: escape(plugin_label(n)) for n in p.nodes}
+    id_width = max((len(n.id) for n in p.nodes), default=0)
+    plugin_width = max((len(label) for label in labels.values()), default=0)
+    lines = [
+        f"pipeline {escape(p.file)}",
+        f"  kv_role {p.kv_role}, hma {'on' if p.hma else 'off'}, runs as {runs_as(p)}",
+        "",
+        "nodes (dependency order):",
+    ]
+    for n in p.nodes:
+        row = f"  {n.id:<{id_width}}  {labels[n.id]:<{plugin_width}}  role {n.role}"
+        if n.on_error != "fail":
+            row += f", on_error {n.on_error}"
+        if n.needs:
+            row += f", needs {', '.join(n.needs)}"
+        lines.append(row)
+    disabled = disabled_nodes(p)
+    if disabled:
+        lines.append(f"  disabled: {', '.join(disabled)}")
+    lines += [
+        "",
+        f"load order ({p.load_policy}): {' -> '.join(p.load_order) or '(none)'}",
+        f"save to: {', '.join(p.save_to) or '(none)'}",
+    ]
+    return "\n".join(lines)
+
+
+_MERMAID_SAFE = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-.,:()"
+)
+
+
+def mermaid_text(text: str) -> str:
+    """Text for inside a quoted Mermaid label: anything but letters, digits and a
+    little punctuation becomes an entity code (``#34;``), so a name cannot close
+    the label, start a new statement (``click``, ``%%{init}%%``) or carry HTML."""
+    return "".join(c if c in _MERMAID_SAFE else f"#{ord(c)};" for c in text)
+
+
+def _mermaid(p: ResolvedPipeline) -> str:
+    # Mermaid ids are positional: node ids may contain '-', which Mermaid reads as an edge.
+    ids = {n.id: f"n{i}" for i, n in enumerate(p.nodes)}
+    lines = ["flowchart LR"]
+    for n in p.nodes:
+        label = "<br/>".join(
+            mermaid_text(part) for part in (n.id, plugin_label(n), f"role: {n.role}")
+        )
+        lines.append(f'  {ids[n.id]}["{label}"]')
+    for n in p.nodes:
+        for dep in n.needs:
+            if dep in ids:
+                lines.append(f"  {ids[n.id]} -. needs .-> {ids[dep]}")
+    if p.load_order:
+        lines.append(f'  load(["load: {p.load_policy}"])')
+        for i, node_id in enumerate(p.load_order, 1):
+            lines.append(f"  load -->|{i}| {ids[node_id]}")
+    if p.save_to:
+        lines.append('  save(["save"])')
+        for node_id in p.save_to:
+            lines.append(f"  save --> {ids[node_id]}")
+    return "\n".join(lines)
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    registry = discover()
+    data = [_plugin_data(t) for t in registry.types.values()]
+    if args.json:
+        print(dump(data))
+        return EXIT_OK
+    for i, (ptype, info) in enumerate(zip(registry.types.values(), data, strict=True)):
+        if i:
+            print()
+        origin = " ".join(x for x in (info["package"], info["version"]) if x) or "unknown package"
+        print(escape(f"{info['name']}  ({origin})"))
+        if info["description"]:
+            print(f"  {escape(info['description'])}")
+        print(f"  roles: {', '.join(info['roles'])} (default {info['default_role']})")
+        print(f"  runs in: {', '.join(info['vllm_roles'])}")
+        classes = info["classes"]
+        if len(set(classes.values())) == 1:
+            print(escape(f"  class: {next(iter(classes.values()))}"))
+        else:
+            print(escape(f"  classes: {', '.join(f'{k} {v}' for k, v in classes.items())}"))
+        caps = info["capabilities"]
+        if isinstance(caps, str):
+            print(f"  capabilities: {caps}")
+        else:
+            shown = [k if v is True else f"{k}={_show(v)}" for k, v in caps.items() if v]
+            print(f"  capabilities: {', '.join(shown) or '(none)'}")
+        fields = ptype.config_fields()
+        if not fields:
+            print("  config: (no options)")
+            continue
+        print("  config:")
+        width = max(len(name) for name in fields)
+        for name, f in fields.items():
+            default = "required" if f["required"] else f"default {_show(f['default'])}"
+            desc = f"  {f['description']}" if f["description"] else ""
+            print(escape(f"    {name:<{width}}  {f['type']}, {default}{desc}"))
+    return EXIT_OK
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, ByteSize):
+        return value.human_readable()
+    if isinstance(value, list | tuple | set | frozenset):
+        return "[" + ", ".join(str(v) for v in sorted(value, key=str)) + "]"
+    return json.dumps(to_jsonable_python(value, fallback=str))
+
+
+def _plugin_data(t: PluginType) -> dict[str, Any]:
+    classes = {
+        role: ref if isinstance(ref, str) else f"{ref.__module__}:{ref.__qualname__}"
+        for role, ref in t.class_refs().items()
+    }
+    capabilities: Any = (
+        t.capabilities.model_dump(mode="json")
+        if isinstance(t.capabilities, Capabilities)
+        else "depends on the node's config"
+    )
+    return {
+        "name": t.name,
+        "package": t.package,
+        "version": t.version,
+        "description": t.description,
+        # The class of each vLLM process the node runs in.
+        "classes": classes,
+        "roles": sorted(t.roles),
+        "default_role": t.default_role,
+        "vllm_roles": sorted(t.vllm_roles),
+        "capabilities": capabilities,
+        "config": to_jsonable_python(t.config_fields(), fallback=str),
+    }
