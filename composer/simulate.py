@@ -20,9 +20,10 @@ A plugin type brings its own model through ``PluginType.simulator``
 prediction cannot drift from the product. Nodes whose type has none are shown
 as not modelled and never hit.
 
-Traces and their block keys are :mod:`composer.trace`'s; the tables and the
-sweep's plot are :mod:`composer.sim_report`'s; bytes per block from a model's
-``config.json`` is :mod:`composer.model_size`'s.
+Traces and their block keys are :mod:`composer.trace`'s; a sweep's runs
+:mod:`composer.sim_sweep`'s; the tables and the sweep's plot
+:mod:`composer.sim_report`'s; bytes per block from a model's ``config.json``
+:mod:`composer.model_size`'s.
 """
 
 from __future__ import annotations
@@ -374,29 +375,3 @@ def _with_overrides(node: ResolvedNode, overrides: dict[str, Any]) -> BaseModel:
         raise SimulateError(
             f"--sweep: node {node.id!r}: {'.'.join(map(str, first['loc']))}: {first['msg']}"
         ) from None
-
-
-def parse_sweep(text: str) -> tuple[str, list[str]]:
-    name, sep, values = text.partition("=")
-    items = [v.strip() for v in values.split(",") if v.strip()]
-    if not sep or not name.strip() or not items:
-        raise SimulateError(f"--sweep: expected FIELD=V1,V2,..., got {text!r}")
-    return name.strip(), items
-
-
-def sweep(
-    pipeline: ResolvedPipeline,
-    trace: Sequence[TraceRequest],
-    field_name: str,
-    values: Sequence[str],
-    **kwargs: Any,
-) -> list[Result]:
-    touched = [
-        n.id for n in pipeline.nodes
-        if getattr(n.plugin, "simulator", None) and field_name in type(n.config).model_fields
-    ]
-    if not touched:
-        raise SimulateError(f"--sweep: no modelled node has a config field {field_name!r}")
-    return [
-        simulate(pipeline, trace, overrides={field_name: v}, **kwargs) for v in values
-    ]

@@ -96,7 +96,7 @@ def _simulate_sweep(
     kwargs: dict[str, Any],
 ) -> str:
     from composer.sim_report import format_sweep, plot_sweep
-    from composer.simulate import parse_sweep, sweep
+    from composer.sim_sweep import parse_sweep, sweep
 
     name, values = parse_sweep(args.sweep)
     results = sweep(pipeline, trace, name, values, **kwargs)

@@ -139,25 +139,7 @@ def add_simulate(sub: Subparsers) -> None:
     )
     p.add_argument("file", metavar="PIPELINE")
     p.add_argument("trace", metavar="TRACE", help="Mooncake-format JSONL trace")
-    p.add_argument(
-        "--bytes-per-block", metavar="SIZE",
-        help="bytes of one KV block, all layers (e.g. 2MiB)",
-    )
-    p.add_argument(
-        "--model-config", metavar="CONFIG_JSON",
-        help="a Hugging Face config.json: bytes per block = layers x 2 x kv_heads x head_dim "
-        "x dtype bytes x block size",
-    )
-    p.add_argument(
-        "--block-size", type=int, default=32,
-        help="vLLM's block size in tokens (default 32, as vLLM's CPU backend needs a "
-        "multiple of 32; vLLM's GPU default is 16)",
-    )
-    p.add_argument(
-        "--trace-block-tokens", type=int, default=512,
-        help="tokens one trace hash id stands for (default 512, the trace's own); fewer "
-        "rescales every length by the same factor, like a scaled replay",
-    )
+    _add_simulate_size_options(p)
     p.add_argument(
         "--vllm-cache-blocks", type=int, default=0, metavar="N",
         help="model vLLM's own prefix cache of N blocks as a first tier (default 0: none)",
@@ -178,6 +160,29 @@ def add_simulate(sub: Subparsers) -> None:
         "(default kvc-simulate-sweep.png)",
     )
     _add_json(p)
+
+
+def _add_simulate_size_options(p: argparse.ArgumentParser) -> None:
+    """How big a block is, in bytes and in tokens (vLLM's and the trace's)."""
+    p.add_argument(
+        "--bytes-per-block", metavar="SIZE",
+        help="bytes of one KV block, all layers (e.g. 2MiB)",
+    )
+    p.add_argument(
+        "--model-config", metavar="CONFIG_JSON",
+        help="a Hugging Face config.json: bytes per block = layers x 2 x kv_heads x head_dim "
+        "x dtype bytes x block size",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=32,
+        help="vLLM's block size in tokens (default 32, as vLLM's CPU backend needs a "
+        "multiple of 32; vLLM's GPU default is 16)",
+    )
+    p.add_argument(
+        "--trace-block-tokens", type=int, default=512,
+        help="tokens one trace hash id stands for (default 512, the trace's own); fewer "
+        "rescales every length by the same factor, like a scaled replay",
+    )
 
 
 def add_bench(sub: Subparsers) -> None:
