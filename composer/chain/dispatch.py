@@ -123,6 +123,39 @@ def call_each_passing_kwargs(hook: str, calls: Calls, fault: Fault) -> Call:
     return each_passing_kwargs
 
 
+def call_each_or_pass_kwargs(hook: str, calls: Calls, fault: Fault, arity: int) -> Call:
+    """:func:`call_each` (fixed arguments, no wrapper) for vLLM's usual call; a call
+    with keyword arguments goes to :func:`call_each_passing_kwargs`."""
+    each = call_each(hook, calls, fault, arity)
+    passing = call_each_passing_kwargs(hook, calls, fault)
+    if arity == 3:
+
+        def each3_or_kwargs(a: Any, b: Any, c: Any, **kwargs: Any) -> None:
+            if kwargs:
+                passing(a, b, c, **kwargs)
+            else:
+                each(a, b, c)
+
+        return each3_or_kwargs
+    if arity == 1:
+
+        def each1_or_kwargs(a: Any, **kwargs: Any) -> None:
+            if kwargs:
+                passing(a, **kwargs)
+            else:
+                each(a)
+
+        return each1_or_kwargs
+
+    def each_or_kwargs(*args: Any, **kwargs: Any) -> None:
+        if kwargs:
+            passing(*args, **kwargs)
+        else:
+            each(*args)
+
+    return each_or_kwargs
+
+
 def call_each_timed(hook: str, calls: Calls, fault: Fault, stats: dict[str, NodeStats]) -> Call:
     """:func:`call_each`, adding each node's time to its ``hook_seconds``."""
     clock = time.perf_counter

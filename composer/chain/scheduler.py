@@ -33,7 +33,7 @@ class SchedulerSide(ChainBase):
         self.build_connector_meta = self._make_build_connector_meta()
 
     def _make_build_connector_meta(self) -> Callable[[Any], ChainMetadata]:
-        fault = self.fault
+        fault, metadata_type = self.fault, self.metadata_type
         if "step" in self.lists.wanted["build_connector_meta"]:
             # Some node names the step view: every node gets the spec's arguments.
             wants_step = True
@@ -64,20 +64,22 @@ class SchedulerSide(ChainBase):
                     except Exception as exc:
                         fault(node_id, "build_connector_meta", exc)
                         per_node[node_id] = None
-            return self._step_metadata(per_node)
+            meta = metadata_type(per_node, None, self.pending_loads)
+            self.pending_loads = {}
+            if self.new_holds or self.new_async_loads or self.disabled:
+                self._step_decisions(meta)
+            return meta
 
         return build_connector_meta
 
-    def _step_metadata(self, per_node: dict[str, Any]) -> ChainMetadata:
-        meta = self.metadata_type(per_node=per_node, loads=self.pending_loads)
-        self.pending_loads = {}
+    def _step_decisions(self, meta: ChainMetadata) -> None:
+        """What the workers must follow this step: holds, async loads, switch-offs."""
         if self.new_holds:
             meta.holds, self.new_holds = self.new_holds, {}
         if self.new_async_loads:
             meta.async_loads, self.new_async_loads = self.new_async_loads, {}
         if self.disabled:
             meta.disabled = frozenset(self.disabled)
-        return meta
 
     # -- once ------------------------------------------------------------------ #
 

@@ -40,7 +40,9 @@ class WorkerSide(ChainBase):
                 each = dispatch.call_each_timed(hook, calls[hook], fault, self.stats)
             elif any(takes_kwargs(fn) for _, fn in calls[hook]):
                 # A native connector takes vLLM's keyword arguments (0.32.0 passes none).
-                each = dispatch.call_each_passing_kwargs(hook, calls[hook], fault)
+                each = dispatch.call_each_or_pass_kwargs(
+                    hook, calls[hook], fault, len(self.lists.spec_args[hook])
+                )
             else:
                 each = dispatch.call_each(hook, calls[hook], fault, len(self.lists.spec_args[hook]))
             setattr(self, hook, each)
@@ -50,8 +52,8 @@ class WorkerSide(ChainBase):
         self.bind_connector_metadata = self._make_bind_connector_metadata()
         # vLLM passes keyword arguments (0.32.0: none yet; later versions do) that a
         # native connector takes as **kwargs: they reach every callable that takes them.
-        self.start_load_kv = dispatch.call_each_passing_kwargs(
-            "start_load_kv", calls["start_load_kv"], fault
+        self.start_load_kv = dispatch.call_each_or_pass_kwargs(
+            "start_load_kv", calls["start_load_kv"], fault, 1
         )
         self.clear_connector_metadata = self._make_clear_connector_metadata()
         self.get_transfer_results = self._make_get_transfer_results()
@@ -73,16 +75,23 @@ class WorkerSide(ChainBase):
 
     def _make_bind_connector_metadata(self) -> Callable[[ChainMetadata], None]:
         off = frozenset(self.disabled)
-        each_node = self._make_per_node_call("bind_connector_metadata")
+        calls, fault = self.calls["bind_connector_metadata"], self.fault
 
         def bind_connector_metadata(metadata: ChainMetadata) -> None:
             if metadata.disabled and not metadata.disabled <= off:
                 for node_id in sorted(metadata.disabled - off):
                     self.switch_off(node_id, "switched off in the scheduler")
                 return self.bind_connector_metadata(metadata)  # re-bound without them
-            self._take_holds_and_loads(metadata, off)
+            if metadata.holds or metadata.async_loads or off:
+                self._take_holds_and_loads(metadata, off)
+            self.step_loads = metadata.loads
             self.metadata = metadata
-            each_node(metadata)
+            per_node = metadata.per_node
+            for node_id, fn in calls:  # (inline: a call per step costs more)
+                try:
+                    fn(per_node.get(node_id))
+                except Exception as exc:
+                    fault(node_id, "bind_connector_metadata", exc)
 
         return bind_connector_metadata
 
@@ -101,20 +110,22 @@ class WorkerSide(ChainBase):
                     self.failed_recving.add(req_id)
                 else:
                     ledger.loading(node_id, req_id)
-        loads = self.step_loads = metadata.loads
+        loads = metadata.loads
         for node_id in off:
             # A switched-off node loads nothing: vLLM recomputes what it was to load.
             self.load_error_blocks |= loads.get(node_id, set())
 
     def _make_clear_connector_metadata(self) -> Callable[[], None]:
-        each_node = dispatch.call_each(
-            "clear_connector_metadata", self.calls["clear_connector_metadata"], self.fault, 0
-        )
+        calls, fault = self.calls["clear_connector_metadata"], self.fault
 
         def clear_connector_metadata() -> None:
             self.step_loads = {}
             self.metadata = None
-            each_node()
+            for node_id, fn in calls:  # (inline: a call per step costs more)
+                try:
+                    fn()
+                except Exception as exc:
+                    fault(node_id, "clear_connector_metadata", exc)
 
         return clear_connector_metadata
 
@@ -130,7 +141,9 @@ class WorkerSide(ChainBase):
         results_type, fault, ledger = self.transfer_results_type, self.fault, self.ledger
 
         def get_transfer_results(finished_req_ids: set[str]) -> Any:
-            results = self._chain_own_results(results_type())
+            results = results_type()
+            if self.released or self.failed_recving:
+                self._chain_own_results(results)
             for node_id, fn, is_direct in entries:
                 try:
                     if is_direct:
@@ -152,7 +165,7 @@ class WorkerSide(ChainBase):
 
         return get_transfer_results
 
-    def _chain_own_results(self, results: Any) -> Any:
+    def _chain_own_results(self, results: Any) -> None:
         if self.released:
             # Held only by nodes that were switched off.
             results.finished_sending.update(self.released)
@@ -162,7 +175,6 @@ class WorkerSide(ChainBase):
             results.finished_recving.update(self.failed_recving)
             results.failed_recving.update(self.failed_recving)
             self.failed_recving = set()
-        return results
 
     def _make_get_block_ids_with_load_errors(self) -> Callable[[], set[int]]:
         calls, fault = self.calls["get_block_ids_with_load_errors"], self.fault

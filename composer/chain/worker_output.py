@@ -48,6 +48,13 @@ class WorkerOutput(ChainBase):
 
         def update_native_only(connector_output: Any) -> None:
             chain_meta = connector_output.kv_connector_worker_meta
+            if chain_meta is None:  # no worker metadata this step: nothing to swap
+                for node_id, fn in calls:
+                    try:
+                        fn(connector_output)
+                    except Exception as exc:
+                        fault(node_id, "update_connector_output", exc)
+                return
             # (Inline: a call per step costs more than this check.)
             if chain_meta is not None and chain_meta.disabled and follow_workers(connector_output):
                 self.update_connector_output(connector_output)  # re-bound

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, cast
 
 import structlog
@@ -68,15 +67,30 @@ class ComposedWorkerMetadata(ChainWorkerMetadata, KVConnectorWorkerMetadata):  #
     """ChainWorkerMetadata.aggregate merges per node and keeps this type."""
 
 
-def _chain_hook(name: str) -> Any:
-    """The chain's current dispatch for ``name``, read on each access.
+class _ChainDispatch:
+    """A per-layer or per-step method: the chain's current dispatch for it.
 
-    vLLM's per-layer and per-step calls go straight to the chain's bound
-    dispatch: no method of ours in between (a C-level property and attribute
-    lookup), and a node switched off is gone at the next call with nothing to
-    re-bind here. The chain takes vLLM's arguments and builds vLLM's result types.
+    vLLM's calls go straight to the chain's bound dispatch, with no method of
+    ours in between: the first access caches it on the instance (a non-data
+    descriptor, as ``functools.cached_property``), and the chain's re-binding
+    (a node switched off) drops the cache. The chain takes vLLM's arguments and
+    builds vLLM's result types.
     """
-    return property(attrgetter(f"chain.{name}"), doc=f"The chain's ``{name}`` dispatch.")
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, connector: Any, owner: type | None = None) -> Any:
+        if connector is None:
+            return self
+        dispatch = getattr(connector.chain, self.name)
+        connector.__dict__[self.name] = dispatch
+        return dispatch
+
+
+def _chain_hook() -> Any:
+    # Typed Any: it stands in for the base class's method of the same name.
+    return _ChainDispatch()  # name set by __set_name__
 
 
 class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
@@ -128,6 +142,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             for node_id, node in self.chain.nodes.items()
             if isinstance(node, NativeConnectorNode)
         }
+        self.chain.on_rebind.append(self._forget_dispatch)
         self._model_delivered = False
         log.info(
             "composed connector ready",
@@ -139,6 +154,11 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         )
         if vllm_role == "worker":
             self._deliver_model()
+
+    def _forget_dispatch(self) -> None:
+        for name, attr in vars(ComposedConnector).items():
+            if isinstance(attr, _ChainDispatch):
+                self.__dict__.pop(name, None)
 
     # ------------------------------------------------------------------ #
     # properties
@@ -242,19 +262,19 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     # worker: per step
     # ------------------------------------------------------------------ #
 
-    wait_for_layer_load = _chain_hook("wait_for_layer_load")
-    save_kv_layer = _chain_hook("save_kv_layer")
-    handle_preemptions = _chain_hook("handle_preemptions")
-    bind_connector_metadata = _chain_hook("bind_connector_metadata")
-    clear_connector_metadata = _chain_hook("clear_connector_metadata")
-    start_load_kv = _chain_hook("start_load_kv")
-    wait_for_save = _chain_hook("wait_for_save")
-    finish_forward = _chain_hook("finish_forward")
-    get_transfer_results = _chain_hook("get_transfer_results")
-    get_block_ids_with_load_errors = _chain_hook("get_block_ids_with_load_errors")
-    build_connector_worker_meta = _chain_hook("build_connector_worker_meta")
-    get_kv_connector_stats = _chain_hook("get_kv_connector_stats")
-    get_kv_connector_kv_cache_events = _chain_hook("get_kv_connector_kv_cache_events")
+    wait_for_layer_load = _chain_hook()
+    save_kv_layer = _chain_hook()
+    handle_preemptions = _chain_hook()
+    bind_connector_metadata = _chain_hook()
+    clear_connector_metadata = _chain_hook()
+    start_load_kv = _chain_hook()
+    wait_for_save = _chain_hook()
+    finish_forward = _chain_hook()
+    get_transfer_results = _chain_hook()
+    get_block_ids_with_load_errors = _chain_hook()
+    build_connector_worker_meta = _chain_hook()
+    get_kv_connector_stats = _chain_hook()
+    get_kv_connector_kv_cache_events = _chain_hook()
 
     def has_connector_metadata(self) -> bool:
         # vLLM asks this per layer; the chain holds the step's metadata.
@@ -309,11 +329,11 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         self.chain.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    build_connector_meta = _chain_hook("build_connector_meta")
-    update_connector_output = _chain_hook("update_connector_output")
-    take_events = _chain_hook("take_events")
-    has_pending_block_frees = _chain_hook("has_pending_block_frees")
-    has_pending_push_work = _chain_hook("has_pending_push_work")
+    build_connector_meta = _chain_hook()
+    update_connector_output = _chain_hook()
+    take_events = _chain_hook()
+    has_pending_block_frees = _chain_hook()
+    has_pending_push_work = _chain_hook()
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -295,8 +295,8 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
 
     def _observe_counters(self, node_id: str, entry: dict[str, Any], engine_idx: int) -> None:
         counters = entry.get("counters")
-        if not isinstance(counters, dict):
-            return
+        if not isinstance(counters, dict) or not counters:
+            return  # nothing counted since the last report
         if node_id not in self.nodes:  # a node the pipeline did not list up front
             self.nodes[node_id] = str(entry.get("plugin", ""))
         labels = self._labels(engine_idx, node_id)

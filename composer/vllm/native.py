@@ -104,13 +104,13 @@ class NativeConnectorNode(Plugin):
         """
         c = self.connector
         hooks: dict[str, Any] = {}
-        for hook in (*PASS_THROUGH, *SKIP_IF_DEFAULT):
+        for hook in (*PASS_THROUGH, *DIRECT_SUBSET, *SKIP_IF_DEFAULT):
             if getattr(type(self), hook) is not getattr(NativeConnectorNode, hook):
                 continue  # a subclass's override
             defaults = SKIP_IF_DEFAULT.get(hook)
             if defaults and all(_is_base_default(c, m) for m in defaults):
                 hooks[hook] = None
-            elif hook in PASS_THROUGH:
+            elif hook in PASS_THROUGH or hook in DIRECT_SUBSET:
                 hooks[hook] = getattr(c, hook)
         return hooks
 
@@ -203,6 +203,11 @@ PASS_THROUGH = (
     # either
     "shutdown",
 )
+
+
+#: Per-step hooks whose hookimpl below takes exactly vLLM's arguments (a subset of
+#: the spec's): a direct call to the connector's method too.
+DIRECT_SUBSET = ("build_connector_meta", "update_connector_output")
 
 
 def _pass_through(hook: str) -> Any:
