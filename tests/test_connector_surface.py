@@ -232,6 +232,20 @@ def test_keyword_arguments_reach_every_native_node(registered: None, nodes: int)
         ]
 
 
+def test_a_node_switched_off_is_gone_from_the_next_call(registered: None) -> None:
+    connector = composed([child(RecordingConnector, tag=i) for i in range(2)])
+    first, second = connector.sub_connectors
+    connector.save_kv_layer("layer.0", "kv", "attn")  # the chain's dispatch, now cached
+    connector.chain.switch_off(connector.chain.implemented("save_kv_layer")[0], "test")
+    connector.save_kv_layer("layer.1", "kv", "attn")
+    saves = [
+        [args[0] for hook, args, _ in cast(RecordingConnector, sub).calls if hook == hook_name]
+        for sub in (first, second)
+        for hook_name in ("save_kv_layer",)
+    ]
+    assert saves == [["layer.0"], ["layer.0", "layer.1"]]
+
+
 def test_several_memory_pools_are_refused_in_multiconnectors_words(registered: None) -> None:
     one = composed([child(RecordingConnector, pool="a"), child(RecordingConnector)])
     assert one.get_mem_pool_context() is not None
