@@ -108,23 +108,42 @@ def discover(
     pm.register(builtin, name="builtin")
     sources["builtin"] = ("kv-composer", _version("kv-composer"))
     if entry_points:
-        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            dist = ep.dist.name if ep.dist else ""
-            names = {ep.name, dist}
-            if names & denied or (allowed is not None and not names & allowed):
-                continue
-            if pm.has_plugin(ep.name):
-                continue
-            try:
-                module = ep.load()
-            except PLUGIN_FAILURES as exc:
-                raise PluginLoadError(
-                    f'plugin entry point "{ep.name}" ({ep.value}, from {dist or "unknown"}) '
-                    f"failed to import: {_describe(exc)}; disable it with "
-                    f"{DENY_ENV}={ep.name}"
-                ) from exc
-            pm.register(module, name=ep.name)
-            sources[ep.name] = (dist, ep.dist.version if ep.dist else "")
+        _register_entry_points(pm, sources, allowed, denied)
+    for i, obj in enumerate([*_env_modules(), *extra]):
+        name = getattr(obj, "__name__", f"extra-{i}")
+        pm.register(obj, name=name)
+        sources[name] = ("", "")
+    pm.check_pending()
+    return _collect_types(pm, sources)
+
+
+def _register_entry_points(
+    pm: pluggy.PluginManager,
+    sources: dict[str, tuple[str, str]],
+    allowed: set[str] | None,
+    denied: set[str],
+) -> None:
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist else ""
+        names = {ep.name, dist}
+        if names & denied or (allowed is not None and not names & allowed):
+            continue
+        if pm.has_plugin(ep.name):
+            continue
+        try:
+            module = ep.load()
+        except PLUGIN_FAILURES as exc:
+            raise PluginLoadError(
+                f'plugin entry point "{ep.name}" ({ep.value}, from {dist or "unknown"}) '
+                f"failed to import: {_describe(exc)}; disable it with "
+                f"{DENY_ENV}={ep.name}"
+            ) from exc
+        pm.register(module, name=ep.name)
+        sources[ep.name] = (dist, ep.dist.version if ep.dist else "")
+
+
+def _env_modules() -> list[ModuleType]:
+    """The modules named in ``$KV_COMPOSER_PLUGIN_MODULES``, imported."""
     modules = []
     for name in sorted(_split(os.environ.get(MODULES_ENV)) or ()):
         try:
@@ -134,12 +153,11 @@ def discover(
                 f'plugin module "{name}" (from {MODULES_ENV}) failed to import: '
                 f"{_describe(exc)}"
             ) from exc
-    for i, obj in enumerate([*modules, *extra]):
-        name = getattr(obj, "__name__", f"extra-{i}")
-        pm.register(obj, name=name)
-        sources[name] = ("", "")
-    pm.check_pending()
+    return modules
 
+
+def _collect_types(pm: pluggy.PluginManager, sources: dict[str, tuple[str, str]]) -> Registry:
+    """Every plugin's ``register_plugin_types``, each type checked and named once."""
     types: dict[str, PluginType] = {}
     for impl in pm.hook.register_plugin_types.get_hookimpls():
         package, version = sources.get(impl.plugin_name, ("", ""))
