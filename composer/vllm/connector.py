@@ -42,6 +42,7 @@ from composer.vllm.native import NativeConnectorNode
 from composer.vllm.pipeline_source import (
     deep_check_at_start,
     native_classes,
+    native_transfer_config,
     pipeline_from_extra_config,
     runtime_pipeline,
 )
@@ -394,18 +395,14 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         pipeline = pipeline_from_extra_config(extra_config)
-        from vllm.config.kv_transfer import KVTransferConfig
-
-        from composer.export import native_child_config
-
         for node in pipeline.nodes:
             if node.capabilities.requires_piecewise_cudagraph:
                 return True
             if node.plugin.name == "vllm":
-                child = native_child_config(node.config, pipeline.kv_role)  # type: ignore[arg-type]
-                connector_cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**child))
+                child = native_transfer_config(node, pipeline)
+                connector_cls = KVConnectorFactory.get_connector_class(child)
                 if connector_cls.requires_piecewise_for_cudagraph(
-                    child.get("kv_connector_extra_config", {})
+                    child.kv_connector_extra_config
                 ):
                     return True
         return False

@@ -60,6 +60,7 @@ def child_vllm_config(config: VllmConnectorConfig, vllm_config: Any) -> Any:
     """A shallow copy of ``vllm_config`` whose kv_transfer_config is this node's."""
     parent = vllm_config.kv_transfer_config
     child = native_child_config(config, parent.kv_role)
+    # The composed connector's engine id, unless the node names its own.
     child.setdefault("engine_id", parent.engine_id)
     temp = copy.copy(vllm_config)
     temp.kv_transfer_config = KVTransferConfig(**child)

@@ -58,7 +58,7 @@ def _runtime(source: str) -> ResolvedPipeline:
         if node.plugin.name == "vllm":
             # Validation only has a table of vLLM's connectors (it must not import
             # vLLM); what vLLM itself goes by is the class: SupportsHMA or not.
-            hma = KVConnectorFactory.supports_hma_config(_native_transfer_config(node, pipeline))
+            hma = KVConnectorFactory.supports_hma_config(native_transfer_config(node, pipeline))
             if hma != node.capabilities.hma:
                 caps = node.capabilities.model_copy(update={"hma": hma})
                 node = dataclasses.replace(node, capabilities=caps)
@@ -74,9 +74,10 @@ def _runtime(source: str) -> ResolvedPipeline:
     return dataclasses.replace(pipeline, nodes=tuple(nodes), hma=hma)
 
 
-def _native_transfer_config(node: ResolvedNode, pipeline: ResolvedPipeline) -> Any:
-    # The class decides (SupportsHMA), found as vLLM finds it; a MultiConnector
-    # node answers for its children.
+def native_transfer_config(node: ResolvedNode, pipeline: ResolvedPipeline) -> Any:
+    """A native node's ``KVTransferConfig``, as MultiConnector builds its children's
+    (the one place a child config is built from a pipeline; ``child_vllm_config``
+    wraps it in a vLLM config for the node's own connector)."""
     from vllm.config.kv_transfer import KVTransferConfig
 
     from composer.export import native_child_config
