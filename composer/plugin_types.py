@@ -114,10 +114,7 @@ class PluginType:
         simulator: str | None = None,
         package: str = "",
         version: str = "",
-        capabilities_for: Callable[[Any], Capabilities] | None = None,
     ) -> None:
-        """``capabilities_for`` is the old spelling of a function ``capabilities``
-        (accepted until every plugin has moved; it wins over ``capabilities``)."""
         roles = frozenset(roles)
         if vllm_roles is None:
             vllm_roles = _inferred_vllm_roles(node, scheduler, worker)
@@ -126,7 +123,7 @@ class PluginType:
             "config": config, "description": description,
             "vllm_roles": frozenset(vllm_roles), "roles": roles,
             "default_role": default_role or _inferred_default_role(roles),
-            "capabilities": capabilities_for or capabilities, "check": check,
+            "capabilities": capabilities, "check": check,
             "simulator": simulator, "package": package, "version": version,
         }
         for key, value in values.items():

@@ -32,7 +32,7 @@ def asked(hook: str) -> list[str]:
 
 def role_of(hook: str) -> str:
     worker = {"get_finished", "get_transfer_results", "build_connector_worker_meta"}
-    return "worker" if hook in worker or hook.startswith(("get_kv_connector_kv")) else "scheduler"
+    return "worker" if hook in worker or hook.startswith("get_kv_connector_kv") else "scheduler"
 
 
 def call_each(hook: str) -> None:

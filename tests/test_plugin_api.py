@@ -111,9 +111,8 @@ def test_capabilities_are_a_value_or_a_function_of_the_config() -> None:
     varying = PluginType("v", node=Sched, config=Config, capabilities=caps)
     assert not varying.resolve_capabilities(Config()).async_save
     assert varying.resolve_capabilities(Config(size=2)).async_save
-    # The old spelling still works while plugins move to the one field.
-    old = PluginType("o", node=Sched, config=Config, capabilities_for=caps)
-    assert old.capabilities is caps
+    with pytest.raises(TypeError, match="capabilities_for"):  # one field, no old spelling
+        PluginType("o", node=Sched, config=Config, capabilities_for=caps)  # type: ignore[call-arg]
 
 
 def test_discovery_keeps_inferred_fields_through_its_copy() -> None:

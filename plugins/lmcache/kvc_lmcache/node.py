@@ -491,21 +491,9 @@ def _engine_key(ctx: NodeContext) -> str:
 
 
 def node_class_for(config: LMCacheConfig) -> type[Plugin]:
+    """The node class for the configured mode (the plugin type names this function)."""
     if config.mode == "server":
         return LMCacheServerNode
     from kvc_lmcache.inprocess import LMCacheInProcessNode
 
     return LMCacheInProcessNode
-
-
-class LMCacheNode(Plugin):
-    """The registered node class: builds the node for the configured mode.
-
-    (A plugin type names one class; ``__new__`` returns the mode's class so the
-    chain sees that class's hooks.)
-    """
-
-    def __new__(cls, ctx: NodeContext) -> Any:
-        config = ctx.config
-        assert isinstance(config, LMCacheConfig)
-        return node_class_for(config)(ctx)

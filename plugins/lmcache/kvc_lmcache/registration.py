@@ -64,7 +64,8 @@ def check(
 
 LMCACHE = PluginType(
     name="lmcache",
-    node="kvc_lmcache.node:LMCacheNode",
+    # The class depends on the mode: kvc_lmcache.node.node_class_for(config).
+    node="kvc_lmcache.node:node_class_for",
     config=LMCacheConfig,
     description=(
         "LMCache: a `lmcache server` (started or given) or LMCache in-process (GPU). A started "
@@ -73,8 +74,7 @@ LMCACHE = PluginType(
     ),
     default_role="both",
     roles=frozenset({"load", "save", "both"}),
-    capabilities=capabilities(LMCacheConfig()),
-    capabilities_for=capabilities,
+    capabilities=capabilities,
     check=check,
 )
 
