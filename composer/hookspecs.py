@@ -5,7 +5,7 @@ Two kinds of hooks live here.
 * **Discovery hooks** (module level, found through the ``kv_composer`` entry-point
   group) register plugin *types*.
 * **Lifecycle hooks** (:class:`NodeSpec`) are implemented by plugin *instances*,
-  one per pipeline node and vLLM role. Their names are vLLM's own
+  one per pipeline node and vLLM process. Their names are vLLM's own
   ``KVConnectorBase_V1`` method names, grouped by phase like pytest's hooks.
 
 A node implements only the hooks it needs; the chain calls the others on no one.

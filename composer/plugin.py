@@ -1,4 +1,4 @@
-"""The base class of plugin instances: one per pipeline node and vLLM role."""
+"""The base class of plugin instances: one per pipeline node and vLLM process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel
 
-from composer.plugin_types import NodeRole, VllmRole
+from composer.plugin_types import NodeRole, VllmProcess
 from composer.stats import NodeStats
 
 
@@ -19,7 +19,7 @@ class NodeContext:
     node_id: str
     config: BaseModel
     role: NodeRole
-    vllm_role: VllmRole
+    process: VllmProcess
     #: The service of each node this node ``needs``, by node id.
     needs: Mapping[str, Any] = field(default_factory=dict)
     #: vLLM's config, when running inside vLLM (None in unit tests).
@@ -52,7 +52,7 @@ class Plugin(Generic[ConfigT]):
         import structlog  # lazily: `import composer` stays light
 
         self.log = structlog.get_logger("kv_composer").bind(
-            node=ctx.node_id, role=ctx.vllm_role
+            node=ctx.node_id, process=ctx.process
         )
 
     def service(self) -> Any:
@@ -60,4 +60,4 @@ class Plugin(Generic[ConfigT]):
         return self
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} node={self.node_id!r} role={self.ctx.vllm_role}>"
+        return f"<{type(self).__name__} node={self.node_id!r} process={self.ctx.process}>"

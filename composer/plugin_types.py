@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict
 
 #: The vLLM processes a node can run in.
-VllmRole = Literal["scheduler", "worker"]
+VllmProcess = Literal["scheduler", "worker"]
 #: What a node does for the pipeline.
 NodeRole = Literal["load", "save", "both", "transport", "service"]
 KVLayout = Literal["NHD", "HND"]
@@ -53,7 +53,7 @@ class Capabilities(BaseModel):
 ClassRef = str | type | Callable[[Any], type]
 #: Extra checks of a node against the whole pipeline file: yields (path, message).
 Check = Callable[[str, BaseModel, dict[str, Any]], Iterable[tuple[tuple[str | int, ...], str]]]
-_ALL_VLLM_ROLES: frozenset[VllmRole] = frozenset({"scheduler", "worker"})
+_ALL_PROCESSES: frozenset[VllmProcess] = frozenset({"scheduler", "worker"})
 _DEFAULT_ROLES: frozenset[NodeRole] = frozenset({"load", "save", "both"})
 
 
@@ -70,7 +70,7 @@ class PluginType:
     node of that process only). Each is a class or ``"module:Class"``, or a
     function of the node's config that returns the class.
 
-    Inferred when not given: ``vllm_roles`` from the classes named (``node``
+    Inferred when not given: ``processes`` from the classes named (``node``
     alone: both processes); ``default_role`` is the only role in ``roles``, else
     ``"both"`` when ``roles`` allows it (else it must be given).
     ``capabilities`` is a :class:`Capabilities` or a function of the node's
@@ -83,7 +83,7 @@ class PluginType:
     worker: ClassRef | None
     config: type[BaseModel]
     description: str
-    vllm_roles: frozenset[VllmRole]
+    processes: frozenset[VllmProcess]
     #: Roles a node of this type may take in a pipeline, and the one it takes by default.
     roles: frozenset[NodeRole]
     default_role: NodeRole
@@ -106,7 +106,7 @@ class PluginType:
         worker: ClassRef | None = None,
         config: type[BaseModel] = EmptyConfig,
         description: str = "",
-        vllm_roles: Iterable[VllmRole] | None = None,
+        processes: Iterable[VllmProcess] | None = None,
         roles: Iterable[NodeRole] = _DEFAULT_ROLES,
         default_role: NodeRole | None = None,
         capabilities: Capabilities | Callable[[Any], Capabilities] = Capabilities(),  # noqa: B008 - frozen
@@ -116,12 +116,12 @@ class PluginType:
         version: str = "",
     ) -> None:
         roles = frozenset(roles)
-        if vllm_roles is None:
-            vllm_roles = _inferred_vllm_roles(node, scheduler, worker)
+        if processes is None:
+            processes = _inferred_processes(node, scheduler, worker)
         values: dict[str, Any] = {
             "name": name, "node": node, "scheduler": scheduler, "worker": worker,
             "config": config, "description": description,
-            "vllm_roles": frozenset(vllm_roles), "roles": roles,
+            "processes": frozenset(processes), "roles": roles,
             "default_role": default_role or _inferred_default_role(roles),
             "capabilities": capabilities, "check": check,
             "simulator": simulator, "package": package, "version": version,
@@ -129,26 +129,26 @@ class PluginType:
         for key, value in values.items():
             object.__setattr__(self, key, value)
 
-    def class_refs(self) -> dict[VllmRole, ClassRef]:
+    def class_refs(self) -> dict[VllmProcess, ClassRef]:
         """The class (or ``"module:Class"``) of each vLLM process the node runs in."""
         given = {"scheduler": self.scheduler, "worker": self.worker}
         return {
             role: ref
-            for role in sorted(self.vllm_roles)
+            for role in sorted(self.processes)
             if (ref := given[role] or self.node) is not None
         }
 
     def node_class(
-        self, vllm_role: VllmRole | None = None, config: BaseModel | None = None
+        self, process: VllmProcess | None = None, config: BaseModel | None = None
     ) -> type:
-        """The class the node is made of in ``vllm_role``'s process (imports it).
+        """The class the node is made of in ``process``'s process (imports it).
 
-        Without ``vllm_role``: the one class of the type (``node``, or the only
+        Without ``process``: the one class of the type (``node``, or the only
         per-process class given). ``config`` (the node's validated config) is
         needed where the type chooses its class from the config.
         """
         refs = self.class_refs()
-        if vllm_role is None:
+        if process is None:
             ones = [self.node] if self.node is not None else [*refs.values()]
             if len(ones) != 1:
                 raise PluginTypeError(
@@ -156,12 +156,12 @@ class PluginType:
                     "name the process (node_class('scheduler') or node_class('worker'))"
                 )
             ref = ones[0]
-        elif vllm_role in refs:
-            ref = refs[vllm_role]
+        elif process in refs:
+            ref = refs[process]
         else:
             raise PluginTypeError(
-                f'plugin type "{self.name}" does not run in the {vllm_role} process '
-                f"(it runs in: {', '.join(sorted(self.vllm_roles))})"
+                f'plugin type "{self.name}" does not run in the {process} process '
+                f"(it runs in: {', '.join(sorted(self.processes))})"
             )
         return choose_class(resolve_ref(ref), config, f'plugin type "{self.name}"')
 
@@ -184,16 +184,16 @@ class PluginType:
                 out.append(
                     f'{key} must be a class, "module:Class" or a function, not {ref!r}'
                 )
-        if not self.vllm_roles or not self.vllm_roles <= _ALL_VLLM_ROLES:
+        if not self.processes or not self.processes <= _ALL_PROCESSES:
             out.append(
-                f"vllm_roles must name scheduler and/or worker, not {sorted(self.vllm_roles)}"
+                f"processes must name scheduler and/or worker, not {sorted(self.processes)}"
             )
         for key in named:
-            if key not in self.vllm_roles:
-                out.append(f"{key}= is given but vllm_roles does not include {key}")
-        if self.node is None and named and not self.vllm_roles <= set(named):
-            missing = sorted(self.vllm_roles - set(named))
-            out.append(f"vllm_roles includes {', '.join(missing)} but no class is given for it")
+            if key not in self.processes:
+                out.append(f"{key}= is given but processes does not include {key}")
+        if self.node is None and named and not self.processes <= set(named):
+            missing = sorted(self.processes - set(named))
+            out.append(f"processes includes {', '.join(missing)} but no class is given for it")
         unknown = sorted(map(str, self.roles - set(get_args(NodeRole))))
         if unknown or not self.roles:
             out.append(
@@ -255,12 +255,12 @@ def _is_class_ref(ref: object) -> bool:
     return bool(module and sep and attr)
 
 
-def _inferred_vllm_roles(
+def _inferred_processes(
     node: ClassRef | None, scheduler: ClassRef | None, worker: ClassRef | None
-) -> frozenset[VllmRole]:
+) -> frozenset[VllmProcess]:
     if node is not None or (scheduler is None and worker is None):
-        return _ALL_VLLM_ROLES
-    named: set[VllmRole] = set()
+        return _ALL_PROCESSES
+    named: set[VllmProcess] = set()
     if scheduler is not None:
         named.add("scheduler")
     if worker is not None:

@@ -189,7 +189,7 @@ def test_readme_plugin_example_works(tmp_path: Path, monkeypatch: pytest.MonkeyP
             registry=registry,
         )
         rnode = pipeline.node("stats")
-        assert rnode.role == "service" and rnode.plugin.vllm_roles == {"scheduler"}
+        assert rnode.role == "service" and rnode.plugin.processes == {"scheduler"}
         with pytest.raises(PipelineInvalid, match='did you mean "min_prompt_tokens"'):
             validate_text(
                 "version: 1\nnodes:\n  s: {plugin: prompt-stats, config: {min_prompt_token: 4}}\n",
@@ -197,7 +197,7 @@ def test_readme_plugin_example_works(tmp_path: Path, monkeypatch: pytest.MonkeyP
             )
 
         node = rnode.plugin.node_class("scheduler")(
-            NodeContext(node_id="stats", config=rnode.config, role="service", vllm_role="scheduler")
+            NodeContext(node_id="stats", config=rnode.config, role="service", process="scheduler")
         )
         pm = pluggy.PluginManager(PROJECT)
         pm.add_hookspecs(NodeSpec)

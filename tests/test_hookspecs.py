@@ -26,7 +26,7 @@ def _hooks(spec: type) -> dict[str, str]:
 
 
 def _node(cls: type[Plugin]) -> Plugin:
-    return cls(NodeContext(node_id="n", config=EmptyConfig(), role="both", vllm_role="worker"))
+    return cls(NodeContext(node_id="n", config=EmptyConfig(), role="both", process="worker"))
 
 
 NODE_HOOKS = _hooks(NodeSpec)

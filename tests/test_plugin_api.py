@@ -43,7 +43,7 @@ class Work(Plugin[Config]):
 
 def test_one_class_runs_in_both_processes() -> None:
     t = PluginType("one", node=Sched)
-    assert t.vllm_roles == {"scheduler", "worker"}
+    assert t.processes == {"scheduler", "worker"}
     assert t.node_class() is Sched
     assert t.node_class("scheduler") is Sched and t.node_class("worker") is Sched
     assert t.default_role == "both" and t.roles == {"load", "save", "both"}
@@ -51,7 +51,7 @@ def test_one_class_runs_in_both_processes() -> None:
 
 def test_a_class_per_process() -> None:
     t = PluginType("two", scheduler=Sched, worker=Work)
-    assert t.vllm_roles == {"scheduler", "worker"}
+    assert t.processes == {"scheduler", "worker"}
     assert t.node_class("scheduler") is Sched and t.node_class("worker") is Work
     with pytest.raises(PluginTypeError, match="has a class per vLLM process"):
         t.node_class()
@@ -61,7 +61,7 @@ def test_a_class_per_process() -> None:
 @pytest.mark.parametrize(("given", "process"), [("scheduler", "worker"), ("worker", "scheduler")])
 def test_one_process_class_makes_a_node_of_that_process(given: str, process: str) -> None:
     t = PluginType("half", **{given: Sched})  # type: ignore[arg-type]
-    assert t.vllm_roles == {given}
+    assert t.processes == {given}
     assert t.node_class() is Sched and t.node_class(given) is Sched  # type: ignore[arg-type]
     with pytest.raises(PluginTypeError, match=f"does not run in the {process} process"):
         t.node_class(process)  # type: ignore[arg-type]
@@ -122,7 +122,7 @@ def test_discovery_keeps_inferred_fields_through_its_copy() -> None:
             register(PluginType("two", scheduler=Sched, worker=Work, roles={"service"}))
 
     t = discover(extra=[Types()], entry_points=False)["two"]
-    assert (t.vllm_roles, t.roles, t.default_role) == ({"scheduler", "worker"}, {"service"},
+    assert (t.processes, t.roles, t.default_role) == ({"scheduler", "worker"}, {"service"},
                                                        "service")
     assert dataclasses.replace(t, version="9") == dataclasses.replace(t, version="9")
 
@@ -134,12 +134,12 @@ def test_discovery_keeps_inferred_fields_through_its_copy() -> None:
         ({"node": Sched, "worker": Work}, "give node= or worker=, not both"),
         ({"node": "no_colon"},
          "node must be a class, \"module:Class\" or a function, not 'no_colon'"),
-        ({"scheduler": Sched, "vllm_roles": {"worker"}},
-         "scheduler= is given but vllm_roles does not include scheduler"),
-        ({"worker": Work, "vllm_roles": {"scheduler", "worker"}},
-         "vllm_roles includes scheduler but no class is given for it"),
-        ({"node": Sched, "vllm_roles": {"gpu"}},
-         "vllm_roles must name scheduler and/or worker, not ['gpu']"),
+        ({"scheduler": Sched, "processes": {"worker"}},
+         "scheduler= is given but processes does not include scheduler"),
+        ({"worker": Work, "processes": {"scheduler", "worker"}},
+         "processes includes scheduler but no class is given for it"),
+        ({"node": Sched, "processes": {"gpu"}},
+         "processes must name scheduler and/or worker, not ['gpu']"),
         ({"node": Sched, "roles": "load"},
          "roles must name some of load, save, both, transport, service, not ['a', 'd', 'l', 'o']"),
         ({"node": Sched, "roles": ()},
@@ -322,6 +322,11 @@ def test_installed_plugin_runs_in_vllm(
     assert [len(r.tokens) for r in result.rounds[0]] == [4, 4, 4]
     # The node logs each prompt of at least 4 tokens, in the scheduler process.
     log = re.sub(r"\x1b\[[0-9;]*m", "", result.log)  # structlog's colours, if any
-    logged = re.findall(r"prompt .*node=stats .*request_id=(\S+).*role=scheduler", log)
+    ours = ("node=stats", "process=scheduler")
+    logged = [
+        line
+        for line in log.splitlines()
+        if re.search(r"\]\s+prompt\s", line) and all(key in line for key in ours)
+    ]
     long_enough = [r for r in result.rounds[0] if r.prompt_tokens >= 4]
     assert len(logged) == len(long_enough) >= 2, result.log_tail

@@ -1,7 +1,7 @@
 """The runtime: a pipeline's nodes in one vLLM process, dispatched with MultiConnector
 semantics. Start at :mod:`.core`; its docstring maps the modules."""
 
-from composer.chain.base import VllmRole
+from composer.chain.base import VllmProcess
 from composer.chain.core import SAVE_HOOKS, STEP_HOOKS, Chain
 from composer.chain.metadata import (
     ChainMetadata,
@@ -18,5 +18,5 @@ __all__ = [
     "ChainWorkerMetadata",
     "TransferParamsClash",
     "TransferResults",
-    "VllmRole",
+    "VllmProcess",
 ]

@@ -17,12 +17,12 @@ from composer.faults import WorkerLedger
 from composer.pipeline import ResolvedPipeline
 from composer.stats import Changes, NodeStats
 
-VllmRole = Literal["scheduler", "worker"]
+VllmProcess = Literal["scheduler", "worker"]
 
 
 class ChainBase:
     pipeline: ResolvedPipeline
-    vllm_role: VllmRole
+    process: VllmProcess
     log: Any
     #: Node id -> its instance in this process, in pipeline order.
     nodes: dict[str, Any]

@@ -19,7 +19,7 @@ from typing import Any
 import pluggy
 import structlog
 
-from composer.chain.base import VllmRole
+from composer.chain.base import VllmProcess
 from composer.chain.calls import Call, bind_calls, timed, traced
 from composer.chain.fault_policy import FaultPolicy
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata, TransferResults
@@ -67,7 +67,7 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
     def __init__(
         self,
         pipeline: ResolvedPipeline,
-        vllm_role: VllmRole,
+        process: VllmProcess,
         *,
         vllm_config: Any = None,
         kv_cache_config: Any = None,
@@ -83,11 +83,11 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
         ``restore_worker_meta``: during ``update_connector_output`` each node finds
         its own worker metadata in the output's ``kv_connector_worker_meta`` (as
         MultiConnector's children do), and the chain's is put back after."""
-        self.pipeline, self.vllm_role = pipeline, vllm_role
+        self.pipeline, self.process = pipeline, process
         self.metadata_type, self.worker_metadata_type = metadata_type, worker_metadata_type
         self.transfer_results_type, self.stats_type = transfer_results_type, stats_type
         self.restore_worker_meta = restore_worker_meta
-        self.log = log.bind(role=vllm_role)
+        self.log = log.bind(process=process)
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(NodeSpec)
         self.nodes, self.stats, self.policy, self.plugin_names = {}, {}, {}, {}
@@ -106,19 +106,19 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
     def _create_nodes(self, vllm_config: Any, kv_cache_config: Any) -> None:
         services: dict[str, Any] = {}
         for rnode in self.pipeline.nodes:
-            if self.vllm_role not in rnode.plugin.vllm_roles:
+            if self.process not in rnode.plugin.processes:
                 continue
             ctx = NodeContext(
                 node_id=rnode.id,
                 config=rnode.config,
                 role=rnode.role,
-                vllm_role=self.vllm_role,
+                process=self.process,
                 needs={d: services[d] for d in rnode.needs if d in services},
                 vllm_config=vllm_config,
                 kv_cache_config=kv_cache_config,
                 stats=NodeStats(changes=self.stats_changes),
             )
-            instance = rnode.plugin.node_class(self.vllm_role, rnode.config)(ctx)
+            instance = rnode.plugin.node_class(self.process, rnode.config)(ctx)
             self.pm.register(instance, name=rnode.id)
             self.nodes[rnode.id] = instance
             self.stats[rnode.id] = ctx.stats

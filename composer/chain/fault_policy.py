@@ -68,7 +68,7 @@ class FaultPolicy(ChainBase):
         stats = self.stats[node_id]
         stats.disabled = True
         released = failed = blocks = 0
-        if self.vllm_role == "worker":
+        if self.process == "worker":
             self.unreported_disabled.add(node_id)
             step = self.step_loads.get(node_id, set())
             blocks = len(step - self.load_error_blocks)

@@ -132,7 +132,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         if info["description"]:
             print(f"  {escape(info['description'])}")
         print(f"  roles: {', '.join(info['roles'])} (default {info['default_role']})")
-        print(f"  runs in: {', '.join(info['vllm_roles'])}")
+        print(f"  runs in: {', '.join(info['processes'])}")
         classes = info["classes"]
         if len(set(classes.values())) == 1:
             print(escape(f"  class: {next(iter(classes.values()))}"))
@@ -184,7 +184,7 @@ def _plugin_data(t: PluginType) -> dict[str, Any]:
         "classes": classes,
         "roles": sorted(t.roles),
         "default_role": t.default_role,
-        "vllm_roles": sorted(t.vllm_roles),
+        "processes": sorted(t.processes),
         "capabilities": capabilities,
         "config": to_jsonable_python(t.config_fields(), fallback=str),
     }

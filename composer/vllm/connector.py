@@ -108,7 +108,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.pipeline = runtime_pipeline(extra)
         deep_check_at_start(self.pipeline)
-        vllm_role = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        process = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         # The class is SupportsHMA, so vLLM leaves its hybrid manager on; that is
         # harmless with one KV cache group, and refused with several unless every
         # node supports HMA.
@@ -126,7 +126,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         stats_type = _StatsType()
         self.chain = Chain(
             self.pipeline,
-            vllm_role,  # type: ignore[arg-type]
+            process,  # type: ignore[arg-type]
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             # The chain builds vLLM's result types itself: nothing to copy per step.
@@ -147,13 +147,13 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self._model_delivered = False
         log.info(
             "composed connector ready",
-            role=vllm_role,
+            process=process,
             nodes=list(self.chain.nodes),
             load_order=list(self.pipeline.load_order),
             save_to=list(self.pipeline.save_to),
             load_policy=self.pipeline.load_policy,
         )
-        if vllm_role == "worker":
+        if process == "worker":
             self._deliver_model()
 
     def _forget_dispatch(self) -> None:

@@ -70,7 +70,7 @@ def child_vllm_config(config: VllmConnectorConfig, vllm_config: Any) -> Any:
 class NativeConnectorNode(Plugin):
     def __init__(self, ctx: NodeContext) -> None:
         super().__init__(ctx)
-        role = KVConnectorRole.SCHEDULER if ctx.vllm_role == "scheduler" else KVConnectorRole.WORKER
+        role = KVConnectorRole.SCHEDULER if ctx.process == "scheduler" else KVConnectorRole.WORKER
         temp = child_vllm_config(ctx.config, ctx.vllm_config)  # type: ignore[arg-type]
         connector_cls = KVConnectorFactory.get_connector_class(temp.kv_transfer_config)
         groups = len(getattr(ctx.kv_cache_config, "kv_cache_groups", ()) or ())

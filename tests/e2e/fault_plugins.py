@@ -67,7 +67,7 @@ class _Faulty:
             return
         with open(self.config.fired, "a") as f:
             f.write(json.dumps({"node": self.node_id, "hook": hook, "pid": os.getpid(),
-                                "role": self.ctx.vllm_role}) + "\n")
+                                "role": self.ctx.process}) + "\n")
         raise InjectedFault(f"injected fault in {hook} (call {self.calls})")
 
 

@@ -25,10 +25,10 @@ class ProbeConfig(BaseModel):
 class Probe(Plugin[ProbeConfig]):
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
-        self.report: dict[str, Any] = {"role": ctx.vllm_role, "initialize_calls": 0}
+        self.report: dict[str, Any] = {"role": ctx.process, "initialize_calls": 0}
 
     def _write(self) -> None:
-        with open(f"{self.config.path}.{self.ctx.vllm_role}", "w") as f:
+        with open(f"{self.config.path}.{self.ctx.process}", "w") as f:
             json.dump(self.report, f)
 
     @hookimpl

@@ -146,7 +146,7 @@ class LMCacheInProcessNode(Plugin):
         self.group_layers: list[str] | None = None
         if self.group is not None:
             self.group_layers = select_group(ctx.kv_cache_config, self.group)
-        role = KVConnectorRole.SCHEDULER if ctx.vllm_role == "scheduler" else KVConnectorRole.WORKER
+        role = KVConnectorRole.SCHEDULER if ctx.process == "scheduler" else KVConnectorRole.WORKER
         temp = child_vllm_config(config, ctx.vllm_config)
         self.parent = LMCacheParent(temp, role, ctx.kv_cache_config)
         self.impl = impl_class()(temp, role, self.parent)

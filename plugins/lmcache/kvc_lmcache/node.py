@@ -200,7 +200,7 @@ class LMCacheServerNode(NativeConnectorNode):
             url=self.server.url,
             http=self.server.http_url or self.config.server.http_url,
             pid=self.server.pid,
-            vllm_role=self.ctx.vllm_role,
+            process=self.ctx.process,
             owned=self.shared is not None,
         )
 
@@ -231,7 +231,7 @@ class LMCacheServerNode(NativeConnectorNode):
                 "LMCache server is back: resuming",
                 url=self.server.url,
                 down_s=round(time.monotonic() - self._down_since, 2),
-                vllm_role=self.ctx.vllm_role,
+                process=self.ctx.process,
             )
 
     def _gone(self, hook: str) -> ServerGone:
@@ -375,7 +375,7 @@ class LMCacheServerNode(NativeConnectorNode):
                 "lmcache node shut down",
                 server_alive=alive,
                 seconds=round(time.perf_counter() - t0, 3),
-                vllm_role=self.ctx.vllm_role,
+                process=self.ctx.process,
             )
 
 

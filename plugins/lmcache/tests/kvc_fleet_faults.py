@@ -20,7 +20,7 @@ in order, before the lmcache node looks the request up:
 
 It records per request the seconds from its first lookup to
 ``request_finished``, and writes (at every finished request and at shutdown)
-what it did and the lmcache node's gauges to ``<report>.<vllm role>.json``.
+what it did and the lmcache node's gauges to ``<report>.<process>.json``.
 """
 
 from __future__ import annotations
@@ -193,10 +193,10 @@ class FleetFaults(Plugin):
             "latency": self.latency,
             "gauges": dict(self.target.stats.gauges),
         }
-        tmp = f"{self.config.report}.{self.ctx.vllm_role}.tmp"
+        tmp = f"{self.config.report}.{self.ctx.process}.tmp"
         with open(tmp, "w") as f:
             json.dump(report, f)
-        os.replace(tmp, f"{self.config.report}.{self.ctx.vllm_role}.json")
+        os.replace(tmp, f"{self.config.report}.{self.ctx.process}.json")
 
 
 @hookimpl

@@ -9,7 +9,7 @@ scheduled), or ``delay_s`` later from a timer (a kill while the round is in
 flight). In every process it records, per request, the seconds from its first
 lookup to ``request_finished``, and at shutdown writes what the lmcache node
 reported (its liveness flag and gauges, outages seen, and every ``errors``
-count the chain took from its stats) to ``<report>.<vllm role>.json``.
+count the chain took from its stats) to ``<report>.<process>.json``.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class Killer(Plugin):
             "server_outages": stats.gauges.get("server_outages"),
             "disabled": stats.disabled,
         }
-        with open(f"{self.config.report}.{self.ctx.vllm_role}.json", "w") as f:
+        with open(f"{self.config.report}.{self.ctx.process}.json", "w") as f:
             json.dump(report, f)
 
 

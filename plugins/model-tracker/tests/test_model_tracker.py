@@ -52,7 +52,7 @@ def test_registered_through_the_entry_point() -> None:
     ptype = discover()["model-tracker"]
     assert ptype.package == "kv-composer-model-tracker"
     # Inferred: a worker class only, and one role.
-    assert ptype.vllm_roles == frozenset({"worker"})
+    assert ptype.processes == frozenset({"worker"})
     assert ptype.default_role == "service"
     assert ptype.resolve_capabilities(ModelTrackerConfig()).provides_model
 

@@ -43,7 +43,7 @@ def test_registered_through_the_entry_point_without_torch() -> None:
         "scheduler": "kvc_offload_cpu.scheduler:SchedulerHalf",
         "worker": "kvc_offload_cpu.worker:WorkerHalf",
     }
-    assert ptype.vllm_roles == {"scheduler", "worker"} and ptype.default_role == "both"
+    assert ptype.processes == {"scheduler", "worker"} and ptype.default_role == "both"
     assert ptype.package == "kv-composer-offload-cpu"
     caps = ptype.resolve_capabilities(OffloadCPUConfig(load_mode="async"))
     assert caps.async_load and caps.async_save and not caps.hma
