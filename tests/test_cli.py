@@ -307,6 +307,7 @@ def test_graph_json(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "role": "transport",
         "needs": [],
         "on_error": "fail",
+        "tiers": [],
     }
     assert data["load_order"] == ["nixl", "disk"]
     assert (data["save_to"], data["disabled"]) == (["disk"], ["spare"])

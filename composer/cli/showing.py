@@ -13,8 +13,14 @@ from pydantic_core import to_jsonable_python
 from composer.cli.common import EXIT_OK, disabled_nodes, dump, load, plugin_label, runs_as
 from composer.discovery import discover
 from composer.errors import escape
-from composer.pipeline import ResolvedPipeline
+from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.plugin_types import Capabilities, PluginType
+
+
+def node_tiers(node: ResolvedNode) -> list[str]:
+    """The storage tiers behind a node, if its config lists them (a ``tiers()`` method)."""
+    tiers = getattr(node.config, "tiers", None)
+    return [str(t) for t in tiers()] if callable(tiers) else []
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
@@ -44,6 +50,7 @@ def _graph_data(p: ResolvedPipeline) -> dict[str, Any]:
                 "role": n.role,
                 "needs": list(n.needs),
                 "on_error": n.on_error,
+                "tiers": node_tiers(n),
             }
             for n in p.nodes
         ],
@@ -71,6 +78,9 @@ def _graph_text(p: ResolvedPipeline) -> str:
         if n.needs:
             row += f", needs {', '.join(n.needs)}"
         lines.append(row)
+        tiers = node_tiers(n)
+        if tiers:
+            lines.append(f"  {'':<{id_width}}  tiers: {' -> '.join(escape(t) for t in tiers)}")
     disabled = disabled_nodes(p)
     if disabled:
         lines.append(f"  disabled: {', '.join(disabled)}")

@@ -264,6 +264,17 @@ class LMCacheConfig(BaseModel):
     def server_chunk_size(self) -> int:
         return self.server.chunk_size or self.chunk_size
 
+    def tiers(self) -> list[str]:
+        """The storage tiers behind the node, fastest first (``kvc graph`` shows them)."""
+        if self.mode != "server":
+            return [f"in-process LMCache, CPU {self.max_local_cpu_size:g} GB"]
+        if self.server.url is not None:
+            return [f"lmcache server {self.server.url} (its tiers are its own)"]
+        return [
+            f"L1: started lmcache server, {self.server.l1_size_gb:g} GB",
+            *(f"L2: {tier.describe()}" for tier in self.server.l2),
+        ]
+
 
 @lru_cache(maxsize=1)
 def lmcache_field_names() -> frozenset[str] | None:

@@ -241,3 +241,20 @@ def test_adapter_errors_from_the_servers_status() -> None:
     status = {"storage_manager": {"l2_adapters": [{"type": "resp", "errors": 4}, {"type": "fs"}]}}
     assert adapter_errors(status) == 4
     assert adapter_errors({}) == 0
+
+
+def test_kvc_graph_shows_the_tiers_l1_then_each_l2() -> None:
+    example = str(Path(__file__).resolve().parents[3] / "examples" / "fleet-valkey.yaml")
+    kvc = Path(sys.executable).with_name("kvc")
+    text = subprocess.run(
+        [str(kvc), "graph", example], capture_output=True, text=True, check=True
+    ).stdout
+    assert "tiers: L1: started lmcache server" in text
+    assert " -> L2: resp 127.0.0.1:6379 -> L2: fs " in text
+    data = json.loads(
+        subprocess.run(
+            [str(kvc), "graph", example, "--json"], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    tiers = {n["id"]: n["tiers"] for n in data["nodes"]}
+    assert tiers["cpu"] == [] and [t.split(":")[0] for t in tiers["lmcache"]] == ["L1", "L2", "L2"]
