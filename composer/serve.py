@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from composer.errors import PipelineInvalid
 from composer.export import kv_transfer_config
 from composer.validation import load_pipeline
+from composer.valkey import LOOPBACK, ValkeyError, ValkeyServer, free_port, valkey_server_binary
 
 
 def vllm_command() -> list[str]:
@@ -25,19 +27,49 @@ def serve_command(file: str, vllm_args: list[str]) -> list[str]:
     return [*vllm_command(), "serve", *vllm_args, "--kv-transfer-config", json.dumps(config)]
 
 
-def serve(file: str, vllm_args: list[str]) -> int:
+def serve(file: str, vllm_args: list[str], *, valkey: bool = False) -> int:
     """Validate ``file``, then become ``vllm serve`` (returns only on invalid input).
 
     Replacing this process instead of running a child leaves vLLM's own
     signal handling intact: SIGTERM or Ctrl-C reach the API server directly,
     which then stops its engine gracefully (shared memory unlinked, workers
-    joined), and its exit status is the command's.
+    joined), and its exit status is the command's. With ``valkey``, a local
+    ``valkey-server`` is started first; the kernel stops it when the server ends.
     """
+    store = None
+    if valkey:
+        try:
+            store = _start_valkey()
+        except ValkeyError as exc:
+            print(f"kvc serve --valkey: {exc}", file=sys.stderr)
+            return 1
     try:
         command = serve_command(file, vllm_args)
     except PipelineInvalid as exc:
         print(exc, file=sys.stderr)
+        if store is not None:
+            store.stop()
         return 2
     print("+ " + " ".join(command), file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execv(command[0], command)
+
+
+def _start_valkey() -> ValkeyServer:
+    """A valkey-server on loopback at a free port, for this server's lifetime; its
+    address in ``VALKEY_HOST`` / ``VALKEY_PORT`` (read by the pipeline file)."""
+    store = ValkeyServer(
+        host=LOOPBACK,
+        port=free_port(),
+        workdir=Path(tempfile.mkdtemp(prefix="kvc-valkey-")),
+        binary=valkey_server_binary(),
+        die_with_parent=True,
+    ).start()
+    os.environ["VALKEY_HOST"], os.environ["VALKEY_PORT"] = store.host, str(store.port)
+    print(
+        f"+ valkey-server on {store.host}:{store.port} (pid {store.pid}; stops with this "
+        "server): VALKEY_HOST, VALKEY_PORT set",
+        file=sys.stderr,
+        flush=True,
+    )
+    return store

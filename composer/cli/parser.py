@@ -113,6 +113,13 @@ def add_serve(sub: Subparsers) -> None:
     p = _add(sub, "serve", cmd_serve, "Run `vllm serve` with this pipeline as its KV connector.")
     p.add_argument("file", metavar="FILE")
     p.add_argument(
+        "--valkey",
+        action="store_true",
+        help="also start a local valkey-server (loopback, a free port; stopped when the server "
+        "exits) and set VALKEY_HOST / VALKEY_PORT for the pipeline file, e.g. "
+        "port: ${VALKEY_PORT}",
+    )
+    p.add_argument(
         "vllm_args",
         nargs=argparse.REMAINDER,
         metavar="-- VLLM_ARGS",

@@ -111,7 +111,7 @@ class FleetFaults(Plugin):
                 self.corrupted["flipped"] += 1
 
     def _restart_valkey(self) -> None:
-        from composer.testing.valkey import ValkeyServer, valkey_server_binary
+        from composer.valkey import ValkeyServer, valkey_server_binary
 
         assert self.config.valkey_port is not None and self.config.valkey_workdir is not None
         server = ValkeyServer(

@@ -35,7 +35,7 @@ from composer import kv_transfer_config, load_pipeline
 from composer.discovery import discover
 from composer.testing.engine import EngineResult, EngineSpec, run_engine
 from composer.testing.tiny_model import build_tiny_model, make_prompts
-from composer.testing.valkey import ValkeyServer, valkey_server
+from composer.valkey import ValkeyServer, valkey_server
 
 pytestmark = pytest.mark.e2e
 

