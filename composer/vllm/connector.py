@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import structlog
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     CopyBlocksOp,
     KVConnectorBase_V1,
@@ -42,8 +41,9 @@ from composer.vllm.native import NativeConnectorNode
 from composer.vllm.pipeline_source import (
     deep_check_at_start,
     native_classes,
-    native_transfer_config,
     pipeline_from_extra_config,
+    required_kvcache_layout,
+    requires_piecewise,
     runtime_pipeline,
 )
 
@@ -377,35 +377,14 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         assert vllm_config.kv_transfer_config is not None
-        pipeline = pipeline_from_extra_config(
-            vllm_config.kv_transfer_config.kv_connector_extra_config
+        return required_kvcache_layout(
+            pipeline_from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config),
+            vllm_config,
         )
-        layouts: dict[str, str] = {}
-        for node in pipeline.nodes:
-            if node.capabilities.kv_layout:
-                layouts[node.id] = node.capabilities.kv_layout
-        for node_id, connector_cls, temp in native_classes(pipeline, vllm_config):
-            layout = connector_cls.get_required_kvcache_layout(temp)
-            if layout is not None:
-                layouts[node_id] = layout
-        if len(set(layouts.values())) > 1:
-            raise ValueError(f"KV cache layout mismatch between nodes: {layouts}; all must agree")
-        return next(iter(layouts.values()), None)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        pipeline = pipeline_from_extra_config(extra_config)
-        for node in pipeline.nodes:
-            if node.capabilities.requires_piecewise_cudagraph:
-                return True
-            if node.plugin.name == "vllm":
-                child = native_transfer_config(node, pipeline)
-                connector_cls = KVConnectorFactory.get_connector_class(child)
-                if connector_cls.requires_piecewise_for_cudagraph(
-                    child.kv_connector_extra_config
-                ):
-                    return True
-        return False
+        return requires_piecewise(pipeline_from_extra_config(extra_config))
 
     @classmethod
     def build_kv_connector_stats(

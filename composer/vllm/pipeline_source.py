@@ -101,6 +101,35 @@ def native_classes(
     return out
 
 
+def required_kvcache_layout(pipeline: ResolvedPipeline, vllm_config: VllmConfig) -> str | None:
+    """The KV cache layout every node agrees on (plugins' capabilities, native
+    connectors' own answers), or None; disagreement is an error."""
+    layouts: dict[str, str] = {}
+    for node in pipeline.nodes:
+        if node.capabilities.kv_layout:
+            layouts[node.id] = node.capabilities.kv_layout
+    for node_id, connector_cls, temp in native_classes(pipeline, vllm_config):
+        layout = connector_cls.get_required_kvcache_layout(temp)
+        if layout is not None:
+            layouts[node_id] = layout
+    if len(set(layouts.values())) > 1:
+        raise ValueError(f"KV cache layout mismatch between nodes: {layouts}; all must agree")
+    return next(iter(layouts.values()), None)
+
+
+def requires_piecewise(pipeline: ResolvedPipeline) -> bool:
+    """Whether any node (or a native node's connector) needs piecewise CUDA graphs."""
+    for node in pipeline.nodes:
+        if node.capabilities.requires_piecewise_cudagraph:
+            return True
+        if node.plugin.name == "vllm":
+            child = native_transfer_config(node, pipeline)
+            connector_cls = KVConnectorFactory.get_connector_class(child)
+            if connector_cls.requires_piecewise_for_cudagraph(child.kv_connector_extra_config):
+                return True
+    return False
+
+
 def deep_check_at_start(pipeline: ResolvedPipeline) -> None:
     """At engine start, native connector names are checked against vLLM's registry."""
     try:
