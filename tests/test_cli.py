@@ -398,7 +398,7 @@ def test_export_composed_inline_and_by_reference(
 def test_serve_and_demo_help(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "serve", "--help")
     assert code == 0
-    assert out.startswith("usage: kvc serve [-h] FILE ...")
+    assert out.startswith("usage: kvc serve [-h] [--valkey] FILE ...")
     code, out, _ = run(capsys, "demo", "--help")
     assert code == 0
     assert out.startswith("usage: kvc demo [-h] [FILE]")
@@ -410,16 +410,20 @@ def test_serve_and_demo_hand_their_arguments_over(monkeypatch: pytest.MonkeyPatc
 
     calls: list[tuple[str, object, object]] = []
     monkeypatch.setattr(
-        composer.serve, "serve", lambda file, args: calls.append(("serve", file, args)) or 0
+        composer.serve,
+        "serve",
+        lambda file, args, valkey: calls.append(("serve" + "+valkey" * valkey, file, args)) or 0,
     )
     monkeypatch.setattr(composer.demo, "main", lambda file: calls.append(("demo", file, None)) or 3)
     assert main(["serve", "p.yaml", "--", "MODEL", "--port", "8000", "--", "x"]) == 0
     assert main(["serve", "p.yaml"]) == 0
+    assert main(["serve", "--valkey", "p.yaml", "--", "MODEL"]) == 0
     assert main(["demo"]) == 3
     assert main(["demo", "p.yaml"]) == 3
     assert calls == [
         ("serve", "p.yaml", ["MODEL", "--port", "8000", "--", "x"]),
         ("serve", "p.yaml", []),
+        ("serve+valkey", "p.yaml", ["MODEL"]),
         ("demo", None, None),
         ("demo", "p.yaml", None),
     ]
