@@ -9,18 +9,16 @@ is released, what is counted and logged.
 
 from __future__ import annotations
 
-import inspect
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from composer import Capabilities, Plugin, PluginType, discover, hookimpl, load_pipeline
+from composer import Capabilities, PluginType, discover, hookimpl, load_pipeline
 from composer.chain import Chain
 from composer.faults import LOAD_HOOKS, RECOVERABLE_HOOKS, NodeFailed, WorkerLedger
-from composer.hookspecs import NodeSpec
-from composer.testing.chains import drive, spec_hooks
+from composer.testing.chains import NOTHING, Scripted, drive, spec_hooks
 
 SHUTDOWNS: list[str] = []
 
@@ -33,48 +31,23 @@ class FaultConfig(BaseModel):
     hold: bool = False
 
 
-class Everything(Plugin):
-    """Implements every hook of the spec; raises in ``fail_in``."""
+class Everything(Scripted):
+    """Implements every hook of the spec (``Scripted``'s); raises in ``fail_in``."""
 
-    def _maybe_fail(self, hook: str) -> None:
+    def answer(self, hook: str) -> Any:
         if self.config.fail_in == hook:
             raise RuntimeError(f"boom in {hook}")
-
-
-def _make_hook(hook: str) -> Any:
-    params = [p for p in inspect.signature(getattr(NodeSpec, hook)).parameters if p != "self"]
-
-    def impl(self: Everything, *args: Any) -> Any:
-        self._maybe_fail(hook)
         if hook == "shutdown":
             SHUTDOWNS.append(self.node_id)
         if hook == "get_num_new_matched_tokens":
             return self.config.hit, self.config.load_async
         if hook in ("request_finished", "request_finished_all_groups"):
             return self.config.hold, None
-        if hook == "get_finished":
-            return None, None
-        if hook in ("get_block_ids_with_load_errors",):
-            return set()
-        if hook in ("take_events",):
-            return []
-        if hook in ("has_pending_block_frees", "has_pending_push_work"):
-            return False
-        return None
-
-    # pluggy reads the argument names: give the function the spec's signature.
-    ns: dict[str, Any] = {"impl": impl}
-    exec(  # noqa: S102 - a test building hookimpls with the spec's own argument names
-        f"def {hook}(self, {', '.join(params)}):\n    return impl(self, {', '.join(params)})",
-        ns,
-    )
-    return hookimpl(ns[hook])
+        return NOTHING.get(hook)
 
 
 # Without get_transfer_results, whose nodes the chain asks instead of get_finished.
 ALL_HOOKS = [h for h in spec_hooks() if h != "get_transfer_results"]
-for _hook in ALL_HOOKS:
-    setattr(Everything, _hook, _make_hook(_hook))
 
 
 @hookimpl
