@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +12,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from composer.bench_servers import stop
 
 pytestmark = pytest.mark.e2e
 
@@ -111,27 +111,3 @@ def test_kvc_serve_runs_vllm_with_the_pipeline(
     finally:
         stop(proc)
         log.close()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stop the server and everything it spawned, however the test ended.
-
-    SIGTERM goes to the API server alone first, as a user's Ctrl-C or a service
-    manager would send it: vLLM then stops its engine itself, and the shared
-    memory its processes made is unlinked. Only what outlives that is killed.
-    """
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-    with contextlib.suppress(ProcessLookupError):  # whatever the server left behind
-        os.killpg(proc.pid, signal.SIGKILL)
