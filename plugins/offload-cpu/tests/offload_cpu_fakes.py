@@ -9,6 +9,9 @@ vLLM's ``KVCacheConfig`` dataclasses are used when vLLM is importable.
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -306,6 +309,22 @@ class Engine:
             for b in range(start // BLOCK, -(-end // BLOCK)):
                 self.region[r.block_ids[b]] = content(tokens, b)
             r.num_computed = end
+
+    @contextmanager
+    def background_paused(self) -> Iterator[None]:
+        """Keep the worker's background copies queued until the block ends.
+
+        Without it a test that needs a save still in flight races the copy
+        thread: on a quiet machine the copy ends inside the same step.
+        """
+        executor = self.worker._executor
+        assert executor is not None, "no background copies in sync mode"
+        gate = threading.Event()
+        executor.submit(gate.wait)  # one thread: every copy queues behind it
+        try:
+            yield
+        finally:
+            gate.set()
 
     def settle(self, steps: int = 3) -> None:
         """Let background saves finish and their confirmations reach the scheduler."""

@@ -251,10 +251,13 @@ def test_async_save_holds_finished_request_until_saved() -> None:
     eng = Engine(save_mode="async")
     a = prompt(20, 100)
     eng.add("a", a)
-    eng.prefill("a")
-    hold = eng.finish("a")
-    assert hold  # the background copy may still read a's blocks
-    assert eng.sched._pending_hold == ["a"]
+    with eng.background_paused():
+        eng.prefill("a")
+        hold = eng.finish("a")
+        assert hold  # the background copy still reads a's blocks
+        assert eng.sched._pending_hold == ["a"]
+        eng.step()
+        assert "a" in eng.held and "a" not in eng.finished_sending
     eng.settle()
     assert "a" in eng.finished_sending and not eng.held
     assert eng.add("b", a) == (96, False)
