@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml $(PLUGINS)
 	touch $@
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The inner loop: everything but the tests that start vLLM engines or servers.
 test-fast: $(STAMP)
