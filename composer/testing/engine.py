@@ -73,6 +73,16 @@ class EngineFailed(RuntimeError):
     clean_exit: bool = True
 
 
+def plugin_env(folder: Path, *modules: str) -> dict[str, str]:
+    """Environment for engines that load the plugin ``modules`` found in ``folder``.
+
+    The engine's processes import them through ``$KV_COMPOSER_PLUGIN_MODULES``,
+    as they would a user's plugin modules that have no entry point.
+    """
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "KV_COMPOSER_PLUGIN_MODULES": ",".join(modules)}
+
+
 def run_engine(spec: EngineSpec) -> EngineResult:
     with tempfile.TemporaryDirectory(prefix="kvc-engine-") as tmp:
         spec_file = Path(tmp) / "spec.json"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from composer.testing.engine import plugin_env
 from composer.testing.tiny_model import build_tiny_model
 
 HERE = Path(__file__).parent
@@ -22,8 +23,7 @@ def tiny_model() -> str:
 @pytest.fixture(scope="session")
 def engine_env() -> dict[str, str]:
     """Environment for engine processes: the test plugins and recording connector importable."""
-    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "KV_COMPOSER_PLUGIN_MODULES": "plugins_for_tests"}
+    return plugin_env(HERE, "plugins_for_tests")
 
 
 @pytest.fixture(scope="package", autouse=True)
@@ -39,3 +39,17 @@ def _test_plugins_in_this_process() -> Iterator[None]:
     else:
         os.environ["KV_COMPOSER_PLUGIN_MODULES"] = old
     sys.path.remove(str(HERE))
+
+
+@pytest.fixture
+def offload_pipeline(tmp_path: Path) -> Path:
+    """A pipeline file with one 64 MiB offload-cpu tier saving prompts synchronously."""
+    path = tmp_path / "cpu.yaml"
+    path.write_text(
+        "version: 1\n"
+        "nodes:\n"
+        "  cpu:\n"
+        "    plugin: offload-cpu\n"
+        "    config: {capacity: 64MiB, save: prompt, save_mode: sync}\n"
+    )
+    return path

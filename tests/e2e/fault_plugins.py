@@ -66,8 +66,8 @@ class _Faulty:
         if self.calls != self.config.fault_call:
             return
         with open(self.config.fired, "a") as f:
-            f.write(json.dumps({"node": self.node_id, "hook": hook, "pid": os.getpid(),
-                                "role": self.ctx.process}) + "\n")
+            fired = {"node": self.node_id, "hook": hook, "pid": os.getpid()}
+            f.write(json.dumps({**fired, "role": self.ctx.process}) + "\n")
         raise InjectedFault(f"injected fault in {hook} (call {self.calls})")
 
 

@@ -14,23 +14,11 @@ from composer.trace import TraceRequest
 
 pytestmark = pytest.mark.e2e
 
-PIPELINE = """\
-version: 1
-nodes:
-  cpu:
-    plugin: offload-cpu
-    config:
-      capacity: 64MiB
-      save: prompt
-      save_mode: sync
-"""
-
 
 def test_metrics_show_every_node_and_kvc_top_reads_them(
-    tiny_model: str, engine_env: dict[str, str], tmp_path: Path
+    tiny_model: str, engine_env: dict[str, str], offload_pipeline: Path, tmp_path: Path
 ) -> None:
-    pipeline = tmp_path / "cpu.yaml"
-    pipeline.write_text(PIPELINE)
+    pipeline = offload_pipeline
     config = bench_servers.Config("cpu", pipeline, prefix_caching=False)
     spec = bench_servers.ServerSpec(
         model=tiny_model, max_model_len=1024, extra_args=["--enforce-eager"], env=engine_env

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from composer.bench_servers import stop
+from composer import bench_servers
 
 pytestmark = pytest.mark.e2e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get(url: str, payload: dict | None = None, timeout: float = 60) -> dict:
@@ -46,50 +36,10 @@ def test_kvc_serve_runs_vllm_with_the_pipeline(
         "      connector: ExampleConnector\n"
         f"      extra_config: {{shared_storage_path: {tmp_path / 'store'}}}\n"
     )
-    port = free_port()
-    kvc = Path(sys.executable).with_name("kvc")
-    env = {
-        **os.environ,
-        **engine_env,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-    }
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen(
-        [
-            str(kvc),
-            "serve",
-            str(pipeline),
-            "--",
-            tiny_model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--block-size",
-            "32",
-            "--max-model-len",
-            "1024",
-            "--no-enable-prefix-caching",
-            "--enable-prompt-tokens-details",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not become healthy"
-                time.sleep(1)
+    config = bench_servers.Config("ex", pipeline, prefix_caching=False)
+    spec = bench_servers.ServerSpec(model=tiny_model, max_model_len=1024, env=engine_env)
+    log = tmp_path / "serve.log"
+    with bench_servers.server(config, spec, log) as base:
         prompt = "the cache block token layer model vllm connector offload memory " * 6
         body = {"model": tiny_model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
         first = get(f"{base}/v1/completions", body)
@@ -99,15 +49,8 @@ def test_kvc_serve_runs_vllm_with_the_pipeline(
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         # Per-node counters reach vLLM's stat logger (it logs every ~10 s).
         deadline = time.monotonic() + 30
-        while "KV Transfer metrics: ex." not in (tmp_path / "serve.log").read_text():
+        while "KV Transfer metrics: ex." not in log.read_text():
             assert time.monotonic() < deadline, "no per-node KV transfer metrics were logged"
             time.sleep(1)
-        line = next(
-            x
-            for x in (tmp_path / "serve.log").read_text().splitlines()
-            if "KV Transfer metrics" in x
-        )
+        line = next(x for x in log.read_text().splitlines() if "KV Transfer metrics" in x)
         assert "ex.lookups=" in line and "ex.hits=" in line
-    finally:
-        stop(proc)
-        log.close()

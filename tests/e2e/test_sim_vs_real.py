@@ -20,25 +20,14 @@ REQUESTS = 300
 SCALE = 16  # 512 tokens a hash id -> 32, the block size: one vLLM block per trace block
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 4096
-# Smaller than the slice's working set (~6,400 blocks of 16 KiB): LRU evicts, so
-# the prediction has to get the eviction order right, not only the sharing.
-PIPELINE = """\
-version: 1
-nodes:
-  cpu:
-    plugin: offload-cpu
-    config:
-      capacity: 64MiB
-      save: prompt
-      save_mode: sync
-"""
 
 
 def test_simulated_hit_rate_matches_a_real_engine(
-    tiny_model: str, engine_env: dict[str, str], tmp_path: Path
+    tiny_model: str, engine_env: dict[str, str], offload_pipeline: Path, tmp_path: Path
 ) -> None:
-    pipeline = tmp_path / "cpu.yaml"
-    pipeline.write_text(PIPELINE)
+    # Its 64 MiB tier is smaller than the slice's working set (~6,400 blocks of 16 KiB):
+    # LRU evicts, so the prediction has to get the eviction order right, not only the sharing.
+    pipeline = offload_pipeline
     trace = read_trace(TRACE, limit=REQUESTS)
     prompts, skipped = replay.make_prompts(
         trace,
@@ -53,9 +42,7 @@ def test_simulated_hit_rate_matches_a_real_engine(
     predicted = simulate.simulate(
         load_pipeline(pipeline),
         kept,
-        bytes_per_block=bytes_per_block_from_config(
-            Path(tiny_model) / "config.json", BLOCK_SIZE
-        ),
+        bytes_per_block=bytes_per_block_from_config(Path(tiny_model) / "config.json", BLOCK_SIZE),
         block_size=BLOCK_SIZE,
         trace_block_tokens=replay.trace_block_tokens(SCALE),
         exact=True,

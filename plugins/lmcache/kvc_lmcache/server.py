@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-LOOPBACK = "127.0.0.1"
+from composer.loopback import LOOPBACK, free_port
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -80,12 +81,6 @@ class ServerInfo:
     @property
     def http_url(self) -> str | None:
         return None if self.http_port is None else f"http://{self.host}:{self.http_port}"
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def lmcache_command() -> list[str]:

@@ -34,9 +34,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
+from lmcache_probe import LatencyProbe
 from pydantic import BaseModel, ConfigDict
 
-from composer import Plugin, PluginType, hookimpl
+from composer import PluginType, hookimpl
 
 Action = Literal[
     "kill_valkey",
@@ -62,12 +63,9 @@ class FleetFaultsConfig(BaseModel):
     settle_s: float = 1.0
 
 
-class FleetFaults(Plugin):
+class FleetFaults(LatencyProbe):
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
-        (self.target,) = ctx.needs.values()
-        self.seen: dict[str, float] = {}
-        self.latency: dict[str, float] = {}
         self.done: list[tuple[int, str, float]] = []
         self.valkey_pid = self.config.valkey_pid
         self.restarted_pids: list[int] = []
@@ -123,7 +121,7 @@ class FleetFaults(Plugin):
         assert server.pid is not None
         self.valkey_pid = server.pid
         self.restarted_pids.append(server.pid)
-        self._report()  # the test stops it, also if the engine dies later
+        self.write_report()  # the test stops it, also if the engine dies later
 
     def _clear_l1(self) -> None:
         http_url = self.target.server.http_url
@@ -164,39 +162,26 @@ class FleetFaults(Plugin):
 
     @hookimpl
     def get_num_new_matched_tokens(self, request: Any) -> tuple[int, bool]:
-        if request.request_id not in self.seen:
-            self.seen[request.request_id] = time.monotonic()
-            ordinal = len(self.seen)
-            for action in self.config.actions.get(str(ordinal), []):
-                self._run(ordinal, action)
+        ordinal = self.first_lookup(request)
+        if ordinal is None:
+            return 0, False
+        for action in self.config.actions.get(str(ordinal), []):
+            self._run(ordinal, action)
         return 0, False
-
-    @hookimpl
-    def request_finished(self, request: Any) -> tuple[bool, None]:
-        start = self.seen.get(request.request_id)
-        if start is not None:
-            self.latency[request.request_id] = time.monotonic() - start
-            self._report()
-        return False, None
 
     @hookimpl
     def shutdown(self) -> None:
         # The lmcache node reads its server's L2 metrics every 2 s: read them now.
         self.target._scrape_l2()
-        self._report()
+        self.write_report()
 
-    def _report(self) -> None:
-        report = {
+    def report(self) -> dict[str, Any]:
+        return {
             "done": self.done,
             "restarted_pids": self.restarted_pids,
             "corrupted": self.corrupted,
-            "latency": self.latency,
             "gauges": dict(self.target.stats.gauges),
         }
-        tmp = f"{self.config.report}.{self.ctx.process}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f)
-        os.replace(tmp, f"{self.config.report}.{self.ctx.process}.json")
 
 
 @hookimpl

@@ -14,7 +14,6 @@ count the chain took from its stats) to ``<report>.<process>.json``.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -23,9 +22,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from lmcache_probe import LatencyProbe
 from pydantic import BaseModel, ConfigDict
 
-from composer import Plugin, PluginType, hookimpl
+from composer import PluginType, hookimpl
 
 
 class KillerConfig(BaseModel):
@@ -42,12 +42,9 @@ class KillerConfig(BaseModel):
     restart_chunk_size: int | None = None
 
 
-class Killer(Plugin):
+class Killer(LatencyProbe):
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
-        (self.target,) = ctx.needs.values()
-        self.seen: dict[str, float] = {}
-        self.latency: dict[str, float] = {}
         self.killed_at: float | None = None
         self.restarted_pid: int | None = None
         self.resumed_at: float | None = None
@@ -69,16 +66,15 @@ class Killer(Plugin):
 
     @hookimpl
     def get_num_new_matched_tokens(self, request: Any) -> tuple[int, bool]:
-        if request.request_id not in self.seen:
-            self.seen[request.request_id] = time.monotonic()
-            if len(self.seen) == self.config.at_request:
-                if self.config.delay_s > 0:
-                    threading.Timer(self.config.delay_s, self._kill).start()
-                else:
-                    self._kill()
-                    time.sleep(self.config.settle_s)
-                    if self.config.restart_chunk_size:
-                        self._restart()
+        if self.first_lookup(request) != self.config.at_request:
+            return 0, False
+        if self.config.delay_s > 0:
+            threading.Timer(self.config.delay_s, self._kill).start()
+        else:
+            self._kill()
+            time.sleep(self.config.settle_s)
+            if self.config.restart_chunk_size:
+                self._restart()
         return 0, False
 
     def _restart(self) -> None:
@@ -96,29 +92,14 @@ class Killer(Plugin):
         self.resumed_at = time.monotonic()
         time.sleep(self.config.settle_s)
 
-    @hookimpl
-    def request_finished(self, request: Any) -> tuple[bool, None]:
-        start = self.seen.get(request.request_id)
-        if start is not None:
-            self.latency[request.request_id] = time.monotonic() - start
-            # Also written now: a test reading it still learns what happened if
-            # the engine's shutdown is cut short (the shutdown test says so).
-            self._report()
-        return False, None
-
-    @hookimpl
-    def shutdown(self) -> None:
-        self._report()
-
-    def _report(self) -> None:
+    def report(self) -> dict[str, Any]:
         stats = self.target.stats
         down_since = self.target._down_since if self.target.down_events else None
-        report = {
+        return {
             "killed_at": self.killed_at,
             "down_since": down_since,
             "restarted_pid": self.restarted_pid,
             "resumed_at": self.resumed_at,
-            "latency": self.latency,
             "server_alive": self.target.server_alive,
             "down_events": self.target.down_events,
             "gauge_server_alive": stats.gauges.get("server_alive"),
@@ -126,8 +107,6 @@ class Killer(Plugin):
             "server_outages": stats.gauges.get("server_outages"),
             "disabled": stats.disabled,
         }
-        with open(f"{self.config.report}.{self.ctx.process}.json", "w") as f:
-            json.dump(report, f)
 
 
 @hookimpl

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ import vllm  # noqa: F401  (installed by `make test`: missing must fail, not ski
 
 from composer import kv_transfer_config, load_pipeline
 from composer.discovery import discover
-from composer.testing.engine import EngineResult, EngineSpec, run_engine
+from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine
 from composer.testing.tiny_model import build_tiny_model, make_prompts
 from composer.valkey import ValkeyServer, valkey_server
 
@@ -115,21 +114,14 @@ def _kv_b(vk: ValkeyServer, report: Path) -> dict[str, Any]:
         },
         "load_order": ["faults", "lmcache"],
     }
-    return kv_transfer_config(
-        load_pipeline(pipeline, registry=discover(extra=[kvc_fleet_faults]))
-    )
+    return kv_transfer_config(load_pipeline(pipeline, registry=discover(extra=[kvc_fleet_faults])))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    sys.path.insert(0, str(HERE))
     model = str(build_tiny_model())
     state = tmp_path_factory.mktemp("lmcache-state")
-    env = {
-        "KVC_LMCACHE_STATE_DIR": str(state),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
-        "KV_COMPOSER_PLUGIN_MODULES": "kvc_fleet_faults",
-    }
+    env = {"KVC_LMCACHE_STATE_DIR": str(state), **plugin_env(HERE, "kvc_fleet_faults")}
     out: dict[str, Any] = {}
 
     def run(rounds: list[list[str]], kv: dict[str, Any] | None) -> EngineResult:
@@ -158,7 +150,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     finally:
         for pid in restarted:
             _stop_valkey(pid)
-        sys.path.remove(str(HERE))
 
 
 def _stop_valkey(pid: int) -> None:
@@ -192,9 +183,9 @@ def test_tokens_equal_a_plain_engine_in_every_round(runs: dict[str, Any]) -> Non
 
 def test_a_saves_its_prompts_to_valkey(runs: dict[str, Any]) -> None:
     # One key per LMCache chunk of every prompt A computed.
-    assert runs["keys_after_a"] >= sum(
-        r.prompt_tokens // BLOCK for r in runs["a"].rounds[0]
-    ), runs["keys_after_a"]
+    assert runs["keys_after_a"] >= sum(r.prompt_tokens // BLOCK for r in runs["a"].rounds[0]), runs[
+        "keys_after_a"
+    ]
 
 
 def test_the_cpu_tier_in_front_serves_a_repeat_on_the_same_engine(runs: dict[str, Any]) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from kvc_lmcache.server import _alive
 
 from composer import kv_transfer_config, load_pipeline
 from composer.discovery import discover
-from composer.testing.engine import EngineResult, EngineSpec, run_engine
+from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine
 from composer.testing.tiny_model import build_tiny_model, make_prompts
 
 pytestmark = pytest.mark.e2e
@@ -60,21 +59,14 @@ def _kv(disk: Path, key: Path, faults: dict[str, Any] | None) -> dict[str, Any]:
         "nodes": nodes,
         "load_order": ["faults", "lmcache"] if faults else ["lmcache"],
     }
-    return kv_transfer_config(
-        load_pipeline(pipeline, registry=discover(extra=[kvc_fleet_faults]))
-    )
+    return kv_transfer_config(load_pipeline(pipeline, registry=discover(extra=[kvc_fleet_faults])))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    sys.path.insert(0, str(HERE))
     model = str(build_tiny_model())
     state = tmp_path_factory.mktemp("lmcache-state")
-    env = {
-        "KVC_LMCACHE_STATE_DIR": str(state),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
-        "KV_COMPOSER_PLUGIN_MODULES": "kvc_fleet_faults",
-    }
+    env = {"KVC_LMCACHE_STATE_DIR": str(state), **plugin_env(HERE, "kvc_fleet_faults")}
     root = tmp_path_factory.mktemp("disk-tier")
     disk, key, report = root / "chunks", root / "seal.key", root / "report"
     key.write_bytes(os.urandom(32))
@@ -85,20 +77,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             EngineSpec(model=model, rounds=rounds, kv_transfer_config=kv, env=env, max_tokens=8)
         )
 
-    try:
-        out["plain"] = run([P, P], None)
-        out["writer"] = run([P], _kv(disk, key, None))
-        out["files_after_writer"] = sorted(p.name for p in disk.rglob("*") if p.is_file())
-        faults = {
-            "report": str(report),
-            "actions": {str(N + 1): ["clear_l1", "corrupt_fs"]},
-            "fs_path": str(disk),
-        }
-        out["reader"] = run([P, P], _kv(disk, key, faults))
-        out["reader/report"] = json.loads(Path(f"{report}.scheduler.json").read_text())
-        yield out
-    finally:
-        sys.path.remove(str(HERE))
+    out["plain"] = run([P, P], None)
+    out["writer"] = run([P], _kv(disk, key, None))
+    out["files_after_writer"] = sorted(p.name for p in disk.rglob("*") if p.is_file())
+    faults = {
+        "report": str(report),
+        "actions": {str(N + 1): ["clear_l1", "corrupt_fs"]},
+        "fs_path": str(disk),
+    }
+    out["reader"] = run([P, P], _kv(disk, key, faults))
+    out["reader/report"] = json.loads(Path(f"{report}.scheduler.json").read_text())
+    yield out
 
 
 def _served(result: EngineResult, r: int) -> list[str | None]:

@@ -16,8 +16,6 @@ when the server is back), and the engine must shut down by itself; with
 from __future__ import annotations
 
 import json
-import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ from kvc_lmcache.server import (
 
 from composer import kv_transfer_config, load_pipeline
 from composer.discovery import discover
-from composer.testing.engine import EngineFailed, EngineResult, EngineSpec, run_engine
+from composer.testing.engine import EngineFailed, EngineResult, EngineSpec, plugin_env, run_engine
 from composer.testing.tiny_model import build_tiny_model, make_prompts
 
 pytestmark = pytest.mark.e2e
@@ -83,14 +81,9 @@ def _kv(report: Path, killer: dict[str, Any], on_error: str, server: dict[str, A
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    sys.path.insert(0, str(HERE))
     model = str(build_tiny_model())
     state = tmp_path_factory.mktemp("lmcache-state")
-    env = {
-        "KVC_LMCACHE_STATE_DIR": str(state),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
-        "KV_COMPOSER_PLUGIN_MODULES": "kvc_lmcache_faults",
-    }
+    env = {"KVC_LMCACHE_STATE_DIR": str(state), **plugin_env(HERE, "kvc_lmcache_faults")}
     out: dict[str, Any] = {"state": state, "servers": []}
 
     def run(name: str, rounds: int, kv: Any) -> EngineResult:
@@ -146,7 +139,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         restarted = out.get("restarted_pid")
         if restarted and _is_server(restarted, out["restarted_port"]):
             stop_pid(restarted)
-        sys.path.remove(str(HERE))
 
 
 STAYS_DOWN = ["recompute-between", "disable-between", "recompute-in-flight"]

@@ -10,7 +10,6 @@ VLLM_CPU_OMP_THREADS_BIND, so token comparisons are not thread-count noise.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 
 from composer import kv_transfer_config, load_pipeline  # noqa: E402
-from composer.testing.engine import EngineResult, EngineSpec, run_engine  # noqa: E402
+from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine  # noqa: E402
 from composer.testing.tiny_model import build_tiny_model, make_prompts  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -44,8 +43,7 @@ def _pipeline(config: dict[str, Any], extra_nodes: dict[str, Any] | None = None)
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("offload-cpu")
     model = str(build_tiny_model())
-    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    env = {"PYTHONPATH": path, "KV_COMPOSER_PLUGIN_MODULES": "offload_cpu_e2e_plugins"}
+    env = plugin_env(HERE, "offload_cpu_e2e_plugins")
     # For load_pipeline here; undone after this module so other tests see only
     # the installed plugins.
     patch = pytest.MonkeyPatch()
@@ -66,8 +64,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         spec(
             _pipeline(
                 {"capacity": "256MiB", "checksums": True, "load_mode": "async"},
-                {"bad": {"plugin": "offload-cpu-corruptor", "needs": ["cpu"],
-                         "config": {"target": "cpu", "report": str(report), "every": 2}}},
+                {
+                    "bad": {
+                        "plugin": "offload-cpu-corruptor",
+                        "needs": ["cpu"],
+                        "config": {"target": "cpu", "report": str(report), "every": 2},
+                    }
+                },
             )
         )
     )
