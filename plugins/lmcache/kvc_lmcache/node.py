@@ -24,6 +24,7 @@ from composer.vllm.native import NativeConnectorNode
 from kvc_lmcache import l2_stats
 from kvc_lmcache.config import TCP_URL, LMCacheConfig
 from kvc_lmcache.l2 import adapter_args
+from kvc_lmcache.loads import LoadCounter
 from kvc_lmcache.server import (
     ServerError,
     ServerGone,
@@ -143,6 +144,8 @@ class LMCacheServerNode(NativeConnectorNode):
         self._down_since = 0.0
         self._lock = threading.Lock()
         self._shut_down = False
+        #: The retrieves LMCache was asked for, counted into tokens_loaded once done.
+        self.loads = LoadCounter()
         #: The started server's L2 tiers: their work and failures, from its /metrics.
         self.l2_tiers = len(config.server.l2) if self.shared is not None else 0
         self._ticks = 0
@@ -279,6 +282,8 @@ class LMCacheServerNode(NativeConnectorNode):
     def _start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """The direct hook: the chain passes vLLM's keyword arguments, like the native one."""
         if self.server_alive:
+            with contextlib.suppress(AssertionError):  # no metadata bound: nothing to load
+                self.loads.started(self.connector._get_connector_metadata())
             try:
                 self.connector.start_load_kv(forward_context, **kwargs)
             except Exception as exc:
@@ -291,6 +296,21 @@ class LMCacheServerNode(NativeConnectorNode):
         self.connector.start_load_kv(forward_context, **kwargs)
         if self._bound_requests("RETRIEVE"):
             raise self._gone("start_load_kv")
+
+    @hookimpl
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = self.connector.get_transfer_results(finished_req_ids)
+        failed = getattr(results, "failed_recving", None) or ()
+        self.loads.transfers_done(results.finished_recving, failed)
+        self.loads.forget(finished_req_ids)
+        return results
+
+    @hookimpl
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # vLLM asks right after get_transfer_results, in the same step.
+        errors: set[int] = self.connector.get_block_ids_with_load_errors()
+        self.stats.tokens_loaded += self.loads.settle(errors)
+        return errors
 
     @hookimpl
     def wait_for_save(self) -> None:

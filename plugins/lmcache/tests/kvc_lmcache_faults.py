@@ -48,16 +48,6 @@ class Killer(LatencyProbe):
         self.killed_at: float | None = None
         self.restarted_pid: int | None = None
         self.resumed_at: float | None = None
-        self.totals = {"errors": 0}
-        stats = self.target.stats
-        take = stats.take
-
-        def counting_take() -> dict[str, Any]:
-            snapshot: dict[str, Any] = take()
-            self.totals["errors"] += int(snapshot.get("errors", 0))
-            return snapshot
-
-        stats.take = counting_take
 
     def _kill(self) -> None:
         pid = self.config.pid or self.target.server.pid
@@ -103,7 +93,7 @@ class Killer(LatencyProbe):
             "server_alive": self.target.server_alive,
             "down_events": self.target.down_events,
             "gauge_server_alive": stats.gauges.get("server_alive"),
-            "errors": self.totals["errors"] + stats.errors,
+            "errors": self.total("errors"),
             "server_outages": stats.gauges.get("server_outages"),
             "disabled": stats.disabled,
         }

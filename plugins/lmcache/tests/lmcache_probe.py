@@ -1,7 +1,8 @@
 """What the lmcache fault nodes share: request latencies and a report per process.
 
 A probe ``needs`` the lmcache node (``self.target``). It records, per request,
-the seconds from its first lookup to ``request_finished``, and writes its
+the seconds from its first lookup to ``request_finished``, keeps the node's
+counters summed over the chain's reports (``total``), and writes its
 ``report()`` to ``<config.report>.<process>.json`` at every finished request
 and at shutdown: a test still learns what happened if the engine's shutdown is
 cut short.
@@ -23,6 +24,21 @@ class LatencyProbe(Plugin):
         (self.target,) = ctx.needs.values()
         self.seen: dict[str, float] = {}
         self.latency: dict[str, float] = {}
+        self._taken = {"errors": 0, "tokens_loaded": 0}
+        stats = self.target.stats
+        take = stats.take
+
+        def counting_take() -> dict[str, Any]:
+            snapshot: dict[str, Any] = take()
+            for name in self._taken:
+                self._taken[name] += int(snapshot.get(name, 0))
+            return snapshot
+
+        stats.take = counting_take
+
+    def total(self, counter: str) -> int:
+        """The lmcache node's ``counter`` since the start (the chain resets it at each report)."""
+        return self._taken[counter] + int(getattr(self.target.stats, counter))
 
     def first_lookup(self, request: Any) -> int | None:
         """The request's ordinal (1-based) at its first lookup; None at later ones."""
@@ -49,5 +65,6 @@ class LatencyProbe(Plugin):
     def write_report(self) -> None:
         path = f"{self.config.report}.{self.ctx.process}.json"
         with open(f"{path}.tmp", "w") as f:
-            json.dump({**self.report(), "latency": self.latency}, f)
+            totals = {name: self.total(name) for name in self._taken}
+            json.dump({**self.report(), "latency": self.latency, "totals": totals}, f)
         os.replace(f"{path}.tmp", path)  # a reader never sees half a report

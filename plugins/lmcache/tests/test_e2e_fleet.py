@@ -229,6 +229,20 @@ def test_the_node_counts_the_l2_errors(runs: dict[str, Any]) -> None:
         assert gauges["l2_hit_tokens"] >= 2 * BLOCK * N, gauges
 
 
+def test_the_node_counts_the_tokens_it_loaded(runs: dict[str, Any]) -> None:
+    # LMCache's connector keeps no count: the node counts the retrieves it was
+    # asked for, once vLLM learns they finished, less their failed blocks.
+    served = [
+        r.cached_tokens
+        for rnd in runs["b"].rounds
+        for r in rnd
+        if (r.kv_transfer_params or {}).get("kv_composer", {}).get("served_by") == "lmcache"
+    ]
+    assert len(served) == 2 * N  # rounds 0 and 4
+    assert runs["b/worker"]["totals"]["tokens_loaded"] == sum(served)
+    assert runs["b/report"]["totals"]["tokens_loaded"] == 0  # loads happen in the worker
+
+
 def test_hits_resume_once_valkey_is_back_without_restarting_vllm(runs: dict[str, Any]) -> None:
     assert _served(runs["b"], 3) == [None] * N
     assert _served(runs["b"], 4) == ["lmcache"] * N
