@@ -50,13 +50,18 @@ def valkey_server_binary() -> str:
     )
 
 
-def ping(host: str, port: int, timeout: float = 1.0, password: str | None = None) -> bool:
-    """One RESP ``PING`` over a raw socket (no client library needed): True on ``+PONG``."""
+def ping(
+    host: str, port: int, timeout: float = 1.0, password: str | None = None, username: str = ""
+) -> bool:
+    """One RESP ``PING`` over a raw socket (no client library needed): True on ``+PONG``.
+
+    With a password, ``AUTH`` first (as ``username`` when given: Valkey's ACL users).
+    """
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
             s.settimeout(timeout)
             if password:
-                s.sendall(_command("AUTH", password))
+                s.sendall(_command("AUTH", *([username] if username else []), password))
                 if not s.recv(64).startswith(b"+OK"):
                     return False
             s.sendall(_command("PING"))

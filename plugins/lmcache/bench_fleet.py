@@ -42,7 +42,7 @@ from typing import Any
 from composer import kv_transfer_config, load_pipeline
 from composer.testing.engine import EngineResult, EngineSpec, run_engine
 from composer.testing.tiny_model import QWEN_05B_SHAPE, build_tiny_model, make_prompts
-from composer.valkey import ValkeyServer, valkey_server
+from composer.valkey import ValkeyServer, ping, valkey_server
 
 THREADS = os.environ.get("KVC_BENCH_THREADS", "0-1")
 REPEATS = int(os.environ.get("KVC_BENCH_REPEATS", "3"))
@@ -172,7 +172,7 @@ def _wait(client: Any, future: int, timeout: float = 60.0) -> tuple[int, bool, s
 
 def throughput(vk: ValkeyServer) -> dict[str, float]:
     import valkey
-    from kvc_lmcache.resp_adapter import ReconnectingRespClient, resp_ping
+    from kvc_lmcache.resp_adapter import ReconnectingRespClient
     from lmcache.lmcache_redis import LMCacheRedisClient
 
     size, n = chunk_bytes(), THROUGHPUT_CHUNKS
@@ -182,7 +182,7 @@ def throughput(vk: ValkeyServer) -> dict[str, float]:
 
     tier = ReconnectingRespClient(
         lambda: LMCacheRedisClient(vk.host, vk.port, 4, "", ""),
-        lambda: resp_ping(vk.host, vk.port),
+        lambda: ping(vk.host, vk.port),
     )
     keys = [f"bench:tier:{i}" for i in range(n)]
     t0 = time.perf_counter()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -36,35 +35,14 @@ from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
     NativeConnectorL2Adapter,
 )
 
+from composer.valkey import ping
+
 #: Seconds between two reconnection attempts while the store is unreachable.
 RETRY_S = 1.0
 #: Error texts of LMCache's native client that mean the connection is gone.
 CONNECTION_ERRORS = ("socket", "connection", "connect", "closed", "broken")
 
 Completion = tuple[int, bool, str, Any]
-
-
-def resp_ping(host: str, port: int, password: str = "", username: str = "") -> bool:
-    """One RESP PING (after AUTH when a password is set): does the store answer?"""
-
-    def command(*parts: str) -> bytes:
-        out = [f"*{len(parts)}\r\n".encode()]
-        for part in parts:
-            data = part.encode()
-            out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-        return b"".join(out)
-
-    try:
-        with socket.create_connection((host, port), timeout=1.0) as s:
-            s.settimeout(1.0)
-            if password:
-                s.sendall(command("AUTH", *([username] if username else []), password))
-                if not s.recv(64).startswith(b"+OK"):
-                    return False
-            s.sendall(command("PING"))
-            return s.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 class ReconnectingRespClient:
@@ -88,9 +66,7 @@ class ReconnectingRespClient:
         self._stop = threading.Event()
         self._native = self._connect_if_up()
         self._last_attempt = time.monotonic()
-        self._thread = threading.Thread(
-            target=self._forward, daemon=True, name="kvc-resp-forward"
-        )
+        self._thread = threading.Thread(target=self._forward, daemon=True, name="kvc-resp-forward")
         self._thread.start()
 
     # -- the interface NativeConnectorL2Adapter uses ------------------------------ #
@@ -243,7 +219,7 @@ class ReconnectingRespL2Adapter(NativeConnectorL2Adapter):
         password = os.environ.get("LMCACHE_RESP_PASSWORD", "")
         self._resp = ReconnectingRespClient(
             lambda: LMCacheRedisClient(host, port, workers, username, password),
-            lambda: resp_ping(host, port, password, username),
+            lambda: ping(host, port, password=password, username=username),
         )
         super().__init__(
             self._resp,

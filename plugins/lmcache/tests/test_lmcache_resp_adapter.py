@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import valkey
 from kvc_lmcache import resp_adapter
-from kvc_lmcache.resp_adapter import ReconnectingRespClient, resp_ping
+from kvc_lmcache.resp_adapter import ReconnectingRespClient
 
 # Installed by `make test`: missing must fail, not skip.
 from lmcache.lmcache_redis import LMCacheRedisClient
 
-from composer.valkey import ValkeyServer, valkey_server
+from composer.valkey import ValkeyServer, ping, valkey_server
 
 
 def wait(client: Any, future: int, timeout: float = 10.0) -> tuple[int, bool, str, Any]:
@@ -68,7 +68,7 @@ def test_the_wrapper_fails_fast_while_down_and_reconnects(
     monkeypatch.setattr(resp_adapter, "RETRY_S", 0.2)
     data = bytearray(b"y" * 4096)
     with valkey_server(tmp_path) as vk:
-        client = ReconnectingRespClient(lambda: native(vk), lambda: resp_ping(vk.host, vk.port))
+        client = ReconnectingRespClient(lambda: native(vk), lambda: ping(vk.host, vk.port))
         assert set_one(client, "a", data) and client.connected
         vk.kill()
         assert not set_one(client, "b", data)  # the dead connection is noticed
@@ -91,7 +91,7 @@ def test_the_wrapper_starts_while_the_store_is_down(
     monkeypatch.setattr(resp_adapter, "RETRY_S", 0.2)
     with valkey_server(tmp_path) as vk:
         vk.kill()
-        client = ReconnectingRespClient(lambda: native(vk), lambda: resp_ping(vk.host, vk.port))
+        client = ReconnectingRespClient(lambda: native(vk), lambda: ping(vk.host, vk.port))
         assert not client.connected
         assert not set_one(client, "a", bytearray(b"z" * 64))
         vk.start()
