@@ -69,6 +69,12 @@ def _capabilities(config: VllmConnectorConfig) -> Capabilities:
     return KNOWN_CONNECTORS.get(config.connector, Capabilities())
 
 
+def model_support(config: VllmConnectorConfig, model: Any) -> str:
+    from composer.model_check import default_support
+
+    return default_support(_capabilities(config), model)
+
+
 VLLM = PluginType(
     name="vllm",
     node="composer.vllm.native:NativeConnectorNode",
@@ -76,6 +82,8 @@ VLLM = PluginType(
     description="Any KV connector registered in vLLM's factory, by name.",
     capabilities=_capabilities,
     roles=frozenset({"load", "save", "both", "transport"}),
+    # The connector's HMA support decides (KNOWN_CONNECTORS, or the declared capabilities).
+    model_support="composer.builtin:model_support",
 )
 
 

@@ -18,6 +18,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+#: vLLM's null block (the block pool's first): positions a sliding window or a
+#: chunk has left hold it; nothing is ever loaded into or saved from it.
+NULL_BLOCK = 0
+
 
 @dataclass(frozen=True)
 class KVRegion:

@@ -51,6 +51,10 @@ class Capabilities(BaseModel):
 #: returning the class (a plugin whose class depends on a config option), or its
 #: ``"module:function"``.
 ClassRef = str | type | Callable[[Any], type]
+#: What a node serves of a model's KV cache groups (see :mod:`composer.model_check`):
+#: ``(node config, ModelKV) -> one line``, raising ``composer.model_kv.ModelUnsupported``
+#: to refuse; or its ``"module:function"``, imported only when a model is checked.
+ModelSupport = str | Callable[[Any, Any], str]
 #: Extra checks of a node against the whole pipeline file: yields (path, message).
 Check = Callable[[str, BaseModel, dict[str, Any]], Iterable[tuple[tuple[str | int, ...], str]]]
 _ALL_PROCESSES: frozenset[VllmProcess] = frozenset({"scheduler", "worker"})
@@ -93,6 +97,9 @@ class PluginType:
     #: :class:`composer.simulate.TierModel`); imported only by that command. None: not
     #: modelled, the simulator shows the node as such.
     simulator: str | None
+    #: What a node serves of a model's KV cache groups (``kvc validate --model``).
+    #: None: judged from ``capabilities.hma`` (see :func:`composer.model_check.default_support`).
+    model_support: ModelSupport | None
     #: Filled by discovery: the distribution that registered it.
     package: str
     version: str
@@ -112,6 +119,7 @@ class PluginType:
         capabilities: Capabilities | Callable[[Any], Capabilities] = Capabilities(),  # noqa: B008 - frozen
         check: Check | None = None,
         simulator: str | None = None,
+        model_support: ModelSupport | None = None,
         package: str = "",
         version: str = "",
     ) -> None:
@@ -124,7 +132,8 @@ class PluginType:
             "processes": frozenset(processes), "roles": roles,
             "default_role": default_role or _inferred_default_role(roles),
             "capabilities": capabilities, "check": check,
-            "simulator": simulator, "package": package, "version": version,
+            "simulator": simulator, "model_support": model_support,
+            "package": package, "version": version,
         }
         for key, value in values.items():
             object.__setattr__(self, key, value)
@@ -207,6 +216,9 @@ class PluginType:
             )
         if not (isinstance(self.capabilities, Capabilities) or callable(self.capabilities)):
             out.append("capabilities must be a Capabilities or a function of the config")
+        support = self.model_support
+        if support is not None and not (callable(support) or _is_class_ref(support)):
+            out.append(f'model_support must be a function or "module:function", not {support!r}')
         return out
 
     def config_fields(self) -> dict[str, Any]:
@@ -221,7 +233,7 @@ class PluginType:
         }
 
 
-def resolve_ref(ref: ClassRef) -> object:
+def resolve_ref(ref: ClassRef | ModelSupport) -> object:
     """What ``ref`` names: ``"module:attr"`` is imported, anything else is itself."""
     if not isinstance(ref, str):
         return ref

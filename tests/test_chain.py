@@ -96,6 +96,11 @@ class Wrapping(Plugin):
 def register_plugin_types(register: Any) -> None:
     register(PluginType(name="tier", node=Tier, config=FakeConfig))
     register(PluginType(name="saver", node=Saver, config=FakeConfig))
+    register(
+        PluginType(
+            name="hybrid-tier", node=Tier, config=FakeConfig, capabilities=Capabilities(hma=True)
+        )
+    )
     register(PluginType(name="misspelled", node=Misspelled, capabilities=Capabilities()))
     register(PluginType(name="ordered", node=Ordered))
     register(PluginType(name="wrapping", node=Wrapping))
@@ -375,3 +380,61 @@ class _EventsModule:
     @hookimpl
     def register_plugin_types(register: Any) -> None:
         register(PluginType(name="evented", node=Evented, capabilities=Capabilities()))
+
+
+# -- several KV cache groups (vLLM's hybrid manager) ------------------------- #
+
+HYBRID_KV_CACHE_CONFIG = SimpleNamespace(
+    kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4)),  # sliding window
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4)),  # full attention
+    ]
+)
+
+
+class HybridBlocks:
+    """Block 0 is vLLM's null block: the window has left those positions."""
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return ([0, 21, 22, 23], [10, 11, 12, 13])
+
+
+def _hybrid_load(policy: str, fail_in: str | None) -> tuple[Chain, Any]:
+    config = {"hit": 12, "fail_in": fail_in}
+    nodes = {"a": {"plugin": "hybrid-tier", "on_error": policy, "config": config}}
+    CALLS.clear()
+    resolved = load_pipeline({"version": 1, "nodes": nodes, "hma": "on"}, registry=REGISTRY)
+    sched = Chain(resolved, "scheduler", kv_cache_config=HYBRID_KV_CACHE_CONFIG)
+    # The node loads synchronously; vLLM takes failures of several groups only
+    # per request, from async loads: the chain makes the load async for vLLM.
+    assert sched.get_num_new_matched_tokens(request(), 0) == (12, True)
+    sched.update_state_after_alloc(request(), HybridBlocks(), 12)
+    meta = sched.build_connector_meta(SimpleNamespace())
+    assert meta.loads == {"a": {21, 22, 10, 11, 12}}  # never the null block
+    assert meta.group_loads == {"r1": ("a", frozenset({21, 22, 10, 11, 12}), True)}
+    worker = Chain(resolved, "worker", kv_cache_config=HYBRID_KV_CACHE_CONFIG)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    return worker, worker.get_transfer_results(set())
+
+
+@pytest.mark.parametrize("policy", ["recompute", "disable"])
+def test_several_groups_a_failed_load_fails_the_request_not_blocks(policy: str) -> None:
+    worker, results = _hybrid_load(policy, "start_load_kv")
+    assert results.finished_recving == {"r1"} and results.failed_recving == {"r1"}
+    # vLLM stops the engine on block ids with several groups: none are given.
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert ("a" in worker.disabled) == (policy == "disable")
+
+
+def test_several_groups_a_good_load_is_reported_done_once() -> None:
+    worker, results = _hybrid_load("recompute", None)
+    assert results.finished_recving == {"r1"} and not results.failed_recving
+    assert worker.get_block_ids_with_load_errors() == set()
+    again = worker.get_transfer_results(set())
+    assert not again.finished_recving and not again.failed_recving
+
+
+def test_several_groups_fail_policy_still_stops_the_engine() -> None:
+    with pytest.raises(RuntimeError, match="fails in start_load_kv"):
+        _hybrid_load("fail", "start_load_kv")

@@ -48,8 +48,18 @@ def _heavy_after(body: str, cwd: Path) -> str:
         "from composer.cli import main\n"
         "assert main(['graph', 'examples/offload-before-nixl.yaml']) == 0\n"
         "assert main(['export', 'examples/cpu-offload.yaml']) == 0",
+        # --model reads config.json only; every plugin's model_support runs (lmcache refuses).
+        "from composer.cli import main\n"
+        "import glob, json, pathlib, tempfile\n"
+        "d = pathlib.Path(tempfile.mkdtemp())\n"
+        "(d / 'config.json').write_text(json.dumps({'model_type': 'gemma3_text', "
+        "'num_hidden_layers': 2, 'num_attention_heads': 4, 'hidden_size': 128, "
+        "'sliding_window': 64, 'layer_types': ['sliding_attention', 'full_attention']}))\n"
+        "assert main(['validate', *sorted(glob.glob('examples/*.yaml')), '--model', str(d)]) == 2\n"
+        "assert main(['graph', 'examples/cpu-offload.yaml', '--model', str(d)]) == 0\n"
+        "assert main(['validate', '--help']) == 0",
     ],
-    ids=["import", "modules", "validate", "help", "plugins", "schema", "graph-export"],
+    ids=["import", "modules", "validate", "help", "plugins", "schema", "graph-export", "model"],
 )
 def test_light(body: str, root: Path) -> None:
     assert _heavy_after(body, root) == ""

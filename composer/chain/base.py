@@ -56,7 +56,14 @@ class ChainBase:
     #: Sent with the next step's metadata.
     new_holds: dict[str, tuple[str, ...]]
     new_async_loads: dict[str, str]
+    new_group_loads: dict[str, tuple[str, frozenset[int], bool]]
     block_size: int
+    #: KV cache groups vLLM runs. With several, vLLM cannot map failed block ids
+    #: to requests (it stops the engine), so every load goes through its
+    #: async-load protocol and a failure fails the request's load as a whole.
+    num_groups: int
+    #: Sync hits the chain turned into async loads for vLLM (several groups).
+    converted: set[str]
 
     # Worker side.
     ledger: WorkerLedger
@@ -67,6 +74,10 @@ class ChainBase:
     failed_recving: set[str]
     #: Switched off here, not yet told to the scheduler.
     unreported_disabled: set[str]
+    #: Several groups: request -> (node, blocks it loads, converted from sync).
+    group_loads: dict[str, tuple[str, frozenset[int], bool]]
+    #: Several groups: requests whose load lost a block; reported failed when done.
+    failed_group_loads: set[str]
 
     @property
     def calls(self) -> dict[str, list[tuple[str, Call]]]:

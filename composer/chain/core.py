@@ -95,8 +95,10 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
         self._create_nodes(vllm_config, kv_cache_config)
         self.disabled = set()
         self.chosen, self.served, self.pending_loads = {}, {}, {}
-        self.new_holds, self.new_async_loads = {}, {}
+        self.new_holds, self.new_async_loads, self.new_group_loads = {}, {}, {}
         self.block_size = _block_size(kv_cache_config)
+        self.num_groups = _num_groups(kv_cache_config)
+        self.converted, self.group_loads, self.failed_group_loads = set(), {}, set()
         self.ledger = WorkerLedger()
         self.load_error_blocks, self.step_loads = set(), {}
         self.released, self.failed_recving, self.unreported_disabled = set(), set(), set()
@@ -207,7 +209,15 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
 
 
 def _block_size(kv_cache_config: Any) -> int:
+    """Tokens per block of the finest group (a mamba group's block spans the model length)."""
     try:
-        return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
-    except (AttributeError, IndexError, TypeError):
+        return min(int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups)
+    except (AttributeError, TypeError, ValueError):
         return 0
+
+
+def _num_groups(kv_cache_config: Any) -> int:
+    try:
+        return max(1, len(kv_cache_config.kv_cache_groups))
+    except (AttributeError, TypeError):
+        return 1

@@ -29,6 +29,9 @@ class ChainMetadata:
     async_loads: dict[str, str] | None = None
     #: Nodes switched off in the scheduler: the worker halves follow.
     disabled: frozenset[str] = frozenset()
+    #: Several KV cache groups: request id -> (node, blocks it loads, whether the
+    #: chain made the node's sync load async for vLLM), so a failure fails the request.
+    group_loads: dict[str, tuple[str, frozenset[int], bool]] | None = None
 
 
 @dataclass

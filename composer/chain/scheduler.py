@@ -15,6 +15,7 @@ from typing import Any
 from composer.chain import dispatch
 from composer.chain.base import ChainBase
 from composer.chain.metadata import ChainMetadata, TransferParamsClash
+from composer.kv_caches import NULL_BLOCK
 from composer.pipeline import ResolvedNode
 from composer.views import RequestView, StepView
 
@@ -66,7 +67,7 @@ class SchedulerSide(ChainBase):
                         per_node[node_id] = None
             meta = metadata_type(per_node, None, self.pending_loads)
             self.pending_loads = {}
-            if self.new_holds or self.new_async_loads or self.disabled:
+            if self.new_holds or self.new_async_loads or self.disabled or self.new_group_loads:
                 self._step_decisions(meta)
             return meta
 
@@ -80,6 +81,8 @@ class SchedulerSide(ChainBase):
             meta.async_loads, self.new_async_loads = self.new_async_loads, {}
         if self.disabled:
             meta.disabled = frozenset(self.disabled)
+        if self.new_group_loads:
+            meta.group_loads, self.new_group_loads = self.new_group_loads, {}
 
     # -- once ------------------------------------------------------------------ #
 
@@ -112,8 +115,14 @@ class SchedulerSide(ChainBase):
         if chosen is None:
             self.chosen.pop(view.request_id, None)
             return 0, False
-        self.chosen[view.request_id] = (chosen[0], num_computed_tokens, chosen[2])
-        return chosen[1], chosen[2]
+        load_async = chosen[2]
+        if self.num_groups > 1 and not load_async:
+            # vLLM takes failed loads of several groups only per request, from
+            # async loads: the node loads as it likes, the chain reports it done.
+            self.converted.add(view.request_id)
+            load_async = True
+        self.chosen[view.request_id] = (chosen[0], num_computed_tokens, load_async)
+        return chosen[1], load_async
 
     def _lookup(
         self, node_id: str, fn: Callable[..., Any], view: RequestView, num_computed_tokens: int
@@ -157,8 +166,14 @@ class SchedulerSide(ChainBase):
         first = computed // size if size else 0
         last = -(-(computed + num_external_tokens) // size) if size else None
         loading = self.pending_loads.setdefault(node_id, set())
-        for group in block_ids:
-            loading.update(group[first:last])
+        blocks = {b for group in block_ids for b in group[first:last] if b != NULL_BLOCK}
+        loading |= blocks
+        if self.num_groups > 1:
+            converted = request_id in self.converted
+            self.converted.discard(request_id)
+            self.new_group_loads[request_id] = (node_id, frozenset(blocks), converted)
+            if converted:
+                return  # the chain reports it finished, not the node
         if load_async:
             # Async: the worker tracks it, so that a node switched off before
             # it finishes loading reports it failed instead of leaving it waiting.

@@ -82,7 +82,7 @@ class WorkerSide(ChainBase):
                 for node_id in sorted(metadata.disabled - off):
                     self.switch_off(node_id, "switched off in the scheduler")
                 return self.bind_connector_metadata(metadata)  # re-bound without them
-            if metadata.holds or metadata.async_loads or off:
+            if metadata.holds or metadata.async_loads or off or metadata.group_loads:
                 self._take_holds_and_loads(metadata, off)
             self.step_loads = metadata.loads
             self.metadata = metadata
@@ -110,6 +110,8 @@ class WorkerSide(ChainBase):
                     self.failed_recving.add(req_id)
                 else:
                     ledger.loading(node_id, req_id)
+        if metadata.group_loads:
+            self.group_loads.update(metadata.group_loads)
         loads = metadata.loads
         for node_id in off:
             # A switched-off node loads nothing: vLLM recomputes what it was to load.
@@ -142,6 +144,8 @@ class WorkerSide(ChainBase):
 
         def get_transfer_results(finished_req_ids: set[str]) -> Any:
             results = results_type()
+            if self.group_loads:
+                self._check_group_loads()
             if self.released or self.failed_recving:
                 self._chain_own_results(results)
             for node_id, fn, is_direct in entries:
@@ -161,9 +165,41 @@ class WorkerSide(ChainBase):
                     results.finished_recving.update(recving)
                 if sending:
                     results.finished_sending.update(ledger.sent(node_id, sending))
+            if self.group_loads:
+                self._group_loads_done(results)
             return results
 
         return get_transfer_results
+
+    def _check_group_loads(self) -> None:
+        """Several groups: fail the loads that lost a block (vLLM takes no block ids then)."""
+        errors, self.load_error_blocks = self.load_error_blocks, set()
+        for node_id, fn in self.calls["get_block_ids_with_load_errors"]:
+            try:
+                failed = fn()
+            except Exception as exc:
+                self.fault(node_id, "get_block_ids_with_load_errors", exc)
+                continue
+            if failed:
+                errors |= failed
+        errors |= self.load_error_blocks  # a fault above may have added some
+        self.load_error_blocks = set()
+        for req_id, (node_id, blocks, _) in self.group_loads.items():
+            if node_id in self.disabled or blocks & errors:
+                self.failed_group_loads.add(req_id)
+
+    def _group_loads_done(self, results: Any) -> None:
+        """Report the loads the chain made async (done once ``start_load_kv`` ran),
+        and fail the finished ones that lost a block."""
+        for req_id, (_, _, converted) in list(self.group_loads.items()):
+            if converted:
+                results.finished_recving.add(req_id)
+            elif req_id not in results.finished_recving:
+                continue
+            del self.group_loads[req_id]
+            if req_id in self.failed_group_loads:
+                self.failed_group_loads.discard(req_id)
+                results.failed_recving.add(req_id)
 
     def _chain_own_results(self, results: Any) -> None:
         if self.released:
@@ -180,6 +216,11 @@ class WorkerSide(ChainBase):
         calls, fault = self.calls["get_block_ids_with_load_errors"], self.fault
 
         def get_block_ids_with_load_errors() -> set[int]:
+            if self.num_groups > 1:  # taken per request in get_transfer_results
+                if self.group_loads:
+                    self._check_group_loads()
+                self.load_error_blocks = set()
+                return set()
             blocks, self.load_error_blocks = self.load_error_blocks, set()
             for node_id, fn in calls:
                 try:

@@ -73,7 +73,27 @@ def add_validate(sub: Subparsers) -> None:
             "plugins' runtime modules, and vLLM when the pipeline has vllm nodes)"
         ),
     )
+    _add_model(p)
     _add_json(p)
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        metavar="MODEL",
+        help=(
+            "a local model directory (or its config.json): show the KV cache groups vLLM will "
+            "form for it and what each node serves; a node that cannot serve it is an error "
+            "(reads config.json only: no weights, no vLLM)"
+        ),
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=32,
+        metavar="N",
+        help="vLLM's --block-size for --model (default 32)",
+    )
 
 
 def add_graph(sub: Subparsers) -> None:
@@ -82,6 +102,7 @@ def add_graph(sub: Subparsers) -> None:
     )
     p.add_argument("file", metavar="FILE")
     p.add_argument("--format", choices=("text", "mermaid"), default="text")
+    _add_model(p)
     _add_json(p)
 
 

@@ -5,14 +5,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from dataclasses import asdict
 from typing import Any
 
 from pydantic import ByteSize
 from pydantic_core import to_jsonable_python
 
-from composer.cli.common import EXIT_OK, disabled_nodes, dump, load, plugin_label, runs_as
+from composer.cli.common import (
+    EXIT_INVALID,
+    EXIT_OK,
+    disabled_nodes,
+    dump,
+    load,
+    plugin_label,
+    print_problems,
+    runs_as,
+)
 from composer.discovery import discover
 from composer.errors import escape
+from composer.model_check import ModelCheck, check_model
+from composer.model_kv import group_rows
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.plugin_types import Capabilities, PluginType
 
@@ -24,14 +37,41 @@ def node_tiers(node: ResolvedNode) -> list[str]:
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
+    # Imported here: validating imports this module's neighbours, not the other way round.
+    from composer.cli.validating import file_marks, model_lines, predict_model
+
     pipeline = load(args.file, discover())
+    model = predict_model(args)
+    check = (
+        check_model(pipeline, model, marks=file_marks(args.file)) if model is not None else None
+    )
     if args.json:
-        print(dump(_graph_data(pipeline)))
+        data = _graph_data(pipeline)
+        if check is not None:
+            data["model"] = _model_data(check)
+        print(dump(data))
     elif args.format == "mermaid":
         print(_mermaid(pipeline))
     else:
-        print(_graph_text(pipeline))
+        text = _graph_text(pipeline, check)
+        print("\n".join([*model_lines(model), "", text]) if model is not None else text)
+    if check is not None and check.problems:
+        print_problems(check.problems, sys.stderr)
+        return EXIT_INVALID
     return EXIT_OK
+
+
+def _model_data(check: ModelCheck) -> dict[str, Any]:
+    return {
+        "name": check.model.name,
+        "architecture": check.model.architecture,
+        "groups": [asdict(g) for g in check.model.groups],
+        "hma_off": check.hma_off or None,
+        "runs": [asdict(g) for g in check.runs.groups],
+        "serves": check.serves,
+        "refused": {str(p.path[-1]): p.message for p in check.problems if len(p.path) == 2},
+        "notes": list(check.notes),
+    }
 
 
 def _graph_data(p: ResolvedPipeline) -> dict[str, Any]:
@@ -61,7 +101,7 @@ def _graph_data(p: ResolvedPipeline) -> dict[str, Any]:
     }
 
 
-def _graph_text(p: ResolvedPipeline) -> str:
+def _graph_text(p: ResolvedPipeline, check: ModelCheck | None = None) -> str:
     labels = {n.id: escape(plugin_label(n)) for n in p.nodes}
     id_width = max((len(n.id) for n in p.nodes), default=0)
     plugin_width = max((len(label) for label in labels.values()), default=0)
@@ -81,6 +121,9 @@ def _graph_text(p: ResolvedPipeline) -> str:
         tiers = node_tiers(n)
         if tiers:
             lines.append(f"  {'':<{id_width}}  tiers: {' -> '.join(escape(t) for t in tiers)}")
+        if check is not None:
+            served = check.serves.get(n.id, "cannot serve this model (see below)")
+            lines.append(escape(f"  {'':<{id_width}}  model: {served}"))
     disabled = disabled_nodes(p)
     if disabled:
         lines.append(f"  disabled: {', '.join(disabled)}")
@@ -89,6 +132,10 @@ def _graph_text(p: ResolvedPipeline) -> str:
         f"load order ({p.load_policy}): {' -> '.join(p.load_order) or '(none)'}",
         f"save to: {', '.join(p.save_to) or '(none)'}",
     ]
+    if check is not None:
+        lines += [escape(f"note: {note}") for note in check.notes]
+        if check.runs is not check.model:
+            lines += [escape(f"vLLM runs: {row}") for row in group_rows(check.runs.groups)]
     return "\n".join(lines)
 
 

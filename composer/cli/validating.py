@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,9 @@ from composer.cli.common import (
 from composer.discovery import Registry, discover
 from composer.errors import PipelineInvalid, Problem, escape
 from composer.export import kv_transfer_config
-from composer.loader import FileProblem
+from composer.loader import FileProblem, Marks, load_yaml, read_pipeline_file
+from composer.model_check import ModelCheck, check_model
+from composer.model_kv import ModelConfigError, ModelKV, group_rows, predict
 from composer.pipeline import SCHEMA_ID, ResolvedPipeline, typed_pipeline_model
 
 SCHEMA_FILE = "pipeline.schema.json"
@@ -45,34 +47,75 @@ class _Checked:
     file: str
     pipeline: ResolvedPipeline | None
     problems: list[Problem]
+    model: ModelCheck | None = None
 
     def as_dict(self) -> dict[str, Any]:
         ok = self.pipeline is not None and not self.problems
-        return {
+        out = {
             "file": self.file,
             "ok": ok,
             "problems": [p.as_dict() for p in self.problems],
             "nodes": [n.id for n in self.pipeline.nodes] if self.pipeline and ok else [],
             "runs_as": runs_as(self.pipeline) if self.pipeline and ok else None,
         }
+        if self.model is not None:
+            out["model"] = {
+                "hma_off": self.model.hma_off or None,
+                "groups": [asdict(g) for g in self.model.runs.groups],
+                "serves": self.model.serves,
+                "notes": list(self.model.notes),
+            }
+        return out
+
+
+def predict_model(args: argparse.Namespace) -> ModelKV | None:
+    """The ``--model`` prediction, or None without one; an unusable model is a usage error."""
+    if getattr(args, "model", None) is None:
+        return None
+    try:
+        return predict(args.model, block_size=args.block_size)
+    except ModelConfigError as exc:
+        raise CommandError(f"--model: {exc}") from None
+
+
+def model_lines(model: ModelKV) -> list[str]:
+    """The model's predicted groups, as ``kvc validate`` and ``kvc graph`` show them."""
+    count = len(model.groups)
+    lines = [
+        f"model {model.name} ({model.architecture}): {count} KV cache group"
+        f"{'s' * (count != 1)}{' (hybrid)' if model.hybrid else ''}"
+    ]
+    lines += [f"  {row}" for row in group_rows(model.groups)]
+    lines += [f"  note: {note}" for note in model.notes]
+    return [escape(line) for line in lines]
 
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     registry = discover()
+    model = predict_model(args)
     results: list[_Checked] = []
     for file in args.files:
         try:
             pipeline = load(file, registry)
             deep = _deep_problems(pipeline, file) if args.deep else []
-            results.append(_Checked(file, pipeline, deep))
+            checked = _Checked(file, pipeline, deep)
+            if model is not None:
+                checked.model = check_model(pipeline, model, marks=file_marks(file))
+                checked.problems += checked.model.problems
+            results.append(checked)
         except PipelineInvalid as exc:
             results.append(_Checked(file, None, list(exc.problems)))
 
     invalid = [r for r in results if r.problems]
     if args.json:
-        print(dump({"ok": not invalid, "files": [r.as_dict() for r in results]}))
+        data: dict[str, Any] = {"ok": not invalid, "files": [r.as_dict() for r in results]}
+        if model is not None:
+            data["model"] = asdict(model)
+        print(dump(data))
         return EXIT_INVALID if invalid else EXIT_OK
+    if model is not None:
+        print("\n".join(model_lines(model)))
     for r in results:
         if r.problems or r.pipeline is None:
             print_problems(r.problems, sys.stdout)
@@ -84,6 +127,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 f"runs as {runs_as(r.pipeline)})"
             )
         )
+        if r.model is not None:
+            print("\n".join(_served_lines(r.model)))
     if invalid:
         count = sum(len(r.problems) for r in invalid)
         print(
@@ -92,17 +137,30 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_INVALID if invalid else EXIT_OK
 
 
+def _served_lines(check: ModelCheck) -> list[str]:
+    lines = [f"  note: {note}" for note in check.notes]
+    if check.runs is not check.model:
+        lines += [f"  vLLM runs: {row}" for row in group_rows(check.runs.groups)]
+    width = max((len(node_id) for node_id in check.serves), default=0)
+    lines += [f"  {node_id:<{width}}  {line}" for node_id, line in check.serves.items()]
+    return [escape(line) for line in lines]
+
+
+def file_marks(file: str) -> Marks | None:
+    """The YAML marks of a pipeline file read a moment ago, to locate later problems."""
+    if file == "-":
+        return None
+    try:
+        _, marks, _ = load_yaml(read_pipeline_file(file))
+    except FileProblem:  # replaced since: report without locations
+        return None
+    return marks
+
+
 def _deep_problems(pipeline: ResolvedPipeline, file: str) -> list[Problem]:
     from composer.deep_check import deep_check
-    from composer.loader import load_yaml, read_pipeline_file
 
-    marks = None
-    if file != "-":
-        # The file was read successfully a moment ago; its marks locate the problems.
-        try:
-            _, marks, _ = load_yaml(read_pipeline_file(file))
-        except FileProblem:  # replaced since: report without locations
-            marks = None
+    marks = file_marks(file)
     try:
         return deep_check(pipeline, marks=marks)
     except ImportError as exc:

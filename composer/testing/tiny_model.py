@@ -1,8 +1,12 @@
-"""A tiny Llama with random weights and a locally trained tokenizer.
+"""Tiny models with random weights and a locally trained tokenizer.
 
-Nothing is downloaded: the tokenizer is a byte-level BPE trained on generated
-text, the weights are random with a fixed seed. Built once into a cache folder
-and reused (``$KV_COMPOSER_CACHE``, default ``~/.cache/kv-composer``).
+A Llama by default; hybrid shapes too (``arch``): a Gemma-3-style model whose
+layers alternate sliding-window and full attention, a Llama whose
+``layer_types`` give some layers a sliding window (vLLM reads them per layer),
+and a Granite-4-style mamba2/attention hybrid. Nothing is downloaded: the
+tokenizer is a byte-level BPE trained on generated text, the weights are
+random with a fixed seed. Built once into a cache folder and reused
+(``$KV_COMPOSER_CACHE``, default ``~/.cache/kv-composer``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 WORDS = [
     "the",
@@ -57,8 +62,13 @@ WORDS = [
 ]
 
 
+#: Model families the builder knows, by the name tests use.
+ARCHS = ("llama", "gemma3", "llama-swa", "granite-hybrid")
+
+
 @dataclass(frozen=True)
 class TinyModelSpec:
+    arch: str = "llama"
     layers: int = 2
     hidden: int = 128
     heads: int = 4
@@ -67,9 +77,32 @@ class TinyModelSpec:
     vocab: int = 512
     max_positions: int = 4096
     seed: int = 0
+    #: Tokens a sliding-window layer sees (gemma3, llama-swa).
+    sliding_window: int = 0
+    #: Per layer: "sliding_attention" / "full_attention" (gemma3, llama-swa) or
+    #: "mamba" / "attention" (granite-hybrid); empty = the family's default pattern.
+    layer_types: tuple[str, ...] = ()
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        fields = asdict(self)
+        if self.arch == "llama" and not self.sliding_window and not self.layer_types:
+            # The plain Llama's key predates the hybrid fields: keep caches valid.
+            for name in ("arch", "sliding_window", "layer_types"):
+                del fields[name]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+
+#: Gemma-3-shaped: sliding window 64, layers alternating sliding / full.
+GEMMA3_SHAPE = TinyModelSpec(arch="gemma3", layers=2, sliding_window=64, heads=4, kv_heads=2)
+#: A Llama whose layer_types give two of three layers a 128-token window.
+LLAMA_SWA_SHAPE = TinyModelSpec(
+    arch="llama-swa",
+    layers=3,
+    sliding_window=128,
+    layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+)
+#: Granite-4-shaped mamba2 hybrid: mamba, attention.
+GRANITE_HYBRID_SHAPE = TinyModelSpec(arch="granite-hybrid", layers=2)
 
 
 #: Shaped like Qwen2-0.5B's attention (24 layers, 2 KV heads x 64): ~12 KiB of KV per token.
@@ -90,12 +123,14 @@ def corpus(n_lines: int = 2000, seed: int = 0) -> list[str]:
 
 def build_tiny_model(spec: TinyModelSpec = TinyModelSpec(), root: Path | None = None) -> Path:
     """Path of a local HF model folder for ``spec``, building it on first use."""
-    target = (root or cache_dir()) / f"tiny-llama-{spec.key()}"
+    if spec.arch not in ARCHS:
+        raise ValueError(f"unknown arch {spec.arch!r}; known: {', '.join(ARCHS)}")
+    target = (root or cache_dir()) / f"tiny-{spec.arch}-{spec.key()}"
     if (target / ".complete").exists():
         return target
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     target.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -111,23 +146,70 @@ def build_tiny_model(spec: TinyModelSpec = TinyModelSpec(), root: Path | None = 
     fast.save_pretrained(target)
 
     torch.manual_seed(spec.seed)
-    config = LlamaConfig(
-        vocab_size=len(fast),
+    model = _model(spec, len(fast), fast.bos_token_id, fast.eos_token_id)
+    model.bfloat16()  # in place
+    model.save_pretrained(target, safe_serialization=True)
+    (target / ".complete").write_text("ok\n")
+    return target
+
+
+def _model(spec: TinyModelSpec, vocab: int, bos: int, eos: int) -> Any:
+    """The random-weight transformers model of ``spec``."""
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
         max_position_embeddings=spec.max_positions,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
+        bos_token_id=bos,
+        eos_token_id=eos,
         dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config)
-    model.bfloat16()  # in place
-    model.save_pretrained(target, safe_serialization=True)
-    (target / ".complete").write_text("ok\n")
-    return target
+    if spec.arch == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        kinds = spec.layer_types or tuple(
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.layers)
+        )
+        head_dim = spec.hidden // spec.heads
+        gemma = Gemma3TextConfig(
+            **common,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=spec.sliding_window or 64,
+            layer_types=list(kinds),
+            pad_token_id=0,
+        )
+        return Gemma3ForCausalLM(gemma)
+    if spec.arch == "granite-hybrid":
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        kinds = spec.layer_types or tuple(
+            "mamba" if i % 2 == 0 else "attention" for i in range(spec.layers)
+        )
+        granite = GraniteMoeHybridConfig(
+            **common,
+            layer_types=list(kinds),
+            num_local_experts=0,
+            shared_intermediate_size=spec.intermediate,
+            mamba_n_heads=8,
+            mamba_d_head=32,
+            mamba_d_state=16,
+            mamba_n_groups=1,
+            mamba_chunk_size=64,
+            position_embedding_type="rope",
+        )
+        return GraniteMoeHybridForCausalLM(granite)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaConfig(**common)
+    if spec.arch == "llama-swa":
+        # transformers' Llama ignores these; vLLM's Llama reads them per layer.
+        llama.layer_types = list(spec.layer_types)
+        llama.sliding_window = spec.sliding_window
+    return LlamaForCausalLM(llama)
 
 
 def make_prompts(n: int, words: int = 60, seed: int = 1) -> list[str]:

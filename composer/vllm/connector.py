@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from composer.chain import Chain, ChainMetadata, ChainWorkerMetadata
+from composer.model_check import check_at_engine_start
 from composer.vllm.metrics import (
     ComposedPromMetrics,  # noqa: F401  (re-exported: known as the connector's)
     ComposedStats,  # noqa: F401  (re-exported: known as the connector's)
@@ -109,12 +110,9 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.pipeline = runtime_pipeline(extra)
         deep_check_at_start(self.pipeline)
         process = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        # The class is SupportsHMA, so vLLM leaves its hybrid manager on; that is
-        # harmless with one KV cache group, and refused with several unless every
-        # node supports HMA.
         # vLLM switches its hybrid manager off unless every node supports HMA
-        # (all_nodes_support_hma, as for MultiConnector); it is on here only where
-        # the user turned it on.
+        # (all_nodes_support_hma, as for MultiConnector), so several KV cache
+        # groups reach the nodes only when all of them can take them.
         hma_on = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         if hma_on and len(kv_cache_config.kv_cache_groups) > 1 and not self.pipeline.hma:
             lacking = [n.id for n in self.pipeline.nodes if not n.capabilities.hma]
@@ -123,6 +121,11 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
                 f"vLLM's hybrid KV cache manager is on, but nodes {lacking} do not support it: "
                 "pass --disable-hybrid-kv-cache-manager, or use nodes with HMA support"
             )
+        # What a node cannot serve of these groups stops the engine here, with the
+        # message `kvc validate --model` gives, not deep inside the node.
+        check_at_engine_start(
+            self.pipeline, kv_cache_config, model_name=str(vllm_config.model_config.model)
+        )
         stats_type = _StatsType()
         self.chain = Chain(
             self.pipeline,

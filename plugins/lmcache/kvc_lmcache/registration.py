@@ -76,6 +76,7 @@ LMCACHE = PluginType(
     roles=frozenset({"load", "save", "both"}),
     capabilities=capabilities,
     check=check,
+    model_support="kvc_lmcache.model_support:model_support",
 )
 
 

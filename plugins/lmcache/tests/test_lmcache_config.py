@@ -144,10 +144,10 @@ def test_hma_group_selection_needs_every_node_to_support_hma() -> None:
     text = errors("""\
         version: 1
         nodes:
-          cpu: {plugin: offload-cpu}
+          ex: {plugin: vllm, config: {connector: ExampleConnector}}
           lm: {plugin: lmcache, config: {mode: in_process, kv_cache_group: 1}}
         """)
-    assert 'handles one KV cache group and needs HMA, but "cpu" does not support' in text
+    assert 'handles one KV cache group and needs HMA, but "ex" does not support' in text
     pipeline = load_pipeline(
         {
             "version": 1,

@@ -61,16 +61,18 @@ def run(
     scattered_list = torch.randperm(num_slots, generator=g)[:batch].tolist()
     scattered = torch.tensor(scattered_list)
 
-    pool = HostPool([RegionPlan(0, region, 0, bytes_per_block)], num_slots, pin=False)
-    pool_ck = HostPool([RegionPlan(0, region, 0, bytes_per_block)], num_slots, pin=False)
+    pool = HostPool([RegionPlan(frozenset({0}), region, 0, bytes_per_block)], num_slots, pin=False)
+    pool_ck = HostPool(
+        [RegionPlan(frozenset({0}), region, 0, bytes_per_block)], num_slots, pin=False
+    )
     plain_pool = torch.empty_like(pool.pools[0])
     for p in (*pool.pools, *pool_ck.pools, plain_pool):
         p.zero_()  # fault the pages in outside the timing
 
     def ours(pool: HostPool, checks: bool, where: list[int] = slots_list) -> Callable[[], object]:
         def go() -> object:
-            pool.save(where, [ids_list], with_checksums=checks)
-            ok, _ = pool.load(where, [ids_list], verify=checks)
+            pool.save(where, ids_list, [0] * len(where), with_checksums=checks)
+            ok, _ = pool.load(where, ids_list, [0] * len(where), verify=checks)
             assert all(ok)
             return ok
 
@@ -115,11 +117,15 @@ def run(
     # rather than heap memory a freed pool left mapped.
     fresh_slots = max(batch, -(-(64 << 20) // bytes_per_block))
     for _ in range(max(3, reps // 3)):
-        new = HostPool([RegionPlan(0, region, 0, bytes_per_block)], fresh_slots, pin=False)
-        fresh.append(new.save(first, [ids_list], with_checksums=False))
-        mapped.append(new.save(first, [ids_list], with_checksums=False))
+        new = HostPool(
+            [RegionPlan(frozenset({0}), region, 0, bytes_per_block)], fresh_slots, pin=False
+        )
+        fresh.append(new.save(first, ids_list, [0] * len(first), with_checksums=False))
+        mapped.append(new.save(first, ids_list, [0] * len(first), with_checksums=False))
         del new
-        new = HostPool([RegionPlan(0, region, 0, bytes_per_block)], fresh_slots, pin=False)
+        new = HostPool(
+            [RegionPlan(frozenset({0}), region, 0, bytes_per_block)], fresh_slots, pin=False
+        )
         faults.append(new.prefault() * batch / fresh_slots)  # per batch of bytes
         del new
     out["save_fresh_gib_s"] = batch_bytes / statistics.median(fresh) / GiB
@@ -156,25 +162,40 @@ def main(argv: list[str] | None = None) -> int:
         f"offload-cpu data path: {args.batch} blocks x {args.block_kib} KiB "
         f"({r['batch_mib']:.0f} MiB) saved then loaded, torch threads={torch.get_num_threads()}"
     )
-    for name in ("ours", "ours_checksums", "plain", "plain_wide", "ours_scattered",
-                 "plain_scattered"):
+    for name in (
+        "ours",
+        "ours_checksums",
+        "plain",
+        "plain_wide",
+        "ours_scattered",
+        "plain_scattered",
+    ):
         print(f"  {name:<16} {r[name + '_gib_s']:7.2f} GiB/s")
     print(f"  ratio ours / plain (int8 index_select+index_copy_):  {r['ratio_vs_plain']:.2f}x")
     print(f"  ratio ours / plain on int64 rows:                    {r['ratio_vs_plain_wide']:.2f}x")
-    print(f"  ratio ours+checksums / plain:                        "
-          f"{r['ratio_checksums_vs_plain']:.2f}x")
-    print(f"  ratio ours+checksums / plain on int64 rows:          "
-          f"{r['ratio_checksums_vs_plain_wide']:.2f}x")
-    print(f"  ratio ours / plain, slots scattered over the pool:   "
-          f"{r['ratio_scattered_vs_plain']:.2f}x")
+    print(
+        f"  ratio ours+checksums / plain:                        "
+        f"{r['ratio_checksums_vs_plain']:.2f}x"
+    )
+    print(
+        f"  ratio ours+checksums / plain on int64 rows:          "
+        f"{r['ratio_checksums_vs_plain_wide']:.2f}x"
+    )
+    print(
+        f"  ratio ours / plain, slots scattered over the pool:   "
+        f"{r['ratio_scattered_vs_plain']:.2f}x"
+    )
     print(f"  checksum (XXH3-64) alone      {r['checksum_gib_s']:7.2f} GiB/s")
-    print(f"  ratio ours+checksums / ours (cost of checksums):     "
-          f"{r['ratio_checksums_vs_none']:.2f}x")
+    print(
+        f"  ratio ours+checksums / ours (cost of checksums):     "
+        f"{r['ratio_checksums_vs_none']:.2f}x"
+    )
     print(f"  save into a fresh pool        {r['save_fresh_gib_s']:7.2f} GiB/s (pages fault)")
     print(f"  save into a mapped pool       {r['save_mapped_gib_s']:7.2f} GiB/s")
     print(f"  prefault (MADV_POPULATE_WRITE){r['prefault_gib_s']:7.2f} GiB/s")
-    print(f"  ratio save mapped / fresh (what the prefault buys):  "
-          f"{r['ratio_mapped_vs_fresh']:.2f}x")
+    print(
+        f"  ratio save mapped / fresh (what the prefault buys):  {r['ratio_mapped_vs_fresh']:.2f}x"
+    )
     if not torch.cuda.is_available():
         print("  GPU path (pinned pool, side-stream copies): not measured, no GPU here")
     return 0

@@ -134,10 +134,18 @@ def populate(t: torch.Tensor, start: int, end: int) -> None:
 class RegionPlan:
     """Where one canonical region's row lives inside a pool slot."""
 
-    group: int
+    #: The KV cache groups with layers in this region (with vLLM's hybrid
+    #: manager every group's blocks come from the same regions).
+    groups: frozenset[int]
     region: torch.Tensor  # int8 [num_blocks, width], maybe on a device
     offset: int
     width: int
+
+    def rows(self, groups: list[int]) -> list[int] | None:
+        """Indexes of the blocks (of ``groups``) with a row here; None when all are."""
+        if all(g in self.groups for g in groups):
+            return None
+        return [i for i, g in enumerate(groups) if g in self.groups]
 
 
 class HostPool:
@@ -244,21 +252,31 @@ class HostPool:
     def save(
         self,
         slots: list[int],
-        block_ids: list[list[int]],
+        block_ids: list[int],
+        groups: list[int],
         *,
         with_checksums: bool,
         ready_event: Any = None,
     ) -> float:
-        """Copy block ``block_ids[g][i]`` of every group into slot ``slots[i]``. Returns seconds."""
+        """Copy block ``block_ids[i]`` (of group ``groups[i]``) into slot ``slots[i]``.
+
+        Returns seconds.
+        """
         t0 = time.perf_counter()
-        slot_t = torch.tensor(slots, dtype=torch.int64)
         slot_runs = runs(slots)
         for plan, pool in zip(self.plans, self.pools, strict=True):
-            ids = torch.tensor(block_ids[plan.group], dtype=torch.int64)
+            keep = plan.rows(groups)
+            p_slots = slots if keep is None else [slots[i] for i in keep]
+            p_ids = block_ids if keep is None else [block_ids[i] for i in keep]
+            if not p_slots:
+                continue
+            ids = torch.tensor(p_ids, dtype=torch.int64)
+            slot_t = torch.tensor(p_slots, dtype=torch.int64)
+            p_runs = slot_runs if keep is None else runs(p_slots)
             if self.device.type != "cpu":
                 self._save_from_device(plan, pool, ids, slot_t, ready_event)
-            elif len(slot_runs) <= MAX_RUNS:
-                for i0, i1, s0 in slot_runs:
+            elif len(p_runs) <= MAX_RUNS:
+                for i0, i1, s0 in p_runs:
                     torch.index_select(plan.region, 0, ids[i0:i1], out=pool[s0 : s0 + i1 - i0])
             else:
                 wide(pool).index_copy_(0, slot_t, wide(plan.region).index_select(0, ids))
@@ -271,6 +289,7 @@ class HostPool:
                     for i0, i1, s0 in slot_runs
                 ]
             else:
+                slot_t = torch.tensor(slots, dtype=torch.int64)
                 batches = [([pool.index_select(0, slot_t) for pool in self.pools], slots)]
             for parts, seeds in batches:
                 for s, digest in zip(seeds, checksums(parts, seeds), strict=True):
@@ -300,11 +319,12 @@ class HostPool:
     def load(
         self,
         slots: list[int],
-        block_ids: list[list[int]],
+        block_ids: list[int],
+        groups: list[int],
         *,
         verify: bool,
     ) -> tuple[list[bool], float]:
-        """Copy slot ``slots[i]`` into block ``block_ids[g][i]`` of every group.
+        """Copy slot ``slots[i]`` into block ``block_ids[i]`` (of group ``groups[i]``).
 
         With ``verify``, blocks whose checksum differs from the one stored at
         save are not copied; returns (ok per block, seconds).
@@ -319,7 +339,6 @@ class HostPool:
             for pool in self.pools
         ]
         ok = [True] * n
-        id_lists = block_ids
         if verify:
             stored = self.sums
             ok = [d == stored[s] for s, d in zip(slots, checksums(rows, slots), strict=True)]
@@ -327,19 +346,27 @@ class HostPool:
                 keep = [i for i in range(n) if ok[i]]
                 keep_t = torch.tensor(keep, dtype=torch.int64)
                 rows = [r.index_select(0, keep_t) for r in rows]
-                id_lists = [[ids[i] for i in keep] for ids in block_ids]
+                block_ids = [block_ids[i] for i in keep]
+                groups = [groups[i] for i in keep]
         if rows and rows[0].shape[0]:
-            # vLLM mostly hands out consecutive block ids: copy those runs as slices
-            # (plain memcpy per run) instead of a scatter.
-            id_runs = {g: runs(ids) for g, ids in enumerate(id_lists)}
             for plan, src in zip(self.plans, rows, strict=True):
-                if self.device.type == "cpu" and len(id_runs[plan.group]) <= MAX_RUNS:
+                keep_rows = plan.rows(groups)
+                p_ids = block_ids
+                if keep_rows is not None:  # blocks of groups with no layer here
+                    if not keep_rows:
+                        continue
+                    src = src.index_select(0, torch.tensor(keep_rows, dtype=torch.int64))
+                    p_ids = [block_ids[i] for i in keep_rows]
+                # vLLM mostly hands out consecutive block ids: copy those runs as
+                # slices (plain memcpy per run) instead of a scatter.
+                id_runs = runs(p_ids)
+                if self.device.type == "cpu" and len(id_runs) <= MAX_RUNS:
                     dst = wide(plan.region)
                     w_src = wide(src)
-                    for i0, i1, b0 in id_runs[plan.group]:
+                    for i0, i1, b0 in id_runs:
                         dst[b0 : b0 + i1 - i0].copy_(w_src[i0:i1])
                     continue
-                ids = torch.tensor(id_lists[plan.group], dtype=torch.int64)
+                ids = torch.tensor(p_ids, dtype=torch.int64)
                 if self.device.type != "cpu":  # pragma: no cover - needs a GPU
                     src = src.to(self.device, non_blocking=True)
                     ids = ids.to(self.device, non_blocking=True)

@@ -1,7 +1,14 @@
-"""What one KV block costs to store, read from vLLM's ``KVCacheConfig`` (no torch).
+"""What one KV block costs to store, and which blocks a hit needs, per KV cache group.
 
-The scheduler half sizes its slot index from this; the worker half checks it
-against the canonical view (``CanonicalKVCaches``) it actually copies.
+Read from vLLM's ``KVCacheConfig`` (no torch). The scheduler half sizes its
+slot index from it; the worker half checks it against the canonical view
+(``CanonicalKVCaches``) it actually copies.
+
+With vLLM's hybrid KV cache manager a model has one group per kind of layer
+(full attention, sliding window, chunked local attention, mamba). Every group
+draws its blocks from one pool, so a block id is one group's block; the tier
+stores one group's block per slot. Without it (or for a plain model) there is
+one group, and a slot holds one block of every layer, as before.
 """
 
 from __future__ import annotations
@@ -9,36 +16,73 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+#: Group kinds the tier can restore from blocks alone (state groups cannot).
+SERVED_KINDS = ("attention", "sliding_window", "chunked_local")
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    kind: str  # "attention", "sliding_window", "chunked_local", "mamba", ...
+    block_size: int  # tokens per block
+    #: Sliding window or attention chunk, in tokens (0 for full attention).
+    window: int = 0
+
+    def needed(self, start: int, end: int) -> range:
+        """Block positions this group must hold for a hit covering blocks ``[0, end)``,
+        given that vLLM already has blocks ``[0, start)``.
+
+        vLLM's own rule (``SlidingWindowManager``/``ChunkedLocalAttentionManager``):
+        positions the next token cannot attend to are null blocks, never loaded.
+        """
+        tokens = end * self.block_size
+        if self.kind == "sliding_window":
+            skipped = max(0, tokens - self.window + 1)
+        elif self.kind == "chunked_local":
+            skipped = tokens // self.window * self.window if self.window else 0
+        else:
+            skipped = 0
+        return range(max(start, skipped // self.block_size), end)
+
 
 @dataclass(frozen=True)
 class BlockLayout:
-    block_size: int  # tokens per block
-    slot_bytes: int  # bytes of one block across every layer (all groups)
-    num_groups: int
-    group_kinds: tuple[str, ...]
+    block_size: int  # tokens per block (of the groups the tier serves)
+    slot_bytes: int  # bytes of one slot: one group's block (every layer when one group)
+    groups: tuple[GroupLayout, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def group_kinds(self) -> tuple[str, ...]:
+        return tuple(g.kind for g in self.groups)
+
+    @property
+    def unserved_kinds(self) -> tuple[str, ...]:
+        return tuple(k for k in self.group_kinds if k not in SERVED_KINDS)
 
 
 def layout_from_kv_cache_config(kv_cache_config: Any) -> BlockLayout:
-    """Tokens per block and bytes per block of vLLM's ``KVCacheConfig``.
+    """Tokens per block, bytes per slot and the groups of vLLM's ``KVCacheConfig``.
 
-    Bytes per block = for every ``KVCacheTensor``, ``len(layers)`` pages of the
-    group owning those layers (``kv_cache_spec.page_size_bytes``) — the bytes
-    of row ``b`` of every canonical region.
+    One group: bytes per slot = for every ``KVCacheTensor``, its layers' pages
+    (``kv_cache_spec.page_size_bytes``) — the bytes of row ``b`` of every
+    canonical region. Several groups (hybrid manager): one group's block, i.e.
+    its page times its layers, the largest over the groups.
     """
     groups = list(kv_cache_config.kv_cache_groups)
     if not groups:
-        raise ValueError("KVCacheConfig has no KV cache groups")
-    page_of: dict[str, int] = {}
-    kinds: list[str] = []
-    block_sizes = set()
-    for group in groups:
-        spec = group.kv_cache_spec
-        block_sizes.add(int(spec.block_size))
-        kinds.append(_kind(spec))
-        for name in group.layer_names:
-            page_of[name] = int(spec.page_size_bytes)
-    if len(block_sizes) != 1:
-        raise ValueError(f"KV cache groups have different block sizes: {sorted(block_sizes)}")
+        raise ValueError("KV cache groups: KVCacheConfig has none")
+    layouts = tuple(_group(group.kv_cache_spec) for group in groups)
+    served = {g.block_size for g in layouts if g.kind in SERVED_KINDS}
+    if len(served) > 1:
+        raise ValueError(f"KV cache groups have different block sizes: {sorted(served)}")
+    block_size = served.pop() if served else layouts[0].block_size
+    if len(groups) > 1:
+        slot = max(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in groups)
+        return BlockLayout(block_size, slot, layouts)
+    page_of = {name: int(groups[0].kv_cache_spec.page_size_bytes) for name in groups[0].layer_names}
     total = 0
     seen: set[str] = set()
     for tensor in kv_cache_config.kv_cache_tensors:
@@ -47,24 +91,22 @@ def layout_from_kv_cache_config(kv_cache_config: Any) -> BlockLayout:
             if name in page_of and name not in seen:
                 seen.add(name)
                 total += page_of[name]
-    if total == 0:  # no tensor placement given: every layer of every group
+    if total == 0:  # no tensor placement given: every layer
         total = sum(page_of.values())
-    return BlockLayout(
-        block_size=block_sizes.pop(),
-        slot_bytes=total,
-        num_groups=len(groups),
-        group_kinds=tuple(kinds),
-    )
+    return BlockLayout(block_size, total, layouts)
 
 
-def _kind(spec: Any) -> str:
+def _group(spec: Any) -> GroupLayout:
     name = type(spec).__name__
+    block_size = int(spec.block_size)
     # A FullAttentionSpec that records a sliding window keeps every block
     # (vLLM's non-hybrid manager), so only the class decides.
-    if "SlidingWindow" in name or "ChunkedLocal" in name:
-        return "sliding_window"
+    if "SlidingWindow" in name:
+        return GroupLayout("sliding_window", block_size, int(spec.sliding_window))
+    if "ChunkedLocal" in name:
+        return GroupLayout("chunked_local", block_size, int(spec.attention_chunk_size))
     if "Mamba" in name:
-        return "mamba"
+        return GroupLayout("mamba", block_size)
     if "Attention" in name:
-        return "attention"
-    return name
+        return GroupLayout("attention", block_size)
+    return GroupLayout(name, block_size)

@@ -14,16 +14,28 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Transfer:
-    """Blocks of one request to copy: ``slots[i]`` <-> ``block_ids[g][i]`` in every group ``g``."""
+    """Blocks of one request to copy: ``slots[i]`` <-> block ``block_ids[i]`` (group ``groups[i]``).
+
+    A slot holds one KV cache group's block (with one group: every layer's page).
+    """
 
     req_id: str
-    slots: list[int]
+    slots: list[int] = field(default_factory=list)
     #: Slot generation each slot must hold (loads) or will hold (saves).
-    gens: list[int]
-    #: Per KV cache group, the vLLM block id of each slot.
-    block_ids: list[list[int]]
+    gens: list[int] = field(default_factory=list)
+    #: The vLLM block id of each slot.
+    block_ids: list[int] = field(default_factory=list)
+    #: The KV cache group of each slot's block.
+    groups: list[int] = field(default_factory=list)
     #: Position of each block in the request (block index), for error reports.
-    positions: list[int]
+    positions: list[int] = field(default_factory=list)
+
+    def add(self, slot: int, gen: int, block_id: int, group: int, position: int) -> None:
+        self.slots.append(slot)
+        self.gens.append(gen)
+        self.block_ids.append(block_id)
+        self.groups.append(group)
+        self.positions.append(position)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -81,6 +93,9 @@ class OffloadWorkerMeta:
 
     def is_empty(self) -> bool:
         return not (
-            self.saved or self.save_failed or self.loaded or self.load_failed
+            self.saved
+            or self.save_failed
+            or self.loaded
+            or self.load_failed
             or self.req_load_failed
         )

@@ -11,9 +11,9 @@ from kvc_offload_cpu.config import OffloadCPUConfig
 
 def capabilities(config: OffloadCPUConfig) -> Capabilities:
     return Capabilities(
-        # One block table (vLLM's non-hybrid manager); sliding-window / mamba
-        # groups of the hybrid manager are not handled, so HMA stays off.
-        hma=False,
+        # vLLM's hybrid manager stays on: blocks are indexed per KV cache group
+        # (sliding windows keep only what a hit needs); state groups get no hits.
+        hma=True,
         kv_cache_groups="all",
         async_save=config.save_mode == "async",
         async_load=config.load_mode == "async",
@@ -31,6 +31,7 @@ OFFLOAD_CPU = PluginType(
     roles={"load", "save", "both"},
     capabilities=capabilities,
     simulator="kvc_offload_cpu.simulate:OffloadCPUModel",
+    model_support="kvc_offload_cpu.model_support:model_support",
 )
 
 

@@ -1,6 +1,10 @@
 """The scheduler half: owns the index, answers lookups, plans loads and saves.
 
-It runs in vLLM's EngineCore process and never touches KV bytes. Every step it
+It runs in vLLM's EngineCore process and never touches KV bytes. With several
+KV cache groups (vLLM's hybrid manager) every group's blocks are indexed on
+their own: full-attention groups keep every block, sliding-window and
+chunked-local groups only the blocks a hit at a retained point needs, and a
+hit is the longest prefix every group can serve (vLLM's own rule). Every step it
 tells the worker half, through :class:`~kvc_offload_cpu.metadata.OffloadMetadata`,
 which slots to load into which blocks and which blocks to save into which
 slots; the workers confirm through
@@ -18,12 +22,15 @@ from composer.plugin import NodeContext, Plugin
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.index import BlockIndex, Entry
 from kvc_offload_cpu.keys import RequestKeys
-from kvc_offload_cpu.layout import layout_from_kv_cache_config
+from kvc_offload_cpu.layout import GroupLayout, layout_from_kv_cache_config
 from kvc_offload_cpu.metadata import OffloadMetadata, OffloadWorkerMeta, SlotGen, Transfer
+
+#: vLLM's null block: positions outside a window hold it; never loaded or saved.
+NULL_BLOCK = 0
 
 
 class _Req:
-    __slots__ = ("view", "keys", "block_ids", "next_save", "inflight", "lookup", "finished")
+    __slots__ = ("view", "keys", "block_ids", "next_save", "inflight", "lookup", "finished", "keep")
 
     def __init__(self, view: Any, hash_ratio: int | None) -> None:
         self.view = view
@@ -36,6 +43,8 @@ class _Req:
         #: (num_computed_tokens, hit blocks) of the last lookup.
         self.lookup: tuple[int, int] | None = None
         self.finished = False
+        #: Windowed groups: the block positions kept (see ``SchedulerHalf._keep``).
+        self.keep: dict[int, set[int]] | None = None
 
 
 class _PendingSave:
@@ -70,9 +79,17 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         self.saves = ctx.role in ("save", "both")
         self.num_slots = int(config.capacity) // layout.slot_bytes if layout.slot_bytes else 0
         self.index = BlockIndex(self.num_slots)
+        self.full_groups = [g for g, x in enumerate(layout.groups) if x.kind == "attention"]
+        self.window_groups = [g for g, x in enumerate(layout.groups) if x.window]
         self.disabled_reason: str | None = None
-        if layout.num_groups > 1 and any(k != "attention" for k in layout.group_kinds):
-            self.disabled_reason = f"KV cache groups {layout.group_kinds} need the hybrid manager"
+        if layout.unserved_kinds:
+            model = getattr(getattr(ctx.vllm_config, "model_config", None), "model", "?")
+            self.disabled_reason = (
+                f"model {model} has {'/'.join(sorted(set(layout.unserved_kinds)))} KV cache "
+                "groups: their recurrent state is not restorable from blocks (vLLM keeps no "
+                "per-block state snapshots here), so this node serves no hits for it; "
+                "tokens are computed as without the tier"
+            )
         elif self.num_slots == 0:
             self.disabled_reason = (
                 f"capacity {config.capacity.human_readable()} holds no block "
@@ -94,8 +111,41 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
             slots=self.num_slots,
             slot_bytes=layout.slot_bytes,
             block_size=self.block_size,
+            groups=",".join(layout.group_kinds),
             vllm_hashes=self.hash_ratio is not None,
         )
+
+    # -- keys and groups ------------------------------------------------------ #
+
+    def _key(self, st: _Req, group: int, k: int) -> bytes:
+        """Index key of block ``k`` of ``group`` (the block key alone with one group)."""
+        key = st.keys.keys[k]
+        return key if self.layout.num_groups == 1 else key + bytes((group,))
+
+    def _ready(self, st: _Req, group: int, positions: range) -> bool:
+        return all(self.index.ready(self._key(st, group, k)) is not None for k in positions)
+
+    def _keep(self, st: _Req, group: int) -> set[int]:
+        """Block positions of a windowed group that are saved.
+
+        A hit ending at block ``h`` needs only the blocks inside the window
+        before ``h``; the retained hit points are every ``window_retention``
+        tokens and the two ends of the prompt (an exact repeat stops one token
+        short of it; a follow-up turn extends it).
+        """
+        if st.keep is None:
+            st.keep = {}
+        if group not in st.keep:
+            bs = self.block_size
+            prompt = st.view.num_prompt_tokens
+            every = self.config.window_retention // bs
+            last = (st.view.num_tokens if self.config.save == "all" else prompt) // bs
+            points = {max(0, prompt - 1) // bs, prompt // bs}
+            if every:
+                points.update(range(every, last + 1, every))
+            spec: GroupLayout = self.layout.groups[group]
+            st.keep[group] = {k for h in points if h > 0 for k in spec.needed(0, h)}
+        return st.keep[group]
 
     # -- requests ------------------------------------------------------------ #
 
@@ -125,11 +175,20 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         start = num_computed_tokens // bs
         hit = 0
         if num_computed_tokens % bs == 0 and start < max_blocks:
+            end = start
             available = st.keys.ensure(request, max_blocks, bs)
-            for k in range(start, available):
-                if self.index.ready(st.keys.keys[k]) is None:
-                    break
-                hit += 1
+            # Full-attention groups: the longest run of stored blocks.
+            while end < available and all(
+                self.index.ready(self._key(st, g, end)) is not None for g in self.full_groups
+            ):
+                end += 1
+            # Windowed groups: the longest of those ends whose window they hold.
+            while end > start and not all(
+                self._ready(st, g, self.layout.groups[g].needed(start, end))
+                for g in self.window_groups
+            ):
+                end -= 1
+            hit = end - start
         if hit < self.config.min_blocks:
             hit = 0
         st.lookup = (num_computed_tokens, hit)
@@ -154,22 +213,23 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         self.stats.lookups += 1
         self.stats.hits += 1
         self.stats.tokens_hit += num_external_tokens
-        transfer = Transfer(request.request_id, [], [], [[] for _ in block_ids], [])
+        transfer = Transfer(request.request_id)
         entries: list[Entry] = []
-        for k in range(start, start + n):
-            entry = self.index.ready(st.keys.keys[k]) if k < len(st.keys.keys) else None
-            if entry is None:  # cannot happen between lookup and alloc; fail it safely
-                transfer.slots.append(-1)
-                transfer.gens.append(-1)
-            else:
+        # Every block vLLM allocated for the hit is loaded: positions outside a
+        # window hold the null block, and nothing is loaded there.
+        for g, ids in enumerate(block_ids):
+            for k in range(start, min(start + n, len(ids))):
+                if ids[k] == NULL_BLOCK:
+                    continue
+                key = self._key(st, g, k) if k < len(st.keys.keys) else None
+                entry = self.index.ready(key) if key is not None else None
+                if entry is None:  # cannot happen between lookup and alloc; fail it safely
+                    transfer.add(-1, -1, ids[k], g, k)
+                    continue
                 self.index.pin(entry)
                 self.index.touch(entry)
                 entries.append(entry)
-                transfer.slots.append(entry.slot)
-                transfer.gens.append(entry.gen)
-            for g, ids in enumerate(block_ids):
-                transfer.block_ids[g].append(ids[k])
-            transfer.positions.append(k)
+                transfer.add(entry.slot, entry.gen, ids[k], g, k)
         # Saving skips the loaded blocks by key (they are in the index).
         self._loading.setdefault(request.request_id, deque()).append(_PendingLoad(entries))
         self._pending_loads.append(transfer)
@@ -224,34 +284,38 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         done = min(sched.num_computed_tokens + sched.num_scheduled_tokens, view.num_tokens)
         if self.config.save == "prompt":
             done = min(done, view.num_prompt_tokens)
-        full = min(done // self.block_size, len(st.block_ids[0]) if st.block_ids else 0)
+        full = min(done // self.block_size, min((len(ids) for ids in st.block_ids), default=0))
         if full <= st.next_save:
             return
         available = st.keys.ensure(view, full, self.block_size)
         transfer: Transfer | None = None
+        # A windowed group frees blocks that leave its window while the request
+        # runs: only blocks computed in this step are surely still its own.
+        fresh = sched.num_computed_tokens // self.block_size
         k = st.next_save
         while k < available:
-            key = st.keys.keys[k]
-            known = self.index.get(key)
-            if known is not None:  # stored or being stored (maybe by another request)
-                self.index.touch(known)
-                k += 1
-                continue
-            entry = self.index.allocate(key)
-            if entry is None:  # every slot pinned or in flight: try again next step
-                self.stats.extra.add("save_skipped_full")
-                break
-            if transfer is None:
-                transfer = Transfer(view.request_id, [], [], [[] for _ in st.block_ids], [])
-                meta.saves.append(transfer)
-            transfer.slots.append(entry.slot)
-            transfer.gens.append(entry.gen)
             for g, ids in enumerate(st.block_ids):
-                transfer.block_ids[g].append(ids[k])
-            transfer.positions.append(k)
-            sg = (entry.slot, entry.gen)
-            self._saving[sg] = _PendingSave(entry, st)
-            st.inflight.add(sg)
+                if ids[k] == NULL_BLOCK or (
+                    g in self.window_groups and (k < fresh or k not in self._keep(st, g))
+                ):
+                    continue
+                key = self._key(st, g, k)
+                known = self.index.get(key)
+                if known is not None:  # stored or being stored (maybe by another request)
+                    self.index.touch(known)
+                    continue
+                entry = self.index.allocate(key)
+                if entry is None:  # every slot pinned or in flight: try again next step
+                    self.stats.extra.add("save_skipped_full")
+                    st.next_save = k
+                    return
+                if transfer is None:
+                    transfer = Transfer(view.request_id)
+                    meta.saves.append(transfer)
+                transfer.add(entry.slot, entry.gen, ids[k], g, k)
+                sg = (entry.slot, entry.gen)
+                self._saving[sg] = _PendingSave(entry, st)
+                st.inflight.add(sg)
             k += 1
         st.next_save = k
 

@@ -31,9 +31,19 @@ GiB = float(1 << 30)
 class _SaveResult:
     slots: list[int]
     gens: list[int]
-    req_ids: list[str]  # one per transfer
+    block_ids: list[int]
+    groups: list[int]
+    req_ids: list[str]  # each request once
     seconds: float = 0.0
     error: BaseException | None = None
+
+    def add(self, slot: int, gen: int, block_id: int, group: int, req_id: str) -> None:
+        self.slots.append(slot)
+        self.gens.append(gen)
+        self.block_ids.append(block_id)
+        self.groups.append(group)
+        if not self.req_ids or self.req_ids[-1] != req_id:
+            self.req_ids.append(req_id)
 
 
 @dataclass
@@ -76,20 +86,24 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
 
     @hookimpl
     def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
-        plans: list[RegionPlan] = []
-        offset = 0
+        # One plan per region any group uses; with vLLM's hybrid manager every
+        # group's blocks live in the same regions, so a slot holds one group's block.
+        users: dict[int, set[int]] = {}
         for group in kv_caches.groups:
             for rid in group.region_ids:
-                region = kv_caches.regions[rid].tensor
-                plans.append(RegionPlan(group.group_id, region, offset, int(region.shape[1])))
-                offset += int(region.shape[1])
+                users.setdefault(rid, set()).add(group.group_id)
+        plans: list[RegionPlan] = []
+        offset = 0
+        for rid in sorted(users):
+            region = kv_caches.regions[rid].tensor
+            plans.append(RegionPlan(frozenset(users[rid]), region, offset, int(region.shape[1])))
+            offset += int(region.shape[1])
         slot_bytes = offset
-        if len(kv_caches.groups) == 1 and slot_bytes != kv_caches.bytes_per_block:
-            self.log.warning(
-                "offload-cpu: canonical regions of the group differ from bytes_per_block",
-                slot_bytes=slot_bytes,
-                bytes_per_block=kv_caches.bytes_per_block,
-            )
+        #: Groups whose blocks vLLM frees while the request runs (windows): their
+        #: saves finish inside wait_for_save, before a later step can reuse a block.
+        self._inline_groups = frozenset(
+            g for g, x in enumerate(self.layout.groups if self.layout else ()) if x.window
+        )
         if self.layout is not None:
             # Same slot count as the scheduler half (it computed it from the same config).
             num_slots = int(self.config.capacity) // self.layout.slot_bytes
@@ -163,36 +177,34 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
         meta = self._meta
         if meta is None or not meta.saves or self.pool is None:
             return
-        slots: list[int] = []
-        gens: list[int] = []
-        ids: list[list[int]] = [[] for _ in meta.saves[0].block_ids]
-        req_ids: list[str] = []
+        inline = _SaveResult([], [], [], [], [])
+        later = _SaveResult([], [], [], [], [])
         for t in meta.saves:
             if t.req_id in self._step_failed:
                 # Its blocks were computed over a failed load this step: never store them.
                 self._wmeta.save_failed.update(zip(t.slots, t.gens, strict=True))
                 continue
-            slots += t.slots
-            gens += t.gens
-            for g, block_ids in enumerate(t.block_ids):
-                ids[g] += block_ids
-            req_ids.append(t.req_id)
-        if not slots:
+            for i, g in enumerate(t.groups):
+                part = inline if g in self._inline_groups else later
+                part.add(t.slots[i], t.gens[i], t.block_ids[i], g, t.req_id)
+        for part in (inline, later):
+            for s in part.slots:
+                self._slot_gen[s] = -1  # being written: no load may read it
+            for rid in part.req_ids:
+                self._inflight[rid] = self._inflight.get(rid, 0) + 1
+        if inline.slots:
+            self._finish_save(self._save(inline, None))
+        if not later.slots:
             return
-        for s in slots:
-            self._slot_gen[s] = -1  # being written: no load may read it
-        for rid in req_ids:
-            self._inflight[rid] = self._inflight.get(rid, 0) + 1
-        result = _SaveResult(slots, gens, req_ids)
         if self.config.save_mode == "async" and self._executor is not None:
             event = None
             if self.pool.device.type == "cuda":  # pragma: no cover - needs a GPU
                 event = torch.cuda.Event()
                 event.record()
-            fut = self._executor.submit(self._save, result, ids, event)
+            fut = self._executor.submit(self._save, later, event)
             self._futures.append((fut, self._finish_save))
         else:
-            self._finish_save(self._save(result, ids, None))
+            self._finish_save(self._save(later, None))
 
     @hookimpl
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -245,11 +257,15 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
         elif seconds is not None:
             self.log.info("offload-cpu pool prefaulted", seconds=round(seconds, 3))
 
-    def _save(self, result: _SaveResult, ids: list[list[int]], event: Any) -> _SaveResult:
+    def _save(self, result: _SaveResult, event: Any) -> _SaveResult:
         assert self.pool is not None
         try:
             result.seconds = self.pool.save(
-                result.slots, ids, with_checksums=self.config.checksums, ready_event=event
+                result.slots,
+                result.block_ids,
+                result.groups,
+                with_checksums=self.config.checksums,
+                ready_event=event,
             )
             for s, g in zip(result.slots, result.gens, strict=True):
                 self._slot_gen[s] = g
@@ -261,19 +277,22 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
         assert self.pool is not None
         result = _LoadResult(transfers)
         slots: list[int] = []
-        ids: list[list[int]] = [[] for _ in transfers[0].block_ids]
+        ids: list[int] = []
+        groups: list[int] = []
         for t in transfers:
             for i, (s, g) in enumerate(zip(t.slots, t.gens, strict=True)):
                 stale = not (0 <= s < len(self._slot_gen)) or self._slot_gen[s] != g
                 result.stale.append(stale)
                 if not stale:
                     slots.append(s)
-                    for grp, block_ids in enumerate(t.block_ids):
-                        ids[grp].append(block_ids[i])
+                    ids.append(t.block_ids[i])
+                    groups.append(t.groups[i])
         try:
             ok: list[bool] = []
             if slots:
-                ok, result.seconds = self.pool.load(slots, ids, verify=self.config.checksums)
+                ok, result.seconds = self.pool.load(
+                    slots, ids, groups, verify=self.config.checksums
+                )
             it = iter(ok)
             result.ok = [False if stale else next(it) for stale in result.stale]
         except BaseException as exc:
@@ -320,15 +339,18 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
             self.stats.errors += 1
         i = 0
         good = 0
+        #: Token positions loaded (one block of each group per position).
+        positions = 0
         for t in result.transfers:
             self._wmeta.loaded[t.req_id] = self._wmeta.loaded.get(t.req_id, 0) + 1
             self._recving_done_add(t.req_id)
+            loaded: set[int] = set()
             for j in range(len(t)):
                 if result.ok[i]:
                     good += 1
+                    loaded.add(t.positions[j])
                 else:
-                    for block_ids in t.block_ids:
-                        self._load_errors.add(block_ids[j])
+                    self._load_errors.add(t.block_ids[j])
                     self._step_failed.add(t.req_id)
                     pos = t.positions[j]
                     old = self._wmeta.req_load_failed.get(t.req_id)
@@ -341,13 +363,14 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
                     self.stats.extra.add(kind)
                     self.stats.extra.add("load_errors")
                 i += 1
+            positions += len(loaded)
         bad = i - good
         self.blocks_loaded += good
         self.blocks_refused += bad
         if bad:
             self.stats.errors += bad
             self.log.warning("offload-cpu: blocks failed to load; vLLM recomputes them", blocks=bad)
-        self.stats.tokens_loaded += good * self.block_size
+        self.stats.tokens_loaded += positions * self.block_size
         self.stats.bytes_loaded += good * self.pool.slot_bytes
         self._add_time("load", result.seconds, self.stats.bytes_loaded)
 

@@ -19,7 +19,7 @@ def _plans(caches: Any) -> list[RegionPlan]:
     plans, off = [], 0
     for rid in caches.groups[0].region_ids:
         t = caches.regions[rid].tensor
-        plans.append(RegionPlan(0, t, off, int(t.shape[1])))
+        plans.append(RegionPlan(frozenset({0}), t, off, int(t.shape[1])))
         off += int(t.shape[1])
     return plans
 
@@ -108,8 +108,8 @@ def test_saves_and_loads_never_wait_for_the_prefault(
     dst = list(range(40, 40 + len(slots)))
 
     def copies() -> None:
-        pool.save(slots, [src], with_checksums=True)
-        ok, _ = pool.load(slots, [dst], verify=True)
+        pool.save(slots, src, [0] * len(slots), with_checksums=True)
+        ok, _ = pool.load(slots, dst, [0] * len(slots), verify=True)
         assert all(ok)
 
     _in_thread(copies)
@@ -121,7 +121,7 @@ def test_saves_and_loads_never_wait_for_the_prefault(
     # The prefault went over the saved slots afterwards and kept their bytes.
     for r in caches.regions:
         r.tensor[dst] = 0
-    ok, _ = pool.load(slots, [dst], verify=True)
+    ok, _ = pool.load(slots, dst, [0] * len(slots), verify=True)
     assert all(ok) and torch.equal(_blocks(caches, dst), expect)
 
 
@@ -138,12 +138,12 @@ def test_prefault_keeps_bytes_saved_beside_it(layout: str, monkeypatch: pytest.M
         assert stall.inside.wait(HANG_S)
         slots = list(range(40))
         src = [1 + i for i in range(40)]
-        _in_thread(lambda: pool.save(slots, [src], with_checksums=True))
+        _in_thread(lambda: pool.save(slots, src, [0] * len(slots), with_checksums=True))
     finally:
         stall.release.set()
     th.join(HANG_S)
     assert pool.faulted_slots == 40
-    ok, _ = pool.load(slots, [list(range(1, 41))], verify=True)
+    ok, _ = pool.load(slots, list(range(1, 41)), [0] * len(slots), verify=True)
     assert all(ok)
     assert torch.equal(pool.slot(39), _blocks(caches, [40])[0])
 
@@ -225,9 +225,13 @@ class Saved:
         self.caches = _random_caches(64, layout, seed=5)
         self.pool = HostPool(_plans(self.caches), 2 * N, pin=False)
         self.slots = list(range(N))
-        self.pool.save(self.slots, [list(range(1, 1 + N))], with_checksums=True)
+        self.pool.save(
+            self.slots, list(range(1, 1 + N)), [0] * len(self.slots), with_checksums=True
+        )
         self.old = [self.pool.slot(s) for s in self.slots]
-        self.pool.save(self.slots, [list(range(20, 20 + N))], with_checksums=True)
+        self.pool.save(
+            self.slots, list(range(20, 20 + N)), [0] * len(self.slots), with_checksums=True
+        )
         self.good = [self.pool.slot(s) for s in self.slots]
         self.sums = list(self.pool.sums)
 
@@ -237,7 +241,9 @@ class Saved:
         self.pool.sums[:] = type(self.pool.sums)("Q", self.sums)
 
     def bad_slots(self) -> set[int]:
-        ok, _ = self.pool.load(self.slots, [list(range(40, 40 + N))], verify=True)
+        ok, _ = self.pool.load(
+            self.slots, list(range(40, 40 + N)), [0] * len(self.slots), verify=True
+        )
         return {s for s, good in zip(self.slots, ok, strict=True) if not good}
 
     def word(self, slot: int, i: int) -> int:
@@ -316,7 +322,7 @@ def test_moved_zeroed_truncated_and_stale_slots_are_caught(saved: Saved) -> None
     assert saved.bad_slots() == {7}
     saved.restore()
     # A slot never saved with a checksum.
-    ok, _ = pool.load([N], [[40]], verify=True)
+    ok, _ = pool.load([N], [40], [0] * len([N]), verify=True)
     assert ok == [False]
     assert saved.bad_slots() == set()
 

@@ -168,7 +168,7 @@ def test_slot_overwritten_while_load_pending_is_a_load_error() -> None:
     slot, gen = load.slots[1], load.gens[1]
     w = eng.worker
     w.bind_connector_metadata(
-        OffloadMetadata(saves=[Transfer("x", [slot], [gen + 1], [[eng.free[0]]], [0])])
+        OffloadMetadata(saves=[Transfer("x", [slot], [gen + 1], [eng.free[0]], [0], [0])])
     )
     w.wait_for_save()
     w.build_connector_worker_meta()

@@ -46,7 +46,7 @@ def test_registered_through_the_entry_point_without_torch() -> None:
     assert ptype.processes == {"scheduler", "worker"} and ptype.default_role == "both"
     assert ptype.package == "kv-composer-offload-cpu"
     caps = ptype.resolve_capabilities(OffloadCPUConfig(load_mode="async"))
-    assert caps.async_load and caps.async_save and not caps.hma
+    assert caps.async_load and caps.async_save and caps.hma
     code = (
         "import sys; from composer.discovery import discover; "
         "from composer import load_pipeline; discover()['offload-cpu']; "
@@ -145,7 +145,7 @@ def test_host_pool_round_trip(slots: list[int], kind: str, blocks: str) -> None:
     plans, off = [], 0
     for rid in caches.groups[0].region_ids:
         t = caches.regions[rid].tensor
-        plans.append(RegionPlan(0, t, off, t.shape[1]))
+        plans.append(RegionPlan(frozenset({0}), t, off, t.shape[1]))
         off += t.shape[1]
     for r in caches.regions:
         r.tensor.copy_(torch.randint(-128, 128, r.tensor.shape, dtype=torch.int8))
@@ -155,18 +155,18 @@ def test_host_pool_round_trip(slots: list[int], kind: str, blocks: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, pool.pools, strict=True))  # kept
     src = list(range(10, 10 + len(slots)))
     expect = torch.cat([r.tensor[src] for r in caches.regions], dim=1)
-    pool.save(slots, [src], with_checksums=True)
+    pool.save(slots, src, [0] * len(slots), with_checksums=True)
     # Consecutive block ids (slice copies, wrapping into 2 runs for 20 blocks) or
     # one run per block (> MAX_RUNS: one scatter).
     dst = [d % 64 for d in range(50, 50 + len(slots))]
     if blocks == "scattered":
         dst = [(63 - 3 * i) % 64 for i in range(len(slots))]
-    ok, _ = pool.load(slots, [dst], verify=True)
+    ok, _ = pool.load(slots, dst, [0] * len(slots), verify=True)
     assert all(ok)
     got = torch.cat([r.tensor[dst] for r in caches.regions], dim=1)
     assert torch.equal(got, expect)
     corrupt(pool, slots[-1], SLOT - 1)
-    ok, _ = pool.load(slots, [dst], verify=True)
+    ok, _ = pool.load(slots, dst, [0] * len(slots), verify=True)
     assert ok == [True] * (len(slots) - 1) + [False]
 
 
