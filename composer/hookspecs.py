@@ -184,7 +184,10 @@ class NodeSpec:
     def request_finished_all_groups(
         self, request: RequestView, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Scheduler, HMA only: ``request_finished`` with the block ids of the node's groups."""
+        """Scheduler, HMA only: ``request_finished`` with the block ids of the node's groups.
+
+        A node without it gets ``request_finished`` with its first group's block ids.
+        """
 
     @hookspec
     def register_finished_partial_tail(

@@ -14,6 +14,11 @@ order, one request at a time. The rules are the product's:
 * a request's blocks are stored when it finishes, into vLLM's own cache and
   into every ``save_to`` node, each by its ``save`` policy.
 
+A model's KV cache groups (:class:`KVGroup`, from its ``config.json`` by
+:mod:`composer.model_size`) reach every tier model: a hybrid model's tier
+stores each group's blocks on its own (a sliding window only those a hit
+needs). Window groups keep single blocks, so such a model replays every block.
+
 A plugin type brings its own model through ``PluginType.simulator``
 (``"module:Class"``, imported here only), built on the code of the real tier
 (``offload-cpu``'s model drives the tier's own ``BlockIndex``), so the
@@ -22,8 +27,8 @@ as not modelled and never hit.
 
 Traces and their block keys are :mod:`composer.trace`'s; a sweep's runs
 :mod:`composer.sim_sweep`'s; the tables and the sweep's plot
-:mod:`composer.sim_report`'s; bytes per block from a model's ``config.json``
-:mod:`composer.model_size`'s.
+:mod:`composer.sim_report`'s; bytes per block and KV cache groups from a model's
+``config.json`` :mod:`composer.model_size`'s.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from __future__ import annotations
 import importlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ValidationError
@@ -48,6 +53,21 @@ class SimulateError(Exception):
     """A usage problem of ``kvc simulate`` (bad option value)."""
 
 
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV cache group, as a tier model sees it (one group of every layer by default)."""
+
+    #: "attention", "sliding_window", "chunked_local" or "mamba".
+    kind: str
+    #: Bytes of one block of this group (all its layers); 0 for mamba.
+    block_bytes: int
+    #: Tokens of the sliding window or the attention chunk; 0 for none.
+    window: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "block_bytes": self.block_bytes, "window": self.window}
+
+
 # --------------------------------------------------------------------------- #
 # models
 # --------------------------------------------------------------------------- #
@@ -56,7 +76,9 @@ class SimulateError(Exception):
 class TierModel(Protocol):
     """What a plugin's simulation model provides (``PluginType.simulator``).
 
-    Built as ``Model(config, block_size=..., bytes_per_block=...)``.
+    Built as ``Model(config, block_size=..., bytes_per_block=..., groups=...)``:
+    tokens and bytes of one slot (one replay unit; with several groups, one
+    group's block), and the model's KV cache groups (block bytes per unit).
     """
 
     @property
@@ -73,13 +95,35 @@ class TierModel(Protocol):
         """How many blocks from ``start`` (below ``limit``) it would serve now."""
         ...
 
-    def load(self, keys: Sequence[bytes]) -> None:
-        """It serves these blocks (touch them as the tier does at load)."""
+    @property
+    def bytes_loaded(self) -> int:
+        """Bytes copied out so far."""
         ...
 
-    def save(self, keys: Sequence[bytes], prompt_blocks: int) -> int:
-        """A finished request's full blocks (``keys[:prompt_blocks]`` are the prompt's);
-        returns how many blocks it newly stored."""
+    @property
+    def bytes_saved(self) -> int:
+        """Bytes newly stored so far."""
+        ...
+
+    @property
+    def window_saving(self) -> float | None:
+        """Bytes it keeps of the requests' blocks over what a full-attention model of the
+        same shape would keep; None when no group has a window."""
+        ...
+
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why it serves nothing (as the real node says at start), or None."""
+        ...
+
+    def load(self, keys: Sequence[bytes], start: int, hit: int) -> None:
+        """It serves blocks ``[start, start + hit)`` (touch them as the tier does at load)."""
+        ...
+
+    def save(self, keys: Sequence[bytes], prompt_tokens: int, computed: int) -> int:
+        """A finished request's full blocks (of ``prompt_tokens`` prompt tokens; vLLM
+        had the first ``computed`` before computing it); returns the slots it newly
+        stored."""
         ...
 
 
@@ -146,6 +190,11 @@ class NodeResult:
     fraction_served: float = 0.0
     bytes_loaded: int = 0
     bytes_saved: int = 0
+    bytes_saved_per_request: float = 0.0
+    #: Bytes kept ÷ bytes a full-attention model of the same shape would keep (window groups).
+    window_saving: float | None = None
+    #: Why the node serves nothing (a mamba hybrid), or "".
+    note: str = ""
 
 
 @dataclass
@@ -159,6 +208,9 @@ class Result:
     bytes_per_block: int
     load_policy: str
     nodes: list[NodeResult] = field(default_factory=list)
+    groups: list[KVGroup] = field(default_factory=list)
+    #: What the sizes had to assume, and why the replay moved the units it did.
+    notes: list[str] = field(default_factory=list)
     tokens_served: int = 0
     prefill_tokens_computed: int = 0
     fraction_served: float = 0.0
@@ -173,6 +225,8 @@ class Result:
             "trace_block_tokens": self.trace_block_tokens,
             "bytes_per_block": self.bytes_per_block,
             "load_policy": self.load_policy,
+            "groups": [g.as_dict() for g in self.groups],
+            "notes": self.notes,
             "nodes": [vars(n) for n in self.nodes],
             "total": {
                 "tokens_served": self.tokens_served,
@@ -200,9 +254,16 @@ def simulate(
     trace_name: str = "<trace>",
     overrides: dict[str, Any] | None = None,
     exact: bool = False,
+    groups: Sequence[KVGroup] | None = None,
+    notes: Sequence[str] = (),
 ) -> Result:
     """Replay ``trace`` through ``pipeline``; ``overrides`` replaces config fields of
     every modelled node that has them (a sweep's point).
+
+    ``bytes_per_block`` is a tier slot's: every layer's block with one KV cache
+    group, one group's block (the largest) with several. ``groups`` are the
+    model's KV cache groups (default: one full-attention group of
+    ``bytes_per_block``).
 
     Unless ``exact``, when the block size divides a trace block the replay moves
     whole trace blocks (``trace_block_tokens // block_size`` vLLM blocks, one
@@ -210,14 +271,22 @@ def simulate(
     evicted together, 16x less work for Mooncake's 512 tokens in 32-token
     blocks. A tier then holds whole units only, and the full blocks of a
     prompt's partial last trace block (never a hit: unique to the request) are
-    not stored. ``exact`` replays every vLLM block.
+    not stored. ``exact`` replays every vLLM block, and so does a model with a
+    window group (it keeps single blocks of a unit).
     """
     _check_options(bytes_per_block, block_size, trace_block_tokens, vllm_cache_blocks)
-    group = 1
+    groups = tuple(groups or (KVGroup("attention", bytes_per_block),))
+    notes = list(notes)
+    unit = 1
     if not exact and trace_block_tokens % block_size == 0:
-        group = trace_block_tokens // block_size
-    keymaker = KeyMaker(block_size * group, trace_block_tokens)
-    run = _Replay(pipeline, overrides or {}, keymaker, group, bytes_per_block, vllm_cache_blocks)
+        if any(g.window for g in groups):
+            notes.append("window groups keep single blocks: every block replayed (as --exact)")
+        else:
+            unit = trace_block_tokens // block_size
+    keymaker = KeyMaker(block_size * unit, trace_block_tokens)
+    run = _Replay(
+        pipeline, overrides or {}, keymaker, unit, bytes_per_block, vllm_cache_blocks, groups
+    )
     for req in trace:
         run.request(req)
     prompt_total, served_total = run.prompt_total, run.served_total
@@ -226,11 +295,13 @@ def simulate(
         requests=len(trace),
         prompt_tokens=prompt_total,
         block_size=block_size,
-        unit_blocks=group,
+        unit_blocks=unit,
         trace_block_tokens=trace_block_tokens,
         bytes_per_block=bytes_per_block,
         load_policy=pipeline.load_policy,
-        nodes=run.rows(bytes_per_block),
+        nodes=run.rows(len(trace)),
+        groups=list(groups),
+        notes=notes,
         tokens_served=served_total,
         prefill_tokens_computed=prompt_total - served_total,
         fraction_served=served_total / prompt_total if prompt_total else 0.0,
@@ -264,14 +335,16 @@ class _Replay:
         group: int,
         bytes_per_block: int,
         vllm_cache_blocks: int,
+        groups: tuple[KVGroup, ...],
     ) -> None:
         self.pipeline, self.keymaker, self.group = pipeline, keymaker, group
         self.unit = keymaker.block_size
         unit_bytes = bytes_per_block * group
+        unit_groups = tuple(replace(g, block_bytes=g.block_bytes * group) for g in groups)
         self.results: dict[str, NodeResult] = {}
         self.models: dict[str, TierModel] = {}
         for node in pipeline.nodes:
-            self._add_node(node, overrides, unit_bytes)
+            self._add_node(node, overrides, unit_bytes, unit_groups)
         self.vllm_blocks = vllm_cache_blocks
         self.vllm = PrefixCacheModel(vllm_cache_blocks // self.group)
         self.vllm_res = NodeResult(VLLM_CACHE_ID, "vllm prefix cache", modelled=True)
@@ -284,7 +357,13 @@ class _Replay:
         self.longest = pipeline.load_policy == "longest_hit"
         self.prompt_total = self.served_total = 0
 
-    def _add_node(self, node: ResolvedNode, overrides: dict[str, Any], unit_bytes: int) -> None:
+    def _add_node(
+        self,
+        node: ResolvedNode,
+        overrides: dict[str, Any],
+        unit_bytes: int,
+        groups: tuple[KVGroup, ...],
+    ) -> None:
         spec = getattr(node.plugin, "simulator", None)
         res = NodeResult(node.id, _label(node), modelled=spec is not None)
         res.lookup = node.id in self.pipeline.load_order
@@ -294,7 +373,7 @@ class _Replay:
             return
         config = _with_overrides(node, overrides)
         model: TierModel = load_model_class(spec)(
-            config, block_size=self.unit, bytes_per_block=unit_bytes
+            config, block_size=self.unit, bytes_per_block=unit_bytes, groups=groups
         )
         self.models[node.id] = model
         res.capacity_blocks = model.capacity_blocks * self.group
@@ -306,7 +385,6 @@ class _Replay:
         total = prompt + keymaker.scale(req.output_length)
         # KV exists for every token but the last sampled one.
         keys = keymaker.keys(req, max(prompt, total - 1))
-        prompt_blocks = min(prompt // unit, len(keys))
         limit = (prompt - 1) // unit
         self.prompt_total += prompt
         start = self._vllm_hit(keys, limit)
@@ -315,7 +393,7 @@ class _Replay:
         if self.vllm_blocks:
             self.vllm.finish(keys)
         for model, res in self.save_nodes:
-            res.blocks_saved += model.save(keys, prompt_blocks) * self.group
+            res.blocks_saved += model.save(keys, prompt, served) * self.group
 
     def _vllm_hit(self, keys: Sequence[bytes], limit: int) -> int:
         """Leading units vLLM's own prefix cache serves."""
@@ -341,24 +419,27 @@ class _Replay:
         if chosen is None:
             return 0
         model, res, hit = chosen
-        model.load(keys[start : start + hit])
+        model.load(keys, start, hit)
         res.served_requests += 1
         res.tokens_served += hit * self.unit
         res.blocks_loaded += hit * self.group
         return hit
 
-    def rows(self, bytes_per_block: int) -> list[NodeResult]:
+    def rows(self, requests: int) -> list[NodeResult]:
         """Every row, vLLM's prefix cache first (when modelled), in vLLM blocks and bytes."""
         for node_id, model in self.models.items():
-            self.results[node_id].evictions = model.evictions * self.group
+            res = self.results[node_id]
+            res.evictions = model.evictions * self.group
+            res.bytes_loaded, res.bytes_saved = model.bytes_loaded, model.bytes_saved
+            res.bytes_saved_per_request = res.bytes_saved / requests if requests else 0.0
+            res.window_saving = model.window_saving
+            res.note = model.disabled_reason or ""
         self.vllm_res.evictions = self.vllm.evictions * self.group
         nodes = [self.vllm_res] if self.vllm_blocks else []
         nodes += [self.results[n.id] for n in self.pipeline.nodes]
         prompt_total = self.prompt_total
         for res in nodes:
             res.fraction_served = res.tokens_served / prompt_total if prompt_total else 0.0
-            res.bytes_loaded = res.blocks_loaded * bytes_per_block
-            res.bytes_saved = res.blocks_saved * bytes_per_block
         return nodes
 
 

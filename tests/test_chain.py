@@ -438,3 +438,17 @@ def test_several_groups_a_good_load_is_reported_done_once() -> None:
 def test_several_groups_fail_policy_still_stops_the_engine() -> None:
     with pytest.raises(RuntimeError, match="fails in start_load_kv"):
         _hybrid_load("fail", "start_load_kv")
+
+
+@pytest.mark.parametrize("groups", [([7, 8],), ([0, 21], [10, 11])])
+def test_with_hma_a_node_with_only_request_finished_still_holds_blocks(groups: Any) -> None:
+    """vLLM calls request_finished_all_groups on an HMA connector, one group or several:
+    a node that implements only request_finished is told too (else its async saves
+    would read blocks vLLM already freed)."""
+    CALLS.clear()
+    nodes = {"a": {"plugin": "hybrid-tier", "config": {"hold": True}}}
+    resolved = load_pipeline({"version": 1, "nodes": nodes}, registry=REGISTRY)
+    assert resolved.hma
+    sched = Chain(resolved, "scheduler", kv_cache_config=HYBRID_KV_CACHE_CONFIG)
+    hold, _ = sched.request_finished_all_groups(request(), groups)
+    assert hold and ("a", "request_finished", None) in CALLS

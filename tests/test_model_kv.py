@@ -24,9 +24,14 @@ from composer.model_kv import (
     from_kv_cache_config,
     predict,
 )
+from composer.testing.tiny_model import (
+    GEMMA3_SHAPE,
+    GRANITE_HYBRID_SHAPE,
+    LLAMA_SWA_SHAPE,
+    TinyModelSpec,
+    build_tiny_model,
+)
 from composer.validation import load_pipeline, validate_text
-
-LOCAL = Path.home() / ".cache" / "kv-composer"
 
 # The tiny models' config.json fields that decide their groups (composer/testing/tiny_model.py).
 GEMMA3 = {
@@ -188,18 +193,16 @@ def test_unknown_architecture_is_best_effort(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "expected"),
+    ("shape", "expected"),
     [
-        ("tiny-gemma3-*", [("sliding_window", 1), ("attention", 1)]),
-        ("tiny-granite-hybrid-*", [("mamba", 1), ("attention", 1)]),
-        ("tiny-llama-swa-*", [("sliding_window", 1), ("sliding_window", 1), ("attention", 1)]),
+        (GEMMA3_SHAPE, [("sliding_window", 1), ("attention", 1)]),
+        (GRANITE_HYBRID_SHAPE, [("mamba", 1), ("attention", 1)]),
+        (LLAMA_SWA_SHAPE, [("sliding_window", 1), ("sliding_window", 1), ("attention", 1)]),
     ],
 )
-def test_local_tiny_models(name: str, expected: list[tuple[str, int]]) -> None:
-    found = sorted(LOCAL.glob(name))
-    if not found:
-        pytest.skip(f"no {name} under {LOCAL} (built by the e2e tests)")
-    assert kinds(predict(found[0])) == expected
+def test_local_tiny_models(shape: TinyModelSpec, expected: list[tuple[str, int]]) -> None:
+    """The models the engine tests run (their groups there are asserted from vLLM's own)."""
+    assert kinds(predict(build_tiny_model(shape))) == expected
 
 
 # --------------------------------------------------------------------------- #
@@ -391,6 +394,21 @@ def test_cli_every_example_on_a_plain_model(kvc: str, root: Path, models: dict[s
     examples = sorted(str(p.relative_to(root)) for p in (root / "examples").glob("*.yaml"))
     proc = run(kvc, root, "validate", *examples, "--model", str(models["llama"]))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("model", ["gemma3", "granite", "llama"])
+def test_cli_every_example_on_every_model(
+    kvc: str, root: Path, models: dict[str, Path], model: str
+) -> None:
+    """Each example x each model: ok or a located refusal, never a traceback."""
+    for path in sorted((root / "examples").glob("*.yaml")):
+        example = str(path.relative_to(root))
+        proc = run(kvc, root, "validate", example, "--model", str(models[model]))
+        assert proc.returncode in (0, 2), proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stdout + proc.stderr
+        if proc.returncode == 2:
+            assert any(x.startswith(f"{example}:") and "nodes." in x
+                       for x in proc.stdout.splitlines()), proc.stdout
 
 
 def test_cli_json(kvc: str, root: Path, models: dict[str, Path]) -> None:

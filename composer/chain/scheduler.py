@@ -209,11 +209,21 @@ class SchedulerSide(ChainBase):
             return self.request_finished(request, block_ids[0])
         view = RequestView(request)
         results: list[tuple[str, Any]] = []
-        for node_id, fn in self.calls["request_finished_all_groups"]:
+        all_groups = dict(self.calls["request_finished_all_groups"])
+        one_group = dict(self.calls["request_finished"])
+        for node_id in self.nodes:
+            # A node that implements only request_finished still hears of every
+            # finished request (its first group's blocks), as vLLM tells a non-HMA one.
+            groups = self._groups_for(node_id, block_ids)
+            hook, fn, arg = "request_finished_all_groups", all_groups.get(node_id), groups
+            if fn is None:
+                hook, fn, arg = "request_finished", one_group.get(node_id), groups[0]
+            if fn is None:
+                continue
             try:
-                results.append((node_id, fn(view, self._groups_for(node_id, block_ids))))
+                results.append((node_id, fn(view, arg)))
             except Exception as exc:
-                self.fault(node_id, "request_finished_all_groups", exc)
+                self.fault(node_id, hook, exc)
                 results.append((node_id, FAULTED))
         return self._finish(request, results)
 

@@ -82,9 +82,14 @@ class TinyModelSpec:
     #: Per layer: "sliding_attention" / "full_attention" (gemma3, llama-swa) or
     #: "mamba" / "attention" (granite-hybrid); empty = the family's default pattern.
     layer_types: tuple[str, ...] = ()
+    #: Per-head dimension (gemma3); 0 = hidden // heads.
+    head_dim: int = 0
 
     def key(self) -> str:
         fields = asdict(self)
+        if not self.head_dim:
+            # Added later: specs that leave it unset keep their cache key.
+            del fields["head_dim"]
         if self.arch == "llama" and not self.sliding_window and not self.layer_types:
             # The plain Llama's key predates the hybrid fields: keep caches valid.
             for name in ("arch", "sliding_window", "layer_types"):
@@ -103,6 +108,25 @@ LLAMA_SWA_SHAPE = TinyModelSpec(
 )
 #: Granite-4-shaped mamba2 hybrid: mamba, attention.
 GRANITE_HYBRID_SHAPE = TinyModelSpec(arch="granite-hybrid", layers=2)
+
+
+#: Shaped like Gemma-3-1B: 26 layers, 5 sliding-window (512 tokens) : 1 full attention,
+#: 4 heads / 1 KV head x 256: 26 KiB of KV per token if every layer kept every token.
+GEMMA3_1B_SHAPE = TinyModelSpec(
+    arch="gemma3",
+    layers=26,
+    hidden=1152,
+    heads=4,
+    kv_heads=1,
+    head_dim=256,
+    intermediate=6912,
+    vocab=2048,
+    max_positions=32768,
+    sliding_window=512,
+    layer_types=tuple(
+        "full_attention" if i % 6 == 5 else "sliding_attention" for i in range(26)
+    ),
+)
 
 
 #: Shaped like Qwen2-0.5B's attention (24 layers, 2 KV heads x 64): ~12 KiB of KV per token.
@@ -173,7 +197,7 @@ def _model(spec: TinyModelSpec, vocab: int, bos: int, eos: int) -> Any:
         kinds = spec.layer_types or tuple(
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.layers)
         )
-        head_dim = spec.hidden // spec.heads
+        head_dim = spec.head_dim or spec.hidden // spec.heads
         gemma = Gemma3TextConfig(
             **common,
             head_dim=head_dim,

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvc_offload_cpu.config import OffloadCPUConfig
+from kvc_offload_cpu.registration import capabilities
 from kvc_offload_cpu.scheduler import SchedulerHalf
 from kvc_offload_cpu.worker import WorkerHalf
 from pydantic import BaseModel, ConfigDict
 
-from composer import PluginType, hookimpl
+from composer import Capabilities, PluginType, hookimpl
 from composer.plugin import NodeContext, Plugin
 
 
@@ -282,6 +283,7 @@ def register_plugin_types(register: Any) -> None:
             scheduler=FaultyScheduler,
             worker=FaultyWorker,
             config=FaultyTierConfig,
+            capabilities=capabilities,  # offload-cpu's: HMA, so hybrid models keep it
         )
     )
     register(
@@ -290,5 +292,6 @@ def register_plugin_types(register: Any) -> None:
             scheduler=BlockWatch,
             config=BlockWatchConfig,
             roles={"service"},
+            capabilities=Capabilities(hma=True),
         )
     )

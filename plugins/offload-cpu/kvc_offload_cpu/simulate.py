@@ -2,11 +2,18 @@
 
 It drives the tier's own :class:`~kvc_offload_cpu.index.BlockIndex` (the same
 LRU, slot allocation and eviction) with the rules of the scheduler half
-(:mod:`kvc_offload_cpu.scheduler`): slots = capacity // bytes of one block,
+(:mod:`kvc_offload_cpu.scheduler`): slots = capacity // bytes of one slot,
 hits only of ready blocks and of at least ``min_blocks``, touch on load, and at
 save a known block is touched, a new one allocated (evicting the least
 recently used). Saves complete at once here: the replay runs one request at a
 time, so no block is ever in flight or pinned.
+
+With several KV cache groups (a hybrid model), as the scheduler half: a slot
+holds one group's block, keyed by the block key and the group;
+full-attention groups keep every block, window groups only the blocks
+:meth:`GroupLayout.needed <kvc_offload_cpu.layout.GroupLayout.needed>` gives for
+the retained hit points, and a hit is the longest prefix every group can serve.
+A mamba group turns the node off, as the real one turns itself off.
 """
 
 from __future__ import annotations
@@ -15,52 +22,130 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
+from composer.simulate import KVGroup
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.index import BlockIndex
+from kvc_offload_cpu.layout import SERVED_KINDS, GroupLayout
 
 
 class OffloadCPUModel:
-    def __init__(self, config: BaseModel, *, block_size: int, bytes_per_block: int) -> None:
+    def __init__(
+        self,
+        config: BaseModel,
+        *,
+        block_size: int,
+        bytes_per_block: int,
+        groups: Sequence[KVGroup] = (),
+    ) -> None:
         assert isinstance(config, OffloadCPUConfig)
         self.config = config
         self.block_size = block_size
         self.capacity_blocks = int(config.capacity) // bytes_per_block if bytes_per_block else 0
         self.index = BlockIndex(self.capacity_blocks)
+        groups = tuple(groups) or (KVGroup("attention", bytes_per_block),)
+        self.layouts = tuple(GroupLayout(g.kind, block_size, g.window) for g in groups)
+        self.group_bytes = tuple(g.block_bytes for g in groups)
+        self.several = len(groups) > 1
+        self.full_groups = [g for g, x in enumerate(self.layouts) if x.kind == "attention"]
+        self.window_groups = [g for g, x in enumerate(self.layouts) if x.window]
+        #: Bytes of one block position with every group at full attention.
+        self.full_bytes = sum(
+            b for x, b in zip(self.layouts, self.group_bytes, strict=True) if x.kind in SERVED_KINDS
+        )
+        self.bytes_loaded = self.bytes_saved = 0
+        self._kept = self._full = 0  # bytes a request's save keeps, and with full attention
+        self.disabled_reason: str | None = None
+        unserved = sorted({x.kind for x in self.layouts if x.kind not in SERVED_KINDS})
+        if unserved:  # the scheduler half's reason, as it logs it
+            self.disabled_reason = (
+                f"the model has {'/'.join(unserved)} KV cache groups: their recurrent state is "
+                "not restorable from blocks (vLLM keeps no per-block state snapshots here), so "
+                "this node serves no hits for it"
+            )
 
     @property
     def evictions(self) -> int:
         return self.index.evictions
 
+    @property
+    def window_saving(self) -> float | None:
+        if not self.window_groups or self.disabled_reason:
+            return None
+        return self._kept / self._full if self._full else 1.0
+
+    def _key(self, group: int, key: bytes) -> bytes:
+        """The index key of a block of ``group`` (the block key alone with one group)."""
+        return key + bytes((group,)) if self.several else key
+
     def lookup(self, keys: Sequence[bytes], start: int, limit: int) -> int:
-        ready = self.index.ready
-        hit = 0
-        for k in range(start, min(limit, len(keys))):
-            if ready(keys[k]) is None:
-                break
-            hit += 1
+        if self.disabled_reason:
+            return 0
+        ready, key = self.index.ready, self._key
+        end, stop = start, min(limit, len(keys))
+        # Full-attention groups: the longest run of stored blocks.
+        while end < stop and all(ready(key(g, keys[end])) is not None for g in self.full_groups):
+            end += 1
+        # Window groups: the longest of those ends whose window they hold.
+        while end > start and not all(
+            ready(key(g, keys[k])) is not None
+            for g in self.window_groups
+            for k in self.layouts[g].needed(start, end)
+        ):
+            end -= 1
+        hit = end - start
         return hit if hit >= self.config.min_blocks else 0
 
-    def load(self, keys: Sequence[bytes]) -> None:
+    def load(self, keys: Sequence[bytes], start: int, hit: int) -> None:
         index = self.index
-        for key in keys:
-            entry = index.ready(key)
-            if entry is not None:
-                index.touch(entry)
+        for g, layout in enumerate(self.layouts):
+            # vLLM holds null blocks outside a window: nothing is loaded there.
+            for k in layout.needed(start, start + hit):
+                entry = index.ready(self._key(g, keys[k]))
+                if entry is not None:
+                    index.touch(entry)
+                    self.bytes_loaded += self.group_bytes[g]
 
-    def save(self, keys: Sequence[bytes], prompt_blocks: int) -> int:
-        if not self.capacity_blocks:  # the real tier disables itself
+    def _keep(self, layout: GroupLayout, prompt_tokens: int) -> set[int]:
+        """Block positions a window group keeps: ``SchedulerHalf._keep``'s rule.
+
+        The tier fixes them at a request's first save, when it holds its prompt
+        only, so the points stop at the prompt even with ``save: all``.
+        """
+        bs = self.block_size
+        every = self.config.window_retention // bs
+        points = {max(0, prompt_tokens - 1) // bs, prompt_tokens // bs}
+        if every:
+            points.update(range(every, prompt_tokens // bs + 1, every))
+        return {k for h in points if h > 0 for k in layout.needed(0, h)}
+
+    def save(self, keys: Sequence[bytes], prompt_tokens: int, computed: int) -> int:
+        if not self.capacity_blocks or self.disabled_reason:  # the real tier disables itself
             return 0
-        index = self.index
+        index, key, group_bytes = self.index, self._key, self.group_bytes
+        prompt_blocks = min(prompt_tokens // self.block_size, len(keys))
         stop = prompt_blocks if self.config.save == "prompt" else len(keys)
+        keep = {g: self._keep(self.layouts[g], prompt_tokens) for g in self.window_groups}
+        if keep:
+            self._full += stop * self.full_bytes
+            self._kept += sum(group_bytes[g] * stop for g in self.full_groups) + sum(
+                group_bytes[g] * sum(1 for k in positions if k < stop)
+                for g, positions in keep.items()
+            )
         stored = 0
-        for key in keys[:stop]:
-            known = index.get(key)
-            if known is not None:
-                index.touch(known)
-                continue
-            entry = index.allocate(key)
-            if entry is None:  # pragma: no cover - nothing is pinned in a replay
-                break
-            index.mark_ready(entry)
-            stored += 1
+        for k in range(stop):
+            for g in range(len(group_bytes)):
+                # A window group saves only blocks the request computes itself.
+                if g in keep and (k < computed or k not in keep[g]):
+                    continue
+                block = key(g, keys[k])
+                known = index.get(block)
+                if known is not None:
+                    index.touch(known)
+                    continue
+                entry = index.allocate(block)
+                if entry is None:  # pragma: no cover - nothing is pinned in a replay
+                    return stored
+                index.mark_ready(entry)
+                stored += 1
+                self.bytes_saved += group_bytes[g]
         return stored
