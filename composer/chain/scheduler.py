@@ -215,7 +215,8 @@ class SchedulerSide(ChainBase):
             # A node that implements only request_finished still hears of every
             # finished request (its first group's blocks), as vLLM tells a non-HMA one.
             groups = self._groups_for(node_id, block_ids)
-            hook, fn, arg = "request_finished_all_groups", all_groups.get(node_id), groups
+            arg: Any = groups
+            hook, fn = "request_finished_all_groups", all_groups.get(node_id)
             if fn is None:
                 hook, fn, arg = "request_finished", one_group.get(node_id), groups[0]
             if fn is None:

@@ -30,7 +30,7 @@ NULL_BLOCK = 0
 
 
 class _Req:
-    __slots__ = ("view", "keys", "block_ids", "next_save", "inflight", "lookup", "finished", "keep")
+    __slots__ = ("view", "keys", "block_ids", "next_save", "inflight", "lookup", "finished")
 
     def __init__(self, view: Any, hash_ratio: int | None) -> None:
         self.view = view
@@ -43,8 +43,6 @@ class _Req:
         #: (num_computed_tokens, hit blocks) of the last lookup.
         self.lookup: tuple[int, int] | None = None
         self.finished = False
-        #: Windowed groups: the block positions kept (see ``SchedulerHalf._keep``).
-        self.keep: dict[int, set[int]] | None = None
 
 
 class _PendingSave:
@@ -125,27 +123,23 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
     def _ready(self, st: _Req, group: int, positions: range) -> bool:
         return all(self.index.ready(self._key(st, group, k)) is not None for k in positions)
 
-    def _keep(self, st: _Req, group: int) -> set[int]:
-        """Block positions of a windowed group that are saved.
+    def _kept(self, st: _Req, group: int, k: int) -> bool:
+        """Whether block ``k`` of a windowed group is saved.
 
         A hit ending at block ``h`` needs only the blocks inside the window
         before ``h``; the retained hit points are every ``window_retention``
         tokens and the two ends of the prompt (an exact repeat stops one token
-        short of it; a follow-up turn extends it).
+        short of it; a follow-up turn extends it). A window's start only moves
+        forward with ``h``, so the nearest point above ``k`` of each kind decides.
         """
-        if st.keep is None:
-            st.keep = {}
-        if group not in st.keep:
-            bs = self.block_size
-            prompt = st.view.num_prompt_tokens
-            every = self.config.window_retention // bs
-            last = (st.view.num_tokens if self.config.save == "all" else prompt) // bs
-            points = {max(0, prompt - 1) // bs, prompt // bs}
-            if every:
-                points.update(range(every, last + 1, every))
-            spec: GroupLayout = self.layout.groups[group]
-            st.keep[group] = {k for h in points if h > 0 for k in spec.needed(0, h)}
-        return st.keep[group]
+        bs = self.block_size
+        prompt = st.view.num_prompt_tokens
+        points = [max(0, prompt - 1) // bs, prompt // bs]
+        every = self.config.window_retention // bs
+        if every:
+            points.append((k // every + 1) * every)
+        spec: GroupLayout = self.layout.groups[group]
+        return any(k in spec.needed(0, h) for h in points if h > k)
 
     # -- requests ------------------------------------------------------------ #
 
@@ -296,7 +290,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         while k < available:
             for g, ids in enumerate(st.block_ids):
                 if ids[k] == NULL_BLOCK or (
-                    g in self.window_groups and (k < fresh or k not in self._keep(st, g))
+                    g in self.window_groups and (k < fresh or not self._kept(st, g, k))
                 ):
                     continue
                 key = self._key(st, g, k)
