@@ -1,46 +1,74 @@
-"""Bytes of one KV block (all layers), from a Hugging Face ``config.json``."""
+"""A model's KV cache groups and the bytes of a tier slot, from its ``config.json``.
+
+The file is read by :func:`composer.model_kv.predict` (the one config.json
+reader, also behind ``kvc validate --model``); this module turns its groups
+into :class:`~composer.simulate.KVGroup` for ``kvc simulate`` and its errors
+into :class:`~composer.simulate.SimulateError`.
+"""
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from composer.simulate import SimulateError
+from composer.model_kv import ModelConfigError, ModelKV, predict
+from composer.pipeline import ResolvedPipeline
+from composer.simulate import KVGroup, SimulateError
 
-_DTYPE_BYTES = {
-    "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
-    "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-}
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What ``kvc simulate`` needs of a model."""
+
+    #: Tokens per block vLLM runs (a mamba hybrid's attention block may be larger).
+    block_size: int
+    #: Bytes of a tier slot: every layer's block with one group, the largest group's with several.
+    bytes_per_block: int
+    groups: tuple[KVGroup, ...]
+    notes: tuple[str, ...] = ()
+
+
+def model_shape(
+    path: str | Path, block_size: int, pipeline: ResolvedPipeline | None = None
+) -> ModelShape:
+    """The groups vLLM runs for the model at ``path`` (a config.json or a model directory),
+    with ``pipeline``'s hybrid manager setting when given."""
+    try:
+        model = predict(path, block_size=block_size)
+    except ModelConfigError as exc:
+        raise SimulateError(f"{path}: cannot read model config: {exc}") from None
+    if not model.groups:
+        raise SimulateError(f"{path}: the model has no layer with a KV cache")
+    notes = list(model.notes)
+    if pipeline is not None:
+        model = _as_run(pipeline, model, notes)
+    groups = tuple(
+        KVGroup(g.kind, g.bytes_per_token * (g.block_size or 0), g.window or 0)
+        for g in model.groups
+    )
+    sizes = {g.block_size for g in model.groups if g.block_size}
+    runs = sizes.pop() if len(sizes) == 1 else block_size
+    if runs != block_size:
+        notes.append(
+            f"block size {runs} tokens: vLLM grows the attention block of {model.label} until "
+            "one block holds a layer's mamba state"
+        )
+    slot = max(g.page_bytes * g.layers for g in model.groups)
+    return ModelShape(runs, slot, groups, tuple(notes))
+
+
+def _as_run(pipeline: ResolvedPipeline, model: ModelKV, notes: list[str]) -> ModelKV:
+    """The groups vLLM runs for ``pipeline`` (one, when its hybrid manager is off)."""
+    from composer.model_check import check_model
+
+    check = check_model(pipeline, model)
+    if check.problems:
+        raise SimulateError(str(check.problems[0]))
+    notes.extend(check.notes)
+    return check.runs
 
 
 def bytes_per_block_from_config(path: str | Path, block_size: int) -> int:
-    """layers x 2 (K and V) x kv_heads x head_dim x dtype bytes x block tokens, from a
-    Hugging Face ``config.json``."""
-    file = str(path)
-    try:
-        cfg = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise SimulateError(f"{file}: cannot read model config: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SimulateError(f"{file}: not a JSON model config ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise SimulateError(f"{file}: expected a JSON object")
-    cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
-
-    def number(name: str, default: int | None = None) -> int:
-        value = cfg.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise SimulateError(f"{file}: {name}: expected a positive integer, got {value!r}")
-        return value
-
-    layers = number("num_hidden_layers")
-    heads = number("num_attention_heads")
-    kv_heads = number("num_key_value_heads", heads)
-    if cfg.get("head_dim") is not None:
-        head_dim = number("head_dim")
-    else:
-        head_dim = number("hidden_size") // heads
-    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    if dtype not in _DTYPE_BYTES:
-        raise SimulateError(f"{file}: torch_dtype: unknown dtype {dtype!r}")
-    return layers * 2 * kv_heads * head_dim * _DTYPE_BYTES[dtype] * block_size
+    """Bytes of a tier slot for the model at ``path``: for a model of one KV cache group,
+    layers x 2 (K and V) x kv_heads x head_dim x dtype bytes x block tokens."""
+    return model_shape(path, block_size).bytes_per_block

@@ -28,14 +28,24 @@ def format_result(result: Result) -> str:
         f"1 trace id = {result.trace_block_tokens} tokens; load_policy {result.load_policy}",
         f"replayed in units of {result.unit_blocks} block{'s' * (result.unit_blocks != 1)}"
         + (" (one trace id; --exact for every block)" if result.unit_blocks > 1 else ""),
-        "",
     ]
+    if len(result.groups) > 1 or any(g.window for g in result.groups):
+        lines.append(
+            "KV cache groups: " + ", ".join(
+                g.kind + (f" (window {g.window})" if g.window else "")
+                + (f" {_size(g.block_bytes)}/block" if g.block_bytes else "")
+                for g in result.groups
+            ) + (f"; a slot holds one group's block ({_size(result.bytes_per_block)})"
+                 if len(result.groups) > 1 else "")
+        )
+    lines += [f"note: {n}" for n in result.notes]
+    lines.append("")
     header = ("node", "plugin", "capacity", "served", "hits", "tokens served", "loaded",
-              "saved", "evictions")
+              "saved", "saved/request", "evictions")
     rows: list[tuple[str, ...]] = []
     for n in result.nodes:
         if not n.modelled:
-            rows.append((n.id, n.plugin, "not modelled", "-", "-", "-", "-", "-", "-"))
+            rows.append((n.id, n.plugin, "not modelled", "-", "-", "-", "-", "-", "-", "-"))
             continue
         cap = f"{_size(n.capacity_bytes)} ({n.capacity_blocks:,} blocks)"
         rows.append((
@@ -45,12 +55,13 @@ def format_result(result: Result) -> str:
             f"{n.tokens_served:,}",
             _size(n.bytes_loaded) if n.id != VLLM_CACHE_ID else "-",
             _size(n.bytes_saved) if n.save and n.id != VLLM_CACHE_ID else "-",
+            _size(round(n.bytes_saved_per_request)) if n.save and n.id != VLLM_CACHE_ID else "-",
             f"{n.evictions:,}",
         ))
     rows.append((
         "total", "", "", f"{100 * result.fraction_served:.1f}%", "", f"{result.tokens_served:,}",
         _size(sum(n.bytes_loaded for n in result.nodes if n.id != VLLM_CACHE_ID)),
-        _size(sum(n.bytes_saved for n in result.nodes if n.id != VLLM_CACHE_ID)), "",
+        _size(sum(n.bytes_saved for n in result.nodes if n.id != VLLM_CACHE_ID)), "", "",
     ))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
@@ -60,6 +71,14 @@ def format_result(result: Result) -> str:
         f"prefill tokens saved {result.tokens_served:,} of {result.prompt_tokens:,}; "
         f"computed {result.prefill_tokens_computed:,}",
     ]
+    for n in result.nodes:
+        if n.window_saving is not None:
+            lines.append(
+                f"{n.id}: window saving {100 * n.window_saving:.1f}% (bytes it keeps of the "
+                "requests' blocks, of what a full-attention model of this shape would keep)"
+            )
+        if n.note:
+            lines.append(f"{n.id}: serves no hits: {n.note}")
     unmodelled = [n.id for n in result.nodes if not n.modelled]
     if unmodelled:
         lines.append(
@@ -67,7 +86,6 @@ def format_result(result: Result) -> str:
             f"{', '.join(unmodelled)}"
         )
     return "\n".join(lines)
-
 
 
 def format_sweep(field_name: str, values: Sequence[str], results: Sequence[Result]) -> str:

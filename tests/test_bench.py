@@ -50,3 +50,25 @@ def test_dispatch_benchmark_runs_every_configuration(monkeypatch: pytest.MonkeyP
         for kinds in configs.values():
             assert set(kinds) == {"layer", "worker step", "sched step"}
             assert all(seconds > 0 for seconds in kinds.values())
+
+
+def test_hybrid_benchmark_reads_the_engine_log_without_an_engine() -> None:
+    from composer.testing.tiny_model import GEMMA3_1B_SHAPE, TinyModelSpec
+
+    hybrid = bench_main.load("bench_hybrid")
+    # Gemma-3-1B: 26 layers x K and V x 1 KV head x 256 x bf16.
+    assert hybrid.full_attention_bytes_per_token(GEMMA3_1B_SHAPE) == 26 * 2 * 256 * 2  # type: ignore[attr-defined]
+    assert GEMMA3_1B_SHAPE.layer_types.count("full_attention") == 4
+    six = hybrid.shape(6)  # type: ignore[attr-defined]
+    assert six.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert six.head_dim == 256 and six.sliding_window == 512
+    # head_dim joined the spec later: specs without it keep their cache folder.
+    assert TinyModelSpec().key() == "04333554f9aa"
+    log = (
+        "INFO [kv_cache_utils.py:1] GPU KV cache size: 1,234 tokens, Maximum concurrency\n"
+        "INFO [loggers.py:1] KV Transfer metrics: cpu.lookups=1, cpu.bytes_saved=1024\n"
+        "DEBUG [loggers.py:1] KV Transfer metrics: cpu.bytes_saved=2048, cpu.tokens_saved=64\n"
+        "INFO [loggers.py:1] KV Transfer metrics: other_cpu.bytes_saved=4096\n"
+    )
+    assert hybrid.kv_capacity(log) == 1234  # type: ignore[attr-defined]
+    assert hybrid.saved_bytes(log) == 3072  # type: ignore[attr-defined]

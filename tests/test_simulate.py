@@ -23,8 +23,9 @@ from kvc_offload_cpu.simulate import OffloadCPUModel
 
 from composer.cli import main
 from composer.discovery import discover
+from composer.model_size import model_shape
 from composer.pipeline import ResolvedPipeline
-from composer.simulate import VLLM_CACHE_ID, Result, simulate
+from composer.simulate import VLLM_CACHE_ID, KVGroup, Result, SimulateError, simulate
 from composer.trace import KeyMaker, TraceRequest, read_trace
 from composer.validation import validate_text
 
@@ -275,6 +276,135 @@ def test_slice_units_are_close_to_exact() -> None:
     exact = run(p, trace, trace_block_tokens=512, exact=True)
     assert exact.fraction_served > 0.1
     assert abs(grouped.fraction_served - exact.fraction_served) < 0.02
+
+
+# --------------------------------------------------------------------------- #
+# hybrid models: blocks per KV cache group
+# --------------------------------------------------------------------------- #
+
+GEMMA3 = {  # one sliding-window layer (64 tokens: 2 blocks) and one full-attention layer
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "dtype": "bfloat16",
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "hidden_size": 128, "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": 64,
+}
+GRANITE = {  # one mamba layer, one attention layer
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+    "dtype": "bfloat16", "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "hidden_size": 128, "layer_types": ["mamba", "attention"],
+    "mamba_d_conv": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_expand": 2,
+    "mamba_n_groups": 1, "mamba_n_heads": 8,
+}
+#: One layer's 32-token block: K and V x 2 heads x 32 dims x 2 bytes x 32 tokens.
+LAYER_BLOCK = 2 * 2 * 32 * 2 * BS
+
+
+def config_file(tmp_path: Path, config: dict[str, Any], name: str = "config.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_gemma3_groups_and_slot(tmp_path: Path) -> None:
+    shape = model_shape(config_file(tmp_path, GEMMA3), BS)
+    assert shape.groups == (
+        KVGroup("sliding_window", LAYER_BLOCK, 64), KVGroup("attention", LAYER_BLOCK)
+    )
+    assert (shape.block_size, shape.bytes_per_block) == (BS, LAYER_BLOCK)  # one group's block
+    full = {**GEMMA3, "layer_types": ["full_attention"] * 2}
+    assert model_shape(config_file(tmp_path, full, "full.json"), BS).groups == (
+        KVGroup("attention", 2 * LAYER_BLOCK),
+    )
+
+
+def run_model(
+    tmp_path: Path, config: dict[str, Any], trace: Sequence[TraceRequest], extra: str = ""
+) -> Result:
+    shape = model_shape(config_file(tmp_path, config), BS)
+    return run(
+        pipeline(tier("cpu", "1MiB", extra)), trace,
+        bytes_per_block=shape.bytes_per_block, block_size=shape.block_size, groups=shape.groups,
+    )
+
+
+def test_window_group_stores_fewer_bytes_than_full_attention(tmp_path: Path) -> None:
+    # 10 full prompt blocks: full attention keeps them all; the window group only the
+    # two blocks a hit at the prompt's end needs (blocks 8 and 9).
+    trace = [req(range(1, 12), partial=True)]
+    gemma = node(run_model(tmp_path, GEMMA3, trace), "cpu")
+    full = node(run_model(tmp_path, {**GEMMA3, "layer_types": ["full_attention"] * 2}, trace),
+                "cpu")
+    assert full.bytes_saved == 10 * 2 * LAYER_BLOCK and full.window_saving is None
+    assert gemma.bytes_saved == (10 + 2) * LAYER_BLOCK == gemma.bytes_saved_per_request
+    assert gemma.window_saving == pytest.approx(12 / 20)
+
+
+@pytest.mark.parametrize(
+    ("retention", "hits"),
+    [
+        # Default (every 1024 tokens): only the first prompt's end is a retained point.
+        (1024, [0, 10, 10, 0]),
+        # Every 4 blocks: the 5-block shared prefix hits its first 4.
+        (128, [0, 10, 10, 4]),
+    ],
+)
+def test_window_model_hits(tmp_path: Path, retention: int, hits: list[int]) -> None:
+    first = list(range(1, 11))
+    trace = [
+        req([*first, 11], partial=True),
+        req([*first, 11], partial=True),  # a repeat: all 10 full blocks
+        req([*first, 50, 51], partial=True),  # a follow-up turn: the first prompt's 10
+        req([*first[:5], 60, 61], partial=True),  # a prefix ending between retained points
+    ]
+    extra = f", window_retention: {retention}"
+    served = []
+    for i in range(len(trace)):
+        r = run_model(tmp_path, GEMMA3, trace[: i + 1], extra)
+        served.append(node(r, "cpu").tokens_served // BS - sum(served))
+    assert served == hits
+
+
+def test_mamba_hybrid_gets_no_tier_hits(tmp_path: Path) -> None:
+    r = run_model(tmp_path, GRANITE, [req([1, 2, 3], partial=True)] * 2)
+    cpu = node(r, "cpu")
+    assert r.block_size == 64  # vLLM grows the attention block to hold the mamba state
+    assert (cpu.tokens_served, cpu.bytes_saved) == (0, 0)
+    assert cpu.note.startswith("the model has mamba KV cache groups: their recurrent state")
+
+
+def test_hybrid_model_config_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gemma, granite = config_file(tmp_path, GEMMA3), config_file(tmp_path, GRANITE, "g.json")
+    pipe = tmp_path / "p.yaml"
+    pipe.write_text("version: 1\nnodes:\n" + tier("cpu", "64MiB"))
+    args = ["simulate", str(pipe), str(CONVERSATION), "--model-config"]
+    assert main([*args, str(gemma), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cpu = out["nodes"][0]
+    assert [g["kind"] for g in out["groups"]] == ["sliding_window", "attention"]
+    assert out["unit_blocks"] == 1 and "every block replayed" in out["notes"][0]
+    assert 0.5 < cpu["window_saving"] < 0.6 and cpu["bytes_saved_per_request"] > 0
+    assert main([*args, str(gemma)]) == 0
+    text = capsys.readouterr().out
+    assert "KV cache groups: sliding_window (window 64) 8.0KiB/block" in text
+    assert "cpu: window saving 5" in text
+    assert main([*args, str(granite)]) == 0
+    text = capsys.readouterr().out
+    assert "cpu: serves no hits: the model has mamba KV cache groups" in text
+    # hma: off: vLLM runs one full-attention group of both layers, no window.
+    pipe.write_text(pipe.read_text() + "hma: off\n")
+    assert main([*args, str(gemma), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["groups"] == [{"kind": "attention", "block_bytes": 2 * LAYER_BLOCK, "window": 0}]
+    assert out["nodes"][0]["window_saving"] is None
+    assert "hybrid KV cache manager is off" in out["notes"][-1]
+
+
+def test_bad_model_config(tmp_path: Path) -> None:
+    bad = config_file(tmp_path, {**GEMMA3, "num_hidden_layers": 0})
+    with pytest.raises(SimulateError, match=f"^{re.escape(str(bad))}: .*num_hidden_layers"):
+        model_shape(bad, BS)
 
 
 # --------------------------------------------------------------------------- #

@@ -32,11 +32,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     pipeline = load(args.file, discover())
     try:
-        bpb = _bytes_per_block(args)
+        kwargs: dict[str, Any] = _sizes(args, pipeline)
         trace = traces.read_trace(args.trace)
-        kwargs: dict[str, Any] = {
-            "bytes_per_block": bpb,
-            "block_size": args.block_size,
+        kwargs |= {
             "trace_block_tokens": args.trace_block_tokens,
             "vllm_cache_blocks": args.vllm_cache_blocks,
             "trace_name": os.path.basename(args.trace),
@@ -61,18 +59,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _bytes_per_block(args: argparse.Namespace) -> int:
+def _sizes(args: argparse.Namespace, pipeline: ResolvedPipeline) -> dict[str, Any]:
+    """``simulate``'s block size, bytes per block and KV cache groups."""
     if args.bytes_per_block is not None:
         try:
-            return int(TypeAdapter(ByteSize).validate_python(args.bytes_per_block))
+            bpb = int(TypeAdapter(ByteSize).validate_python(args.bytes_per_block))
         except ValidationError:
             raise CommandError(
                 f"--bytes-per-block: not a size: {args.bytes_per_block!r} (e.g. 2MiB)"
             ) from None
+        return {"bytes_per_block": bpb, "block_size": args.block_size}
     if args.model_config is not None:
-        from composer.model_size import bytes_per_block_from_config
+        from composer.model_size import model_shape
 
-        return bytes_per_block_from_config(args.model_config, args.block_size)
+        shape = model_shape(args.model_config, args.block_size, pipeline)
+        return {
+            "bytes_per_block": shape.bytes_per_block,
+            "block_size": shape.block_size,
+            "groups": shape.groups,
+            "notes": shape.notes,
+        }
     raise CommandError("kvc simulate needs --bytes-per-block or --model-config")
 
 

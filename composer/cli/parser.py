@@ -198,8 +198,10 @@ def _add_simulate_size_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--model-config", metavar="CONFIG_JSON",
-        help="a Hugging Face config.json: bytes per block = layers x 2 x kv_heads x head_dim "
-        "x dtype bytes x block size",
+        help="a Hugging Face config.json (or its model directory): its KV cache groups as vLLM "
+        "forms them; one group: bytes per block = layers x 2 x kv_heads x head_dim x dtype "
+        "bytes x block size; a hybrid model's tier stores each group's blocks on its own "
+        "(sliding windows only what a hit needs; mamba groups: no hits)",
     )
     p.add_argument(
         "--block-size", type=int, default=32,

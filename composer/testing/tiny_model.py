@@ -123,9 +123,7 @@ GEMMA3_1B_SHAPE = TinyModelSpec(
     vocab=2048,
     max_positions=32768,
     sliding_window=512,
-    layer_types=tuple(
-        "full_attention" if i % 6 == 5 else "sliding_attention" for i in range(26)
-    ),
+    layer_types=tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(26)),
 )
 
 

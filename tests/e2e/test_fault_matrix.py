@@ -207,7 +207,8 @@ def test_hybrid_model_subset(mode: str, engine_env: dict[str, str], tmp_path: Pa
     assert "groups=sliding_window,attention" in result.log  # the hybrid manager stayed on
     for i, cell in enumerate(HYBRID_CELLS):
         assert result.tokens(2 * i + 1) == result.tokens(2 * i), f"cell {i} {cell}"
-    fired = {json.loads(line)["node"] for line in (tmp_path / "fired.jsonl").read_text().splitlines()}
+    lines = (tmp_path / "fired.jsonl").read_text().splitlines()
+    fired = {json.loads(line)["node"] for line in lines}
     assert fired == {f"f{i}" for i in range(len(HYBRID_CELLS))}
     free = [json.loads(line) for line in (tmp_path / "free.jsonl").read_text().splitlines()]
     assert free[-1][1] == free[0][1], "KV blocks still held after every request finished"

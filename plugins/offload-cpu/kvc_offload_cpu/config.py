@@ -50,14 +50,15 @@ class OffloadCPUConfig(BaseModel):
         ),
     )
     window_retention: Int = Field(
-        default=1024,
+        default=512,
         ge=0,
         description=(
             "Hybrid models: tokens between the hit points kept for sliding-window and "
             "chunked-local KV cache groups. Such a group needs only the blocks inside the "
             "window before a hit's end, so the tier keeps those at every multiple of this "
-            "many tokens and at the end of each prompt (0: prompt ends only). Full-attention "
-            "groups keep every block."
+            "many tokens and at the end of each prompt (0: prompt ends only); a window at "
+            "least this long keeps every block. Larger: less memory, fewer shared-prefix "
+            "hits. Full-attention groups keep every block."
         ),
     )
     checksums: bool = Field(

@@ -53,14 +53,13 @@ class OffloadCPUModel:
             b for x, b in zip(self.layouts, self.group_bytes, strict=True) if x.kind in SERVED_KINDS
         )
         self.bytes_loaded = self.bytes_saved = 0
-        self._kept = self._full = 0  # bytes a request's save keeps, and with full attention
+        self._kept_bytes = self._full = 0  # bytes requests' saves keep, and with full attention
         self.disabled_reason: str | None = None
         unserved = sorted({x.kind for x in self.layouts if x.kind not in SERVED_KINDS})
         if unserved:  # the scheduler half's reason, as it logs it
             self.disabled_reason = (
                 f"the model has {'/'.join(unserved)} KV cache groups: their recurrent state is "
-                "not restorable from blocks (vLLM keeps no per-block state snapshots here), so "
-                "this node serves no hits for it"
+                "not restorable from blocks (vLLM keeps no per-block state snapshots here)"
             )
 
     @property
@@ -71,7 +70,7 @@ class OffloadCPUModel:
     def window_saving(self) -> float | None:
         if not self.window_groups or self.disabled_reason:
             return None
-        return self._kept / self._full if self._full else 1.0
+        return self._kept_bytes / self._full if self._full else 1.0
 
     def _key(self, group: int, key: bytes) -> bytes:
         """The index key of a block of ``group`` (the block key alone with one group)."""
@@ -105,18 +104,16 @@ class OffloadCPUModel:
                     index.touch(entry)
                     self.bytes_loaded += self.group_bytes[g]
 
-    def _keep(self, layout: GroupLayout, prompt_tokens: int) -> set[int]:
-        """Block positions a window group keeps: ``SchedulerHalf._keep``'s rule.
-
-        The tier fixes them at a request's first save, when it holds its prompt
-        only, so the points stop at the prompt even with ``save: all``.
-        """
+    def _kept(self, layout: GroupLayout, prompt_tokens: int, k: int) -> bool:
+        """Whether block ``k`` of a window group is saved: ``SchedulerHalf._kept``'s rule
+        (retained hit points at both ends of the prompt and every ``window_retention``
+        tokens; the nearest point above ``k`` of each kind decides)."""
         bs = self.block_size
+        points = [max(0, prompt_tokens - 1) // bs, prompt_tokens // bs]
         every = self.config.window_retention // bs
-        points = {max(0, prompt_tokens - 1) // bs, prompt_tokens // bs}
         if every:
-            points.update(range(every, prompt_tokens // bs + 1, every))
-        return {k for h in points if h > 0 for k in layout.needed(0, h)}
+            points.append((k // every + 1) * every)
+        return any(k in layout.needed(0, h) for h in points if h > k)
 
     def save(self, keys: Sequence[bytes], prompt_tokens: int, computed: int) -> int:
         if not self.capacity_blocks or self.disabled_reason:  # the real tier disables itself
@@ -124,12 +121,14 @@ class OffloadCPUModel:
         index, key, group_bytes = self.index, self._key, self.group_bytes
         prompt_blocks = min(prompt_tokens // self.block_size, len(keys))
         stop = prompt_blocks if self.config.save == "prompt" else len(keys)
-        keep = {g: self._keep(self.layouts[g], prompt_tokens) for g in self.window_groups}
+        keep = {
+            g: {k for k in range(stop) if self._kept(self.layouts[g], prompt_tokens, k)}
+            for g in self.window_groups
+        }
         if keep:
             self._full += stop * self.full_bytes
-            self._kept += sum(group_bytes[g] * stop for g in self.full_groups) + sum(
-                group_bytes[g] * sum(1 for k in positions if k < stop)
-                for g, positions in keep.items()
+            self._kept_bytes += sum(group_bytes[g] * stop for g in self.full_groups) + sum(
+                group_bytes[g] * len(positions) for g, positions in keep.items()
             )
         stored = 0
         for k in range(stop):

@@ -13,7 +13,7 @@ from typing import Any
 from offload_cpu_fakes import corrupt
 from pydantic import BaseModel, ConfigDict
 
-from composer import Plugin, PluginType, hookimpl
+from composer import Capabilities, Plugin, PluginType, hookimpl
 
 
 class CorruptorConfig(BaseModel):
@@ -67,5 +67,7 @@ def register_plugin_types(register: Any) -> None:
             worker=Corruptor,
             config=CorruptorConfig,
             description="test only: corrupts an offload-cpu node's host pool",
+            # Touches no KV cache group itself: vLLM's hybrid manager stays on.
+            capabilities=Capabilities(hma=True),
         )
     )

@@ -32,7 +32,13 @@ import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 
 from composer import kv_transfer_config, load_pipeline
-from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine
+from composer.testing.engine import (
+    EngineFailed,
+    EngineResult,
+    EngineSpec,
+    plugin_env,
+    run_engine,
+)
 from composer.testing.tiny_model import (
     GEMMA3_SHAPE,
     GRANITE_HYBRID_SHAPE,
@@ -180,3 +186,21 @@ def test_a_state_space_hybrid_runs_and_the_node_says_it_serves_nothing(
     said = [line for line in granite.log.splitlines() if "offload-cpu disabled" in line]
     assert len(said) == 1, said  # once, in the scheduler
     assert "mamba" in said[0] and "serves no hits" in said[0] and "tiny-granite" in said[0]
+
+
+def test_a_node_that_cannot_serve_the_groups_stops_the_engine_with_the_validate_message() -> None:
+    """LMCache's connector dies in register_kv_caches with several groups ("engine-driven
+    transfer does not support multiple KV transfer groups now"); the composed connector
+    stops the engine before that, with what `kvc validate --model` says."""
+    lmcache = {"plugin": "lmcache", "config": {"mode": "server", "chunk_size": BLOCK}}
+    kv = kv_transfer_config(load_pipeline({"version": 1, "nodes": {"lm": lmcache}}))
+    with pytest.raises(EngineFailed) as failed:
+        run_engine(
+            EngineSpec(
+                model=str(build_tiny_model(GEMMA3_SHAPE)), rounds=[[SHORT]], kv_transfer_config=kv
+            )
+        )
+    log = failed.value.log
+    assert "nodes.lm: LMCache 0.5.6's connector handles one KV cache group" in log
+    assert "sliding_window+attention" in log and "hma: off" in log
+    assert "multiple KV transfer groups" not in log
