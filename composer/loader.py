@@ -40,8 +40,11 @@ from composer.yaml_limits import (
     PLAIN_TAGS,
     SCALAR_TAGS,
     SEQ_TAG,
+    AnyPipelineLoader,
     LimitExceeded,
     PipelineLoader,
+    PurePipelineLoader,
+    libyaml_too_deep,
 )
 
 __all__ = [
@@ -161,7 +164,7 @@ def _tag(node: yaml.Node) -> str:
 
 
 class _Builder:
-    def __init__(self, loader: PipelineLoader, env: Mapping[str, str]) -> None:
+    def __init__(self, loader: AnyPipelineLoader, env: Mapping[str, str]) -> None:
         self.loader = loader
         self.env = env
         self.marks = Marks()
@@ -312,7 +315,7 @@ def load_yaml(
 ) -> tuple[Any, Marks, list[YAMLProblem]]:
     """Parse one YAML document safely; returns (data, marks, problems)."""
     try:
-        loader = PipelineLoader(text)
+        loader: AnyPipelineLoader = PipelineLoader(text)
     except yaml.YAMLError as exc:  # the reader checks every character up front
         return None, Marks(), [syntax_problem(exc, text)]
     except UnicodeEncodeError as exc:  # lone surrogates, e.g. undecodable bytes kept as such
@@ -321,7 +324,14 @@ def load_yaml(
         return None, Marks(), [YAMLProblem((), "the text is not valid Unicode", line, col)]
     try:
         try:
-            root = loader.get_single_node()
+            try:
+                root = loader.get_single_node()
+            except yaml.YAMLError as exc:
+                if not libyaml_too_deep(exc):
+                    raise
+                loader.dispose()
+                loader = PurePipelineLoader(text)
+                root = loader.get_single_node()
         except yaml.YAMLError as exc:
             return None, Marks(), [syntax_problem(exc, text)]
         except ValueError as exc:  # pure-Python PyYAML lets chr() fail on escapes past U+10FFFF

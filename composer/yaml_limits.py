@@ -146,6 +146,28 @@ class PipelineLoader(_BoundedComposer, _SafeLoader):
         self._start_bounds()
 
 
+class PurePipelineLoader(_BoundedComposer, yaml.SafeLoader):
+    """:class:`PipelineLoader` on PyYAML's pure-Python parser.
+
+    libyaml (in PyYAML >= 6.0.4 wheels) stops at its own nesting limit while it
+    scans ahead, before the composer reaches :data:`MAX_DEPTH`: this parser
+    gives the same events, so the bound reports its own message and place.
+    """
+
+    def __init__(self, stream: str) -> None:
+        yaml.SafeLoader.__init__(self, stream)
+        self._start_bounds()
+
+
+#: Either loader: the same composer and resolvers over another parser.
+AnyPipelineLoader = PipelineLoader | PurePipelineLoader
+
+
+def libyaml_too_deep(exc: yaml.YAMLError) -> bool:
+    """Whether ``exc`` is libyaml's own nesting limit (see :class:`PurePipelineLoader`)."""
+    return LIBYAML and "maximum nesting depth" in str(exc)
+
+
 # Timestamps go too: YAML 1.2 has none, and a date where a string is expected
 # (an engine id, a path) would fail as "not a string".
 PipelineLoader.yaml_implicit_resolvers = {
@@ -155,3 +177,4 @@ PipelineLoader.yaml_implicit_resolvers = {
 PipelineLoader.add_implicit_resolver(
     BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
+PurePipelineLoader.yaml_implicit_resolvers = PipelineLoader.yaml_implicit_resolvers

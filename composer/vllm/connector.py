@@ -123,8 +123,9 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             )
         # What a node cannot serve of these groups stops the engine here, with the
         # message `kvc validate --model` gives, not deep inside the node.
+        model_config = vllm_config.model_config  # (None in a bare VllmConfig)
         check_at_engine_start(
-            self.pipeline, kv_cache_config, model_name=str(vllm_config.model_config.model)
+            self.pipeline, kv_cache_config, model_name=model_config.model if model_config else ""
         )
         stats_type = _StatsType()
         self.chain = Chain(

@@ -4,7 +4,9 @@ bytes the tier stores, and vLLM's KV capacity with and without the pipeline.
 A random-weight model shaped like Gemma-3-1B (26 layers, 5 sliding-window
 layers of 512 tokens : 1 full-attention layer, 4 heads / 1 KV head x 256),
 vLLM's hybrid KV cache manager on (one KV cache group per kind of layer), the
-offload-cpu node with its default ``window_retention`` (1024 tokens).
+offload-cpu node with its default ``window_retention`` (or
+``KVC_BENCH_HYBRID_RETENTION``). A retention no longer than the window (512)
+keeps every block of the window layers: no saving; 1024 keeps about half.
 
 Per prompt length (about 1k, 4k and 16k tokens) one engine, vLLM's prefix
 cache on, the same scheme as ``bench/bench_ttft.py``: per prompt, compute
@@ -24,6 +26,7 @@ every sample and the load average.
 Environment: ``KVC_BENCH_THREADS`` (VLLM_CPU_OMP_THREADS_BIND, default 0-1),
 ``KVC_BENCH_HYBRID_REPEATS`` (prompts per length, default 3; 2 at 16k),
 ``KVC_BENCH_HYBRID_LAYERS`` (layers, keeping the 5:1 pattern; default 26),
+``KVC_BENCH_HYBRID_RETENTION`` (the node's ``window_retention``, tokens),
 ``KVC_BENCH_HYBRID_LENGTHS`` (prompt words, comma-separated; a word is about
 one token; default 1024,4096,16384).
 """
@@ -52,13 +55,17 @@ THREADS = os.environ.get("KVC_BENCH_THREADS", "0-1")
 REPEATS = int(os.environ.get("KVC_BENCH_HYBRID_REPEATS", "0"))  # 0: 3, and 2 at 16k
 LAYERS = int(os.environ.get("KVC_BENCH_HYBRID_LAYERS", str(GEMMA3_1B_SHAPE.layers)))
 LENGTHS = tuple(
-    int(x) for x in os.environ.get("KVC_BENCH_HYBRID_LENGTHS", "1024,4096,16384").split(",")
+    int(x)
+    for x in os.environ.get("KVC_BENCH_HYBRID_LENGTHS", "1024,4096,16384").split(",")
+    if x.strip()
 )
 BLOCK = 32
 #: The same for every engine, so that the KV capacities compare.
 MAX_MODEL_LEN = 20480
 KV_CACHE_GIB = 2
 CAPACITY = "2GiB"
+#: The node's window_retention (tokens); unset: the plugin's default.
+RETENTION = os.environ.get("KVC_BENCH_HYBRID_RETENTION", "")
 
 
 def shape(layers: int = LAYERS) -> TinyModelSpec:
@@ -73,8 +80,20 @@ def full_attention_bytes_per_token(spec: TinyModelSpec) -> int:
     return spec.layers * 2 * spec.kv_heads * head_dim * 2
 
 
+def retention() -> str:
+    """The node's window_retention, as the bench sets it."""
+    if RETENTION:
+        return f"{int(RETENTION)} tokens"
+    from kvc_offload_cpu.config import OffloadCPUConfig
+
+    return f"{OffloadCPUConfig().window_retention} tokens (the default)"
+
+
 def pipeline() -> dict[str, Any]:
-    node = {"plugin": "offload-cpu", "config": {"capacity": CAPACITY}}
+    config: dict[str, Any] = {"capacity": CAPACITY}
+    if RETENTION:
+        config["window_retention"] = int(RETENTION)
+    node = {"plugin": "offload-cpu", "config": config}
     source = {"version": 1, "annotate_outputs": True, "nodes": {"cpu": node}}
     return kv_transfer_config(load_pipeline(source))
 
@@ -238,7 +257,7 @@ def main() -> int:
         f"{spec.heads} heads / {spec.kv_heads} KV head x {head_dim}, intermediate "
         f"{spec.intermediate}; {full_attention_bytes_per_token(spec)} B of KV per token if "
         f"every layer kept every token\n"
-        f"offload-cpu capacity {CAPACITY}, window_retention 1024 (default); "
+        f"offload-cpu capacity {CAPACITY}, window_retention {retention()}; "
         f"VLLM_CPU_OMP_THREADS_BIND={THREADS}, VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}, "
         f"max_model_len {MAX_MODEL_LEN}, block size {BLOCK}",
         flush=True,
@@ -246,6 +265,12 @@ def main() -> int:
     model = str(build_tiny_model(spec))
     # First: it also leaves vLLM's compiled model in its cache for the engines below.
     plain = plain_capacity(model)
+    without = kv_capacity(plain.log)
+    print(
+        f"\nvLLM KV capacity without a connector: {without} tokens "
+        f"(KV cache groups ({group_sizes(plain.log)}))",
+        flush=True,
+    )
     rows = []
     for words in LENGTHS:
         repeats = REPEATS or (2 if words > 8192 else 3)
@@ -271,7 +296,6 @@ def main() -> int:
             flush=True,
         )
         row["medians"] = (c, v, t)
-    without = kv_capacity(plain.log)
     with_pipeline = [kv_capacity(r["result"].log) for r in rows]
     if not rows:
         print(f"\nvLLM KV capacity without a connector: {without} tokens; nothing else measured")
