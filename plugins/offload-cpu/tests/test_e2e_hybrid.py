@@ -194,12 +194,10 @@ def test_a_node_that_cannot_serve_the_groups_stops_the_engine_with_the_validate_
     stops the engine before that, with what `kvc validate --model` says."""
     lmcache = {"plugin": "lmcache", "config": {"mode": "server", "chunk_size": BLOCK}}
     kv = kv_transfer_config(load_pipeline({"version": 1, "nodes": {"lm": lmcache}}))
+    model = str(build_tiny_model(GEMMA3_SHAPE))
+    env = plugin_env(HERE, "offload_cpu_e2e_plugins")  # as the other engines of this module
     with pytest.raises(EngineFailed) as failed:
-        run_engine(
-            EngineSpec(
-                model=str(build_tiny_model(GEMMA3_SHAPE)), rounds=[[SHORT]], kv_transfer_config=kv
-            )
-        )
+        run_engine(EngineSpec(model=model, rounds=[[SHORT]], kv_transfer_config=kv, env=env))
     log = failed.value.log
     assert "nodes.lm: LMCache 0.5.6's connector handles one KV cache group" in log
     assert "sliding_window+attention" in log and "hma: off" in log
