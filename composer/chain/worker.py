@@ -216,10 +216,8 @@ class WorkerSide(ChainBase):
         calls, fault = self.calls["get_block_ids_with_load_errors"], self.fault
 
         def get_block_ids_with_load_errors() -> set[int]:
-            if self.num_groups > 1:  # taken per request in get_transfer_results
-                if self.group_loads:
-                    self._check_group_loads()
-                self.load_error_blocks = set()
+            if self.num_groups > 1:  # failed per request instead (see get_transfer_results)
+                self._check_group_loads()
                 return set()
             blocks, self.load_error_blocks = self.load_error_blocks, set()
             for node_id, fn in calls:

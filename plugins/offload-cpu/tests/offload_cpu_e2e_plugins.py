@@ -13,7 +13,23 @@ from typing import Any
 from offload_cpu_fakes import corrupt
 from pydantic import BaseModel, ConfigDict
 
-from composer import Capabilities, Plugin, PluginType, hookimpl
+from composer import (
+    Capabilities,
+    Plugin,
+    PluginType,
+    hookimpl,
+    kv_transfer_config,
+    load_pipeline,
+)
+
+
+def tier_pipeline(
+    config: dict[str, Any], extra_nodes: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The engine tests' ``kv_transfer_config``: one ``cpu`` offload-cpu node, plus others."""
+    nodes = {"cpu": {"plugin": "offload-cpu", "on_error": "recompute", "config": config}}
+    nodes.update(extra_nodes or {})
+    return kv_transfer_config(load_pipeline({"version": 1, "nodes": nodes}))
 
 
 class CorruptorConfig(BaseModel):

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
+from offload_cpu_e2e_plugins import tier_pipeline
 
 from composer import kv_transfer_config, load_pipeline
 from composer.testing.engine import (
@@ -62,12 +63,6 @@ ROUNDS = [[*BASE, SHORT], [BASE[0], SHARED, BASE[2], SHORT, BASE[1]]]
 REPEATS = {0: 0, 2: 2, 3: 3, 4: 1}
 
 
-def _pipeline(config: dict[str, Any], extra_nodes: dict[str, Any] | None = None) -> dict[str, Any]:
-    nodes = {"cpu": {"plugin": "offload-cpu", "on_error": "recompute", "config": config}}
-    nodes.update(extra_nodes or {})
-    return kv_transfer_config(load_pipeline({"version": 1, "nodes": nodes}))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("offload-cpu-hybrid")
@@ -87,10 +82,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     report = tmp / "corrupt.json"
     out: dict[str, Any] = {"report": report}
     out["plain"] = run(gemma, None)
-    out["cpu"] = run(gemma, _pipeline({"capacity": "256MiB"}))
+    out["cpu"] = run(gemma, tier_pipeline({"capacity": "256MiB"}))
     out["corrupt"] = run(
         gemma,
-        _pipeline(
+        tier_pipeline(
             {"capacity": "256MiB", "checksums": True, "load_mode": "async"},
             {
                 "bad": {
@@ -101,8 +96,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             },
         ),
     )
-    out["swa"] = run(swa, _pipeline({"capacity": "256MiB"}), prefix_caching=True)
-    out["granite"] = run(granite, _pipeline({"capacity": "256MiB"}))
+    out["swa"] = run(swa, tier_pipeline({"capacity": "256MiB"}), prefix_caching=True)
+    out["granite"] = run(granite, tier_pipeline({"capacity": "256MiB"}))
     yield out
     patch.undo()
 

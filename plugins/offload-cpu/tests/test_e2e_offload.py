@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
+from offload_cpu_e2e_plugins import tier_pipeline
 
-from composer import kv_transfer_config, load_pipeline  # noqa: E402
 from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine  # noqa: E402
 from composer.testing.tiny_model import build_tiny_model, make_prompts  # noqa: E402
 
@@ -31,12 +31,6 @@ SHARED = [p + " " + tail for p, tail in zip(BASE[:2], TAILS, strict=True)]
 NEW = make_prompts(1, words=120, seed=23)
 # Round 1 fills the tier; round 2 repeats, extends and adds prompts.
 ROUNDS = [BASE, [BASE[0], SHARED[0], NEW[0], BASE[2], SHARED[1]]]
-
-
-def _pipeline(config: dict[str, Any], extra_nodes: dict[str, Any] | None = None) -> dict[str, Any]:
-    nodes = {"cpu": {"plugin": "offload-cpu", "on_error": "recompute", "config": config}}
-    nodes.update(extra_nodes or {})
-    return kv_transfer_config(load_pipeline({"version": 1, "nodes": nodes}))
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +50,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     report = tmp / "corrupt.json"
     out: dict[str, Any] = {"report": report}
     out["plain"] = run_engine(spec(None))
-    out["cpu"] = run_engine(spec(_pipeline({"capacity": "256MiB"})))
+    out["cpu"] = run_engine(spec(tier_pipeline({"capacity": "256MiB"})))
     # A pool far larger than the prompts: its pages are still being mapped when
     # round 1 repeats round 0, right after the engine is ready.
-    out["cpu4g"] = run_engine(spec(_pipeline({"capacity": "4GiB"})))
+    out["cpu4g"] = run_engine(spec(tier_pipeline({"capacity": "4GiB"})))
     out["corrupt"] = run_engine(
         spec(
-            _pipeline(
+            tier_pipeline(
                 {"capacity": "256MiB", "checksums": True, "load_mode": "async"},
                 {
                     "bad": {
