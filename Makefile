@@ -32,10 +32,10 @@ demo: $(STAMP)
 	$(VENV)/bin/kvc demo
 
 bench: $(STAMP)
-	$(PY) -m bench
+	$(PY) -m benchmarks
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check composer plugins tests bench examples
+	$(VENV)/bin/ruff check composer plugins tests benchmarks examples
 	$(VENV)/bin/mypy
 
 schema: $(STAMP)

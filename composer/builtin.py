@@ -70,7 +70,7 @@ def _capabilities(config: VllmConnectorConfig) -> Capabilities:
 
 
 def model_support(config: VllmConnectorConfig, model: Any) -> str:
-    from composer.model_check import default_support
+    from composer.validation.model_check import default_support
 
     return default_support(_capabilities(config), model)
 

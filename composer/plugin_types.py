@@ -51,8 +51,8 @@ class Capabilities(BaseModel):
 #: returning the class (a plugin whose class depends on a config option), or its
 #: ``"module:function"``.
 ClassRef = str | type | Callable[[Any], type]
-#: What a node serves of a model's KV cache groups (see :mod:`composer.model_check`):
-#: ``(node config, ModelKV) -> one line``, raising ``composer.model_kv.ModelUnsupported``
+#: What a node serves of a model's KV cache groups (see :mod:`composer.validation.model_check`):
+#: ``(node config, ModelKV) -> one line``, raising ``composer.model.kv_groups.ModelUnsupported``
 #: to refuse; or its ``"module:function"``, imported only when a model is checked.
 ModelSupport = str | Callable[[Any, Any], str]
 #: Extra checks of a node against the whole pipeline file: yields (path, message).
@@ -98,7 +98,8 @@ class PluginType:
     #: modelled, the simulator shows the node as such.
     simulator: str | None
     #: What a node serves of a model's KV cache groups (``kvc validate --model``).
-    #: None: judged from ``capabilities.hma`` (see :func:`composer.model_check.default_support`).
+    #: None: judged from ``capabilities.hma``
+    #: (see :func:`composer.validation.model_check.default_support`).
     model_support: ModelSupport | None
     #: Filled by discovery: the distribution that registered it.
     package: str

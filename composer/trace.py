@@ -6,7 +6,7 @@ leading ids meaning an equal prefix; ``timestamp`` optional). Each id stands
 for ``trace_block_tokens`` tokens (512 by default; fewer rescales every length
 by the same factor, as a scaled replay on a CPU does). The partial last block
 of a prompt and the output are unique to their request. ``kvc simulate``
-(:mod:`composer.simulate`) and ``kvc bench`` (:mod:`composer.replay`) read
+(:mod:`composer.simulate`) and ``kvc bench`` (:mod:`composer.bench.replay`) read
 traces through here.
 """
 

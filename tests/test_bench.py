@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from bench import __main__ as bench_main
+from benchmarks import __main__ as bench_main
 
 
 @pytest.mark.parametrize("name", bench_main.modules())
@@ -26,7 +26,7 @@ def test_unknown_benchmark_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_dispatch_benchmark_runs_every_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bench import bench_dispatch
+    from benchmarks import dispatch as bench_dispatch
 
     # The benchmark adds its plugin module to the environment: undone after the test.
     monkeypatch.setenv(
@@ -55,7 +55,7 @@ def test_dispatch_benchmark_runs_every_configuration(monkeypatch: pytest.MonkeyP
 def test_hybrid_benchmark_reads_the_engine_log_without_an_engine() -> None:
     from composer.testing.tiny_model import GEMMA3_1B_SHAPE, TinyModelSpec
 
-    hybrid = bench_main.load("bench_hybrid")
+    hybrid = bench_main.load("hybrid")
     # Gemma-3-1B: 26 layers x K and V x 1 KV head x 256 x bf16.
     assert hybrid.full_attention_bytes_per_token(GEMMA3_1B_SHAPE) == 26 * 2 * 256 * 2  # type: ignore[attr-defined]
     assert GEMMA3_1B_SHAPE.layer_types.count("full_attention") == 4

@@ -205,8 +205,8 @@ def test_usage_errors_exit_2(files: Path, capsys: pytest.CaptureFixture[str]) ->
 
 def test_deep_check_reports_unknown_connectors_located(files: Path) -> None:
     from composer import load_pipeline
-    from composer.deep_check import deep_check
     from composer.loader import load_yaml
+    from composer.validation.deep_check import deep_check
 
     text = NATIVE.replace("NixlConnector", "NixlConector") + (
         "  mine:\n"
@@ -405,16 +405,17 @@ def test_serve_and_demo_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_serve_and_demo_hand_their_arguments_over(monkeypatch: pytest.MonkeyPatch) -> None:
-    import composer.demo
-    import composer.serve
+    import composer.cli.demo
+    import composer.cli.serve
 
     calls: list[tuple[str, object, object]] = []
     monkeypatch.setattr(
-        composer.serve,
+        composer.cli.serve,
         "serve",
         lambda file, args, valkey: calls.append(("serve" + "+valkey" * valkey, file, args)) or 0,
     )
-    monkeypatch.setattr(composer.demo, "main", lambda file: calls.append(("demo", file, None)) or 3)
+    demo = composer.cli.demo
+    monkeypatch.setattr(demo, "main", lambda file: calls.append(("demo", file, None)) or 3)
     assert main(["serve", "p.yaml", "--", "MODEL", "--port", "8000", "--", "x"]) == 0
     assert main(["serve", "p.yaml"]) == 0
     assert main(["serve", "--valkey", "p.yaml", "--", "MODEL"]) == 0
@@ -432,7 +433,7 @@ def test_serve_and_demo_hand_their_arguments_over(monkeypatch: pytest.MonkeyPatc
 def test_serve_refuses_a_bad_pipeline_and_becomes_vllm_serve_for_a_good_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from composer.serve import serve
+    from composer.cli.serve import serve
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("version: 1\nnodes:\n  a:\n    plugin: vlm\n")

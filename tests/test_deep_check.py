@@ -14,8 +14,8 @@ import pytest
 
 from composer import Plugin, hookimpl
 from composer.cli import main
-from composer.deep_check import class_problems, unsupported_hookimpl_options
 from composer.discovery import MODULES_ENV
+from composer.validation.deep_check import class_problems, unsupported_hookimpl_options
 
 #: A plugin module with one good type and one broken in each way --deep catches.
 PLUGINS = '''

@@ -37,7 +37,7 @@ def _heavy_after(body: str, cwd: Path) -> str:
     "body",
     [
         "import composer",
-        "import composer.cli, composer.deep_check, composer.export, composer.hookspecs",
+        "import composer.cli, composer.validation.deep_check, composer.export, composer.hookspecs",
         # Every example, so the installed plugins' entry-point modules are checked too.
         "from composer.cli import main\n"
         "import glob\n"

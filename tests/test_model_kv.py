@@ -15,8 +15,7 @@ import pytest
 
 from composer import discover
 from composer.builtin import VLLM
-from composer.model_check import check_at_engine_start, check_model
-from composer.model_kv import (
+from composer.model.kv_groups import (
     KVGroupSpec,
     ModelConfigError,
     ModelKV,
@@ -32,6 +31,7 @@ from composer.testing.tiny_model import (
     build_tiny_model,
 )
 from composer.validation import load_pipeline, validate_text
+from composer.validation.model_check import check_at_engine_start, check_model
 
 # The tiny models' config.json fields that decide their groups (composer/testing/tiny_model.py).
 GEMMA3 = {

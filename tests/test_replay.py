@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from composer import bench_report, bench_servers, replay
+from composer.bench import replay
+from composer.bench import report as bench_report
+from composer.bench import servers as bench_servers
 from composer.trace import KeyMaker, TraceRequest, read_trace
 
 TRACES = Path(__file__).parent / "data" / "traces"

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from composer.valkey import ping
+from composer.servers.valkey import ping
 
 PIPELINE = """\
 version: 1

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from composer import scrape, top
+from composer import scrape
+from composer.cli import top
 
 RECORDED = Path(__file__).parent / "data" / "metrics" / "kvc-serve-offload-cpu.prom"
 
@@ -78,8 +79,8 @@ def test_once_prints_one_view_from_two_scrapes() -> None:
 
 def test_top_scrape_and_replay_import_neither_torch_nor_vllm() -> None:
     code = (
-        "import sys, composer.top, composer.replay, composer.bench_run, composer.scrape, "
-        "composer.cli, composer.simulate, composer.sim_report, composer.model_size; "
+        "import sys, composer.cli.top, composer.bench.replay, composer.bench.run, composer.scrape, "
+        "composer.cli, composer.simulate, composer.simulate.report, composer.model.size; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""composer.valkey: a real valkey-server on loopback, PING-checked, always stopped."""
+"""composer.servers.valkey: a real valkey-server on loopback, PING-checked, always stopped."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import valkey  # installed by `make test` (the test extra): missing must fail, not skip
 
-from composer.loopback import free_port
-from composer.valkey import (
+from composer.servers.loopback import free_port
+from composer.servers.valkey import (
     ValkeyError,
     ValkeyServer,
     ping,

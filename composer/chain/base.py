@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from composer.chain import dispatch
 from composer.chain.calls import Call, CallLists
+from composer.chain.faults import WorkerLedger
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata
-from composer.faults import WorkerLedger
 from composer.pipeline import ResolvedPipeline
 from composer.stats import Changes, NodeStats
 

@@ -22,17 +22,17 @@ import structlog
 from composer.chain.base import VllmProcess
 from composer.chain.calls import Call, bind_calls, timed, traced
 from composer.chain.fault_policy import FaultPolicy
+from composer.chain.faults import LOAD_HOOKS, WorkerLedger
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata, TransferResults
 from composer.chain.reports import Reports
 from composer.chain.scheduler import SchedulerSide
 from composer.chain.worker import WorkerSide
 from composer.chain.worker_output import WorkerOutput
-from composer.deep_check import unsupported_hookimpl_options
-from composer.faults import LOAD_HOOKS, WorkerLedger
 from composer.hookspecs import PROJECT, NodeSpec
 from composer.pipeline import ResolvedPipeline
 from composer.plugin import NodeContext
 from composer.stats import Changes, NodeStats
+from composer.validation.deep_check import unsupported_hookimpl_options
 
 log = structlog.get_logger("kv_composer")
 

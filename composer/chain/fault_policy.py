@@ -1,4 +1,4 @@
-"""Fault policy: what a node's exception does, by its ``on_error`` (see :mod:`composer.faults`).
+"""Fault policy: what a node's exception does, by its ``on_error`` (see :mod:`.faults`).
 
 ``fail`` stops the engine; ``recompute`` keeps the node where vLLM's recompute
 undoes the fault (a lookup, a synchronous load, a report) and switches it off
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from composer.chain.base import ChainBase
-from composer.faults import LOAD_HOOKS, RECOVERABLE_HOOKS, NodeFailed
+from composer.chain.faults import LOAD_HOOKS, RECOVERABLE_HOOKS, NodeFailed
 
 
 class FaultPolicy(ChainBase):

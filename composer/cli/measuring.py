@@ -1,7 +1,7 @@
 """``kvc simulate`` and ``kvc bench``: predict hit rates on a trace with no engine, and
 measure them on real servers.
 
-Their modules (:mod:`composer.simulate`, :mod:`composer.bench_run`, ...) are
+Their modules (:mod:`composer.simulate`, :mod:`composer.bench.run`, ...) are
 imported inside the commands, so that the other commands never load them.
 """
 
@@ -22,7 +22,7 @@ from composer.errors import escape
 from composer.pipeline import ResolvedPipeline
 
 if TYPE_CHECKING:
-    from composer.bench_run import BenchSpec
+    from composer.bench.run import BenchSpec
     from composer.trace import TraceRequest
 
 
@@ -70,7 +70,7 @@ def _sizes(args: argparse.Namespace, pipeline: ResolvedPipeline) -> dict[str, An
             ) from None
         return {"bytes_per_block": bpb, "block_size": args.block_size}
     if args.model_config is not None:
-        from composer.model_size import model_shape
+        from composer.model.size import model_shape
 
         shape = model_shape(args.model_config, args.block_size, pipeline)
         return {
@@ -88,8 +88,8 @@ def _simulate_once(
     trace: Sequence[TraceRequest],
     kwargs: dict[str, Any],
 ) -> str:
-    from composer.sim_report import format_result
     from composer.simulate import simulate
+    from composer.simulate.report import format_result
 
     result = simulate(pipeline, trace, **kwargs)
     return dump(result.as_dict()) if args.json else format_result(result)
@@ -101,8 +101,8 @@ def _simulate_sweep(
     trace: Sequence[TraceRequest],
     kwargs: dict[str, Any],
 ) -> str:
-    from composer.sim_report import format_sweep, plot_sweep
-    from composer.sim_sweep import parse_sweep, sweep
+    from composer.simulate.report import format_sweep, plot_sweep
+    from composer.simulate.sweep import parse_sweep, sweep
 
     name, values = parse_sweep(args.sweep)
     results = sweep(pipeline, trace, name, values, **kwargs)
@@ -118,8 +118,10 @@ def _simulate_sweep(
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from composer import bench_report, bench_run, replay
     from composer import trace as traces
+    from composer.bench import replay
+    from composer.bench import report as bench_report
+    from composer.bench import run as bench_run
 
     try:
         trace = traces.read_trace(args.trace, limit=args.limit)
@@ -141,9 +143,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_spec(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> BenchSpec:
-    from composer.bench_run import BenchSpec
-    from composer.bench_servers import Config, ServerSpec
-    from composer.replay import BenchError, trace_block_tokens
+    from composer.bench.replay import BenchError, trace_block_tokens
+    from composer.bench.run import BenchSpec
+    from composer.bench.servers import Config, ServerSpec
 
     trace_block_tokens(args.scale)  # refused before any server starts
     if (args.model is None) == (args.url is None):

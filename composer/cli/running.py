@@ -15,18 +15,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if vllm_args[:1] == ["--"]:
         vllm_args = vllm_args[1:]
     with needs_runtime("kvc serve"):
-        from composer.serve import serve
+        from composer.cli.serve import serve
     return serve(args.file, vllm_args, valkey=args.valkey)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     with needs_runtime("kvc demo"):
-        from composer.demo import main as demo_main
+        from composer.cli.demo import main as demo_main
     return demo_main(args.file)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from composer import top
+    from composer.cli import top
 
     if args.interval <= 0:
         raise CommandError(f"--interval must be > 0, got {args.interval}")

@@ -24,10 +24,10 @@ from composer.cli.common import (
 )
 from composer.discovery import discover
 from composer.errors import escape
-from composer.model_check import ModelCheck, check_model
-from composer.model_kv import group_rows
+from composer.model.kv_groups import group_rows
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.plugin_types import Capabilities, PluginType
+from composer.validation.model_check import ModelCheck, check_model
 
 
 def node_tiers(node: ResolvedNode) -> list[str]:

@@ -26,9 +26,9 @@ from composer.discovery import Registry, discover
 from composer.errors import PipelineInvalid, Problem, escape
 from composer.export import kv_transfer_config
 from composer.loader import FileProblem, Marks, load_yaml, read_pipeline_file
-from composer.model_check import ModelCheck, check_model
-from composer.model_kv import ModelConfigError, ModelKV, group_rows, predict
+from composer.model.kv_groups import ModelConfigError, ModelKV, group_rows, predict
 from composer.pipeline import SCHEMA_ID, ResolvedPipeline, typed_pipeline_model
+from composer.validation.model_check import ModelCheck, check_model
 
 SCHEMA_FILE = "pipeline.schema.json"
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -158,7 +158,7 @@ def file_marks(file: str) -> Marks | None:
 
 
 def _deep_problems(pipeline: ResolvedPipeline, file: str) -> list[Problem]:
-    from composer.deep_check import deep_check
+    from composer.validation.deep_check import deep_check
 
     marks = file_marks(file)
     try:

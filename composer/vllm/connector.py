@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from composer.chain import Chain, ChainMetadata, ChainWorkerMetadata
-from composer.model_check import check_at_engine_start
+from composer.validation.model_check import check_at_engine_start
 from composer.vllm.metrics import (
     ComposedPromMetrics,  # noqa: F401  (re-exported: known as the connector's)
     ComposedStats,  # noqa: F401  (re-exported: known as the connector's)

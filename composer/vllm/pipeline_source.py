@@ -133,7 +133,7 @@ def requires_piecewise(pipeline: ResolvedPipeline) -> bool:
 def deep_check_at_start(pipeline: ResolvedPipeline) -> None:
     """At engine start, native connector names are checked against vLLM's registry."""
     try:
-        from composer.deep_check import deep_check
+        from composer.validation.deep_check import deep_check
     except ImportError:  # pragma: no cover - the module ships with the core
         return
     problems = deep_check(pipeline)

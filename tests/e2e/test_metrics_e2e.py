@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from composer import bench_run, bench_servers, replay, scrape
+from composer import scrape
+from composer.bench import replay
+from composer.bench import run as bench_run
+from composer.bench import servers as bench_servers
 from composer.trace import TraceRequest
 
 pytestmark = pytest.mark.e2e

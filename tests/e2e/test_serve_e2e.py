@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from composer import bench_servers
+from composer.bench import servers as bench_servers
 
 pytestmark = pytest.mark.e2e
 

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from composer import bench_run, bench_servers, replay, scrape, simulate
-from composer.model_size import bytes_per_block_from_config
+from composer import scrape, simulate
+from composer.bench import replay
+from composer.bench import run as bench_run
+from composer.bench import servers as bench_servers
+from composer.model.size import bytes_per_block_from_config
 from composer.trace import read_trace
 from composer.validation import load_pipeline
 

@@ -109,7 +109,7 @@ class FleetFaults(LatencyProbe):
                 self.corrupted["flipped"] += 1
 
     def _restart_valkey(self) -> None:
-        from composer.valkey import ValkeyServer, valkey_server_binary
+        from composer.servers.valkey import ValkeyServer, valkey_server_binary
 
         assert self.config.valkey_port is not None and self.config.valkey_workdir is not None
         server = ValkeyServer(

@@ -32,9 +32,9 @@ import vllm  # noqa: F401  (installed by `make test`: missing must fail, not ski
 
 from composer import kv_transfer_config, load_pipeline
 from composer.discovery import discover
+from composer.servers.valkey import ValkeyServer, valkey_server
 from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine
 from composer.testing.tiny_model import build_tiny_model, make_prompts
-from composer.valkey import ValkeyServer, valkey_server
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,7 @@ from kvc_lmcache.resp_adapter import ReconnectingRespClient
 # Installed by `make test`: missing must fail, not skip.
 from lmcache.lmcache_redis import LMCacheRedisClient
 
-from composer.valkey import ValkeyServer, ping, valkey_server
+from composer.servers.valkey import ValkeyServer, ping, valkey_server
 
 
 def wait(client: Any, future: int, timeout: float = 10.0) -> tuple[int, bool, str, Any]:

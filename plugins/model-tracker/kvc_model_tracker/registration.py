@@ -17,7 +17,7 @@ MODEL_TRACKER = PluginType(
     roles={"service"},
     # It never touches KV blocks, so it is no obstacle to the hybrid allocator.
     capabilities=Capabilities(provides_model=True, hma=True),
-    model_support="composer.model_check:no_kv_blocks",
+    model_support="composer.validation.model_check:no_kv_blocks",
 )
 
 

@@ -15,8 +15,8 @@ from kvc_model_tracker.node import ModelTrackerNode, summarize
 
 from composer import Plugin, PluginType, Registry, discover, hookimpl, load_pipeline
 from composer.chain import Chain
+from composer.chain.faults import NodeFailed
 from composer.errors import PipelineInvalid
-from composer.faults import NodeFailed
 
 
 class TinyLM(torch.nn.Module):

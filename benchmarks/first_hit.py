@@ -62,7 +62,7 @@ def run_child(spec: dict[str, Any], timeout_s: float = 900) -> dict[str, Any]:
         }
         with log_file.open("w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "bench.bench_first_hit", str(spec_file), str(out_file)],
+                [sys.executable, "-m", "benchmarks.first_hit", str(spec_file), str(out_file)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, cwd=ROOT, start_new_session=True,
             )

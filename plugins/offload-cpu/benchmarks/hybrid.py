@@ -10,7 +10,7 @@ offload-cpu node with its default ``window_retention`` (or
 keeps every block of the window layers: no saving; 1024 keeps about half.
 
 Per prompt length (about 1k, 4k and 16k tokens) one engine, vLLM's prefix
-cache on, the same scheme as ``bench/bench_ttft.py``: per prompt, compute
+cache on, the same scheme as ``benchmarks/ttft.py``: per prompt, compute
 (first time), vLLM hit (not counted: it runs beside the tier's background save),
 vLLM hit, reset vLLM's prefix cache, tier hit, vLLM hit again. Medians, with
 every sample and the load average.

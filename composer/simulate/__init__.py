@@ -15,7 +15,7 @@ order, one request at a time. The rules are the product's:
   into every ``save_to`` node, each by its ``save`` policy.
 
 A model's KV cache groups (:class:`KVGroup`, from its ``config.json`` by
-:mod:`composer.model_size`) reach every tier model: a hybrid model's tier
+:mod:`composer.model.size`) reach every tier model: a hybrid model's tier
 stores each group's blocks on its own (a sliding window only those a hit
 needs). Window groups keep single blocks, so such a model replays every block.
 
@@ -26,9 +26,9 @@ prediction cannot drift from the product. Nodes whose type has none are shown
 as not modelled and never hit.
 
 Traces and their block keys are :mod:`composer.trace`'s; a sweep's runs
-:mod:`composer.sim_sweep`'s; the tables and the sweep's plot
-:mod:`composer.sim_report`'s; bytes per block and KV cache groups from a model's
-``config.json`` :mod:`composer.model_size`'s.
+:mod:`composer.simulate.sweep`'s; the tables and the sweep's plot
+:mod:`composer.simulate.report`'s; bytes per block and KV cache groups from a model's
+``config.json`` :mod:`composer.model.size`'s.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A vLLM KV connector that does nothing, for measuring dispatch overhead.
 
-Loaded by vLLM's factory through ``kv_connector_module_path = "bench.noop_connector"``
+Loaded by vLLM's factory through ``kv_connector_module_path = "benchmarks.noop_connector"``
 (MultiConnector children and KV Composer ``vllm`` nodes alike), so both sides
 of a comparison call the very same class.
 """

@@ -10,9 +10,9 @@ prediction and the replay see the same token sequences.
 
 The prompts are sent as streamed completions, at the trace's arrival times
 divided by ``speedup`` or at a fixed concurrency; each gives a :class:`Record`
-(TTFT, latency, tokens). The servers are :mod:`composer.bench_servers`', the
-run over every configuration :mod:`composer.bench_run`'s, the report
-:mod:`composer.bench_report`'s. Standard library only (plus ``rich`` for the
+(TTFT, latency, tokens). The servers are :mod:`composer.bench.servers`', the
+run over every configuration :mod:`composer.bench.run`'s, the report
+:mod:`composer.bench.report`'s. Standard library only (plus ``rich`` for the
 progress bar and matplotlib for the plot): no torch, no vLLM in this process."""
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from composer import kv_transfer_config, load_pipeline
+from composer.servers.valkey import ValkeyServer, ping, valkey_server
 from composer.testing.engine import EngineResult, EngineSpec, run_engine
 from composer.testing.tiny_model import QWEN_05B_SHAPE, build_tiny_model, make_prompts
-from composer.valkey import ValkeyServer, ping, valkey_server
 
 THREADS = os.environ.get("KVC_BENCH_THREADS", "0-1")
 REPEATS = int(os.environ.get("KVC_BENCH_REPEATS", "3"))

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from composer.loopback import LOOPBACK, free_port
+from composer.servers.loopback import LOOPBACK, free_port
 
 
 class ValkeyError(RuntimeError):

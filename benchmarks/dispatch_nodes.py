@@ -3,7 +3,7 @@
 * ``dispatch-saver`` implements only ``save_kv_layer`` and ``wait_for_save``;
 * ``dispatch-empty`` implements no hook at all.
 
-Registered through ``KV_COMPOSER_PLUGIN_MODULES=bench.dispatch_nodes``.
+Registered through ``KV_COMPOSER_PLUGIN_MODULES=benchmarks.dispatch_nodes``.
 """
 
 from __future__ import annotations

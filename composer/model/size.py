@@ -1,6 +1,6 @@
 """A model's KV cache groups and the bytes of a tier slot, from its ``config.json``.
 
-The file is read by :func:`composer.model_kv.predict` (the one config.json
+The file is read by :func:`composer.model.kv_groups.predict` (the one config.json
 reader, also behind ``kvc validate --model``); this module turns its groups
 into :class:`~composer.simulate.KVGroup` for ``kvc simulate`` and its errors
 into :class:`~composer.simulate.SimulateError`.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from composer.model_kv import ModelConfigError, ModelKV, predict
+from composer.model.kv_groups import ModelConfigError, ModelKV, predict
 from composer.pipeline import ResolvedPipeline
 from composer.simulate import KVGroup, SimulateError
 
@@ -59,7 +59,7 @@ def model_shape(
 
 def _as_run(pipeline: ResolvedPipeline, model: ModelKV, notes: list[str]) -> ModelKV:
     """The groups vLLM runs for ``pipeline`` (one, when its hybrid manager is off)."""
-    from composer.model_check import check_model
+    from composer.validation.model_check import check_model
 
     check = check_model(pipeline, model)
     if check.problems:

@@ -1,7 +1,7 @@
 """Run every ``bench/bench_*.py`` and ``plugins/*/bench_*.py`` module's ``main()``.
 
-``python -m bench`` runs them all (the core's first, in file-name order);
-``python -m bench cli dispatch offload`` runs the named ones.
+``python -m benchmarks`` runs them all (the core's first, in file-name order);
+``python -m benchmarks cli dispatch offload`` runs the named ones.
 """
 
 from __future__ import annotations
@@ -13,16 +13,19 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-PLUGIN_BENCHES = {p.stem: p for p in sorted(HERE.parent.glob("plugins/*/bench_*.py"))}
+#: What the benchmarks load into vLLM, not benchmarks themselves.
+SUPPORT = {"__init__", "__main__", "dispatch_nodes", "noop_connector"}
+PLUGIN_BENCHES = {p.stem: p for p in sorted(HERE.parent.glob("plugins/*/benchmarks/*.py"))}
 
 
 def modules() -> list[str]:
-    return sorted(p.stem for p in HERE.glob("bench_*.py")) + list(PLUGIN_BENCHES)
+    core = sorted(p.stem for p in HERE.glob("*.py") if p.stem not in SUPPORT)
+    return core + list(PLUGIN_BENCHES)
 
 
 def load(name: str) -> object:
     if name not in PLUGIN_BENCHES:
-        return importlib.import_module(f"bench.{name}")
+        return importlib.import_module(f"benchmarks.{name}")
     # A plugin's benchmark is a script beside its package, not an importable module.
     spec = importlib.util.spec_from_file_location(name, PLUGIN_BENCHES[name])
     assert spec is not None and spec.loader is not None
@@ -35,11 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     wanted = argv if argv is not None else sys.argv[1:]
     names = modules()
     if wanted:
-        unknown = [w for w in wanted if f"bench_{w}" not in names and w not in names]
+        unknown = [w for w in wanted if w not in names]
         if unknown:
             print(f"unknown benchmark(s) {unknown}; available: {names}", file=sys.stderr)
             return 2
-        names = [n for n in names if n in wanted or n.removeprefix("bench_") in wanted]
+        names = [n for n in names if n in wanted]
     for name in names:
         print(f"== {name} ==", flush=True)
         start = time.perf_counter()

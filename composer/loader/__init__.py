@@ -5,9 +5,9 @@ values from it ourselves so that every dotted path maps to a line and column,
 duplicate keys are reported (PyYAML silently keeps the last one), and
 ``${VAR}`` / ``${VAR:-default}`` are expanded in string scalars.
 
-Hostile input is bounded while it is read (:mod:`composer.yaml_limits`: depth,
-values, numbers; :mod:`composer.pipeline_file`: the file's size); ``${VAR}`` is
-:mod:`composer.env_vars`. The names other modules use are re-exported here.
+Hostile input is bounded while it is read (:mod:`composer.loader.limits`: depth,
+values, numbers; :mod:`composer.loader.file`: the file's size); ``${VAR}`` is
+:mod:`composer.loader.env_vars`. The names other modules use are re-exported here.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import yaml
 from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
-from composer.env_vars import EnvProblem, expand_env
-from composer.pipeline_file import (
+from composer.loader.env_vars import EnvProblem, expand_env
+from composer.loader.file import (
     MAX_FILE_BYTES,
     FileProblem,
     decode_pipeline,
     read_pipeline_file,
     read_pipeline_stream,
 )
-from composer.yaml_limits import (
+from composer.loader.limits import (
     LIBYAML,
     MAP_TAG,
     MAX_DEPTH,

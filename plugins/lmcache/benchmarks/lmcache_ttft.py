@@ -13,7 +13,7 @@ token) and one ~2000-token prompt:
 
 Each engine first runs a short unrelated prompt, so no timing includes warm-up.
 Prints the TTFTs and the ratios recompute / LMCache and LMCache / vLLM hit.
-``python plugins/lmcache/bench_lmcache.py`` (a few minutes).
+``python plugins/lmcache/benchmarks/lmcache_ttft.py`` (a few minutes).
 """
 
 from __future__ import annotations

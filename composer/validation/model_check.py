@@ -1,7 +1,7 @@
 """Which of a model's KV cache groups each node of a pipeline serves, before launch.
 
-:func:`check_model` takes a validated pipeline and a :class:`~composer.model_kv.ModelKV`
-(predicted from ``config.json`` by :func:`composer.model_kv.predict`), works out
+:func:`check_model` takes a validated pipeline and a :class:`~composer.model.kv_groups.ModelKV`
+(predicted from ``config.json`` by :func:`composer.model.kv_groups.predict`), works out
 the groups vLLM will actually run (its hybrid KV cache manager is off unless
 every node supports it) and asks each node's plugin type what it serves
 (``PluginType.model_support``). A refusal is a located :class:`Problem`.
@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from composer.errors import Path, Problem
 from composer.loader import Marks
-from composer.model_kv import ModelKV, ModelUnsupported, from_kv_cache_config
+from composer.model.kv_groups import ModelKV, ModelUnsupported, from_kv_cache_config
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.plugin_types import Capabilities, PluginTypeError, resolve_ref
 

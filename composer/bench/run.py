@@ -1,7 +1,7 @@
 """``kvc bench``'s whole run: every configuration's server, the replay, the counters.
 
-For each configuration a server is started (:mod:`composer.bench_servers`),
-the trace's prompts are replayed against it (:mod:`composer.replay`), the
+For each configuration a server is started (:mod:`composer.bench.servers`),
+the trace's prompts are replayed against it (:mod:`composer.bench.replay`), the
 server's counters are scraped before and after (:mod:`composer.scrape`), and it
 is stopped. Or one running server is targeted by URL. ``rounds`` runs the
 configurations several times in alternating order and pools each one's
@@ -18,9 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from composer import scrape
-from composer.bench_report import RunResult, pool
-from composer.bench_servers import Config, ServerSpec, server
-from composer.replay import BenchError, Prompt, make_prompts, replay, served_model, vocab_size_of
+from composer.bench.replay import (
+    BenchError,
+    Prompt,
+    make_prompts,
+    replay,
+    served_model,
+    vocab_size_of,
+)
+from composer.bench.report import RunResult, pool
+from composer.bench.servers import Config, ServerSpec, server
 from composer.trace import TraceRequest
 
 

@@ -3,7 +3,7 @@ at a fixed concurrency, with vLLM's own KV cache too small for its working set.
 
 Four configurations, one server each, the same prompts: no connector and no
 prefix cache; vLLM's prefix cache only; an offload-cpu tier; offload-cpu in
-front of LMCache (``bench/serving/*.yaml``). Prints the markdown table and the
+front of LMCache (``benchmarks/serving/*.yaml``). Prints the markdown table and the
 TTFT p50/p90 and throughput ratios of each configuration to the first, and
 writes ``kvc-bench-serving/`` (table, every request as JSON, TTFT CDF PNG).
 
@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from composer import bench_report, bench_run, bench_servers
+from composer.bench import report as bench_report
+from composer.bench import run as bench_run
+from composer.bench import servers as bench_servers
 from composer.testing.tiny_model import build_tiny_model
 from composer.trace import read_trace
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer.loopback import LOOPBACK, free_port
-from composer.replay import BenchError
+from composer.bench.replay import BenchError
+from composer.servers.loopback import LOOPBACK, free_port
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def server_command(config: Config, spec: ServerSpec, port: int) -> list[str]:
         args += ["--num-gpu-blocks-override", str(spec.num_blocks)]
     args += spec.extra_args
     if config.pipeline is None:
-        from composer.serve import vllm_command
+        from composer.cli.serve import vllm_command
 
         return [*vllm_command(), "serve", *args]
     kvc = Path(sys.executable).with_name("kvc")

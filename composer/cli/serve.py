@@ -10,9 +10,9 @@ from pathlib import Path
 
 from composer.errors import PipelineInvalid
 from composer.export import kv_transfer_config
-from composer.loopback import LOOPBACK, free_port
+from composer.servers.loopback import LOOPBACK, free_port
+from composer.servers.valkey import ValkeyError, ValkeyServer, valkey_server_binary
 from composer.validation import load_pipeline
-from composer.valkey import ValkeyError, ValkeyServer, valkey_server_binary
 
 
 def vllm_command() -> list[str]:

@@ -1,7 +1,7 @@
 """Dispatch overhead: the composed connector against vLLM's MultiConnector.
 
 Both sides wrap the same N no-op children, N = 1, 3, 8, loaded by vLLM's factory
-through ``kv_connector_module_path = "bench.noop_connector"``: ``NoopConnector``
+through ``kv_connector_module_path = "benchmarks.noop_connector"``: ``NoopConnector``
 keeps vLLM's do-nothing defaults for optional methods (the composed connector
 leaves a child out of a hook it keeps the default for), ``NoopFullConnector``
 overrides every method (every hook is dispatched on both sides: the pure cost of
@@ -31,7 +31,7 @@ never asserted: the machine is shared and noisy, so every number is the median
 of many short samples in interleaved rounds, and each ratio is the median of
 per-round ratios (both sides of a pair measured side by side).
 
-``python -m bench.bench_dispatch [--rounds R] [--detail]``
+``python -m benchmarks.dispatch [--rounds R] [--detail]``
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ from dataclasses import dataclass
 from typing import Any
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(24)]
-NOOP_MODULE = "bench.noop_connector"
+NOOP_MODULE = "benchmarks.noop_connector"
 #: The children: keeping vLLM's defaults for optional methods, or overriding all.
 CHILDREN = {
     "NoopConnector": "no-op children that keep vLLM's defaults for optional methods",
     "NoopFullConnector": "no-op children that override every method (pure dispatch cost)",
 }
-NODES_MODULE = "bench.dispatch_nodes"
+NODES_MODULE = "benchmarks.dispatch_nodes"
 SAMPLE_S = 0.0002  # one timed sample: short, so that few samples see the CPU taken away
 TARGET = 1.0
 
@@ -104,7 +104,7 @@ class World:
         self.base = VllmConfig(
             kv_transfer_config=KVTransferConfig(
                 kv_connector="NoopConnector",
-                kv_connector_module_path="bench.noop_connector",
+                kv_connector_module_path="benchmarks.noop_connector",
                 kv_role="kv_both",
             )
         )
@@ -422,7 +422,7 @@ def run(rounds: int = 201, detail: bool = False) -> dict[str, dict[str, dict[str
     """Measure and print; returns {group: {label: {kind: median seconds}}}."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from bench.noop_connector import NoopFullConnector
+    from benchmarks.noop_connector import NoopFullConnector
 
     _env_plugins()
     with quiet():
@@ -544,7 +544,7 @@ def run(rounds: int = 201, detail: bool = False) -> dict[str, dict[str, dict[str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.bench_dispatch", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.dispatch", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--rounds", type=int, default=201, help="interleaved rounds per measurement (median)"
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--detail", action="store_true", help="also time every per-step method alone"
     )
-    # Under `python -m bench` main() gets no arguments: the defaults apply.
+    # Under `python -m benchmarks` main() gets no arguments: the defaults apply.
     args = parser.parse_args([] if argv is None else argv)
     run(args.rounds, args.detail)
     return 0

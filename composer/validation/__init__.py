@@ -12,7 +12,6 @@ from pydantic import BaseModel, ValidationError
 
 from composer.discovery import Registry, call_plugin, discover
 from composer.errors import PipelineInvalid, Problem, Reporter, did_you_mean, one_of
-from composer.graph import check_graph, dependency_order
 from composer.loader import (
     MAX_DEPTH,
     MAX_VALUES,
@@ -28,6 +27,7 @@ from composer.pipeline import (
     ResolvedNode,
     ResolvedPipeline,
 )
+from composer.validation.graph import check_graph, dependency_order
 
 Path = tuple[str | int, ...]
 

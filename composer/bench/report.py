@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer.replay import Record
+from composer.bench.replay import Record
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -1,0 +1,1 @@
+"""Servers the project starts for itself: on loopback, on free ports, health-checked, stopped."""
