@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from composer.chain import TransferParamsClash
-from composer.hookspecs import COMBINE, Combine
+from composer.hookspecs import COMBINE, HOOKS, Combine, Every, Nodes, Process
 from composer.testing.chains import CALLS, chain, drive, metadata, spec_hooks
 
 NODES = ("a", "b", "c")
@@ -31,8 +31,8 @@ def asked(hook: str) -> list[str]:
 
 
 def role_of(hook: str) -> str:
-    worker = {"get_finished", "get_transfer_results", "build_connector_worker_meta"}
-    return "worker" if hook in worker or hook.startswith("get_kv_connector_kv") else "scheduler"
+    """The process the chain is built for to drive ``hook`` (either: the scheduler)."""
+    return "worker" if HOOKS[hook].process is Process.WORKER else "scheduler"
 
 
 def call_each(hook: str) -> None:
@@ -173,3 +173,56 @@ def test_every_hook_has_a_rule_and_every_rule_a_case() -> None:
 @pytest.mark.parametrize("hook", sorted(COMBINE))
 def test_the_chain_combines_as_the_table_says(hook: str) -> None:
     CASES[COMBINE[hook]](hook)
+
+
+# -- the rest of each hook's row: which nodes it goes to, and when it is timed -- #
+
+HIT = {"get_num_new_matched_tokens": (8, False)}
+
+
+def _asked_for(hook: str) -> list[str]:
+    # Nodes without get_transfer_results are asked get_finished, as vLLM's are.
+    return asked("get_finished" if hook == "get_transfer_results" else hook)
+
+
+@pytest.mark.parametrize("hook", sorted(HOOKS))
+def test_each_hook_goes_to_the_nodes_its_row_names(hook: str) -> None:
+    c = chain(
+        {n: {"returns": HIT} for n in NODES},
+        role_of(hook),
+        load_order=["c", "a"],
+        save_to=["b", "c"],
+    )
+    drive(c, hook)
+    expected = {
+        Nodes.ALL: ["a", "b", "c"],
+        Nodes.LOOKUP: ["c", "a"],
+        Nodes.LOADERS: ["a", "c"],
+        Nodes.SAVERS: ["b", "c"],
+    }[HOOKS[hook].nodes]
+    if COMBINE[hook] is Combine.CHOSEN_NODE:
+        expected = ["c"]  # the first hit in load order serves the request
+    assert _asked_for(hook) == expected
+
+
+@pytest.mark.parametrize("timing", [False, True], ids=["default", "time_hooks"])
+@pytest.mark.parametrize("hook", sorted(HOOKS))
+def test_each_hook_is_timed_as_its_row_says(hook: str, timing: bool) -> None:
+    """Per-layer and per-step hooks are timed only when asked (``time_layer_hooks``,
+    ``time_step_hooks``); the others always."""
+    c = chain(
+        {n: {"returns": HIT} for n in NODES},
+        role_of(hook),
+        time_step_hooks=timing,
+        time_layer_hooks=timing,
+    )
+    out = drive(c, hook)
+    name = "get_finished" if hook == "get_transfer_results" else hook
+    called = set(_asked_for(hook))
+    assert called
+    if hook == "get_kv_connector_stats":  # the report took the counters with it
+        seen = {n for n, e in (out or {}).items() if name in e["counters"]["hook_seconds"]}
+    else:
+        seen = {n for n in NODES if name in c.stats[n].hook_seconds}
+    always = HOOKS[hook].every not in (Every.STEP, Every.LAYER)
+    assert seen == (called if always or timing else set())

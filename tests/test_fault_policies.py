@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict
 
 from composer import Capabilities, PluginType, discover, hookimpl, load_pipeline
 from composer.chain import Chain
-from composer.chain.faults import LOAD_HOOKS, RECOVERABLE_HOOKS, NodeFailed, WorkerLedger
+from composer.chain.faults import NodeFailed, WorkerLedger
+from composer.hookspecs import LOAD_HOOKS, RECOVERABLE_HOOKS
 from composer.testing.chains import NOTHING, Scripted, drive, spec_hooks
 
 SHUTDOWNS: list[str] = []

@@ -11,7 +11,7 @@ import pytest
 from pluggy._hooks import varnames
 
 from composer import EmptyConfig, NodeContext, Plugin, hookimpl
-from composer.hookspecs import PROJECT, DiscoverySpec, NodeSpec
+from composer.hookspecs import HOOKS, PROJECT, DiscoverySpec, NodeSpec, markdown_table
 
 
 def _hooks(spec: type) -> dict[str, str]:
@@ -72,8 +72,9 @@ def test_every_hookspec_has_a_docstring() -> None:
             assert doc and doc.strip(), f"{spec.__name__}.{name} has no docstring"
 
 
-# A documented hook is a list item or heading that starts with its backticked signature.
-_DOCUMENTED = re.compile(r"^\s*(?:[-*]|#{3,})\s+`(\w+)\(([^)`]*)\)`", re.MULTILINE)
+# A documented hook is a list item, table row or heading that starts with its
+# backticked signature.
+_DOCUMENTED = re.compile(r"^\s*(?:[-*|]|#{3,})\s+`(\w+)\(([^)`]*)\)`", re.MULTILINE)
 
 
 def _hooks_section(readme: str) -> str:
@@ -97,3 +98,21 @@ def test_readme_documents_each_hook_once(root: Path) -> None:
     section = _hooks_section((root / "README.md").read_text())
     names = [m.group(1) for m in _DOCUMENTED.finditer(section)]
     assert sorted(n for n in set(names) if names.count(n) > 1) == []
+
+
+def test_readme_hook_table_is_the_one_the_spec_declares(root: Path) -> None:
+    readme = (root / "README.md").read_text()
+    begin, end = "<!-- hook table: generated from composer.hookspecs.HOOKS -->\n", "<!-- end"
+    match = re.search(re.escape(begin) + "(.*?)" + re.escape(end), readme, re.DOTALL)
+    assert match, "README.md has no generated hook table"
+    assert match.group(1) == markdown_table(), (
+        "README.md's hook table is out of date: paste the output of "
+        "composer.hookspecs.markdown_table()"
+    )
+
+
+def test_every_lifecycle_hookspec_has_a_row_and_every_row_a_hookspec() -> None:
+    assert list(HOOKS) == [n for n in NodeSpec.__dict__ if n in NODE_HOOKS]
+    assert set(HOOKS) == set(NODE_HOOKS)
+    for name, row in HOOKS.items():
+        assert row.signature == NODE_HOOKS[name]

@@ -2,7 +2,7 @@
 semantics. Start at :mod:`.core`; its docstring maps the modules."""
 
 from composer.chain.base import VllmProcess
-from composer.chain.core import SAVE_HOOKS, STEP_HOOKS, Chain
+from composer.chain.core import Chain
 from composer.chain.metadata import (
     ChainMetadata,
     ChainWorkerMetadata,
@@ -11,8 +11,6 @@ from composer.chain.metadata import (
 )
 
 __all__ = [
-    "SAVE_HOOKS",
-    "STEP_HOOKS",
     "Chain",
     "ChainMetadata",
     "ChainWorkerMetadata",

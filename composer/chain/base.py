@@ -89,7 +89,7 @@ class ChainBase:
         For one-time and per-request hooks; per-step and per-layer hooks have
         dispatch bound when the call lists are.
         """
-        return dispatch.results(hook, self.calls[hook], self.fault, self.stats, args, default)
+        return dispatch.results(hook, self.calls[hook], self.fault, args, default)
 
     if TYPE_CHECKING:
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pluggy
 
-from composer.hookspecs import NodeSpec
+from composer.hookspecs import HOOKS
 from composer.stats import NodeStats
 
 Call = Callable[..., Any]
@@ -37,10 +37,6 @@ class CallLists:
     spec_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
-def hook_names() -> list[str]:
-    return [name for name in dir(NodeSpec) if not name.startswith("_")]
-
-
 def bind_calls(
     pm: pluggy.PluginManager,
     order_for: Callable[[str], list[str]],
@@ -54,7 +50,7 @@ def bind_calls(
     ``wrap(node_id, hook, fn)``: timing or tracing around a node's callable.
     """
     lists = CallLists()
-    for name in hook_names():
+    for name in HOOKS:
         caller = getattr(pm.hook, name)
         spec_args = tuple(caller.spec.argnames)
         lists.spec_args[name] = spec_args

@@ -5,7 +5,8 @@ beside it: :mod:`.calls` (binding), :mod:`.dispatch` (calling a list),
 :mod:`.scheduler` and :mod:`.worker_output` (scheduler side), :mod:`.worker`
 (worker side), :mod:`.fault_policy`, :mod:`.reports` (stats and events),
 :mod:`.metadata` (what crosses between the two). How each hook's results
-combine is :data:`composer.hookspecs.COMBINE`.
+combine, which nodes it goes to and when it is timed are its row of
+:data:`composer.hookspecs.HOOKS`.
 
 Nothing here imports torch or vLLM: vLLM's objects pass through untouched, and
 the vLLM adapter (:mod:`composer.vllm.connector`) wraps results in vLLM's types.
@@ -22,13 +23,13 @@ import structlog
 from composer.chain.base import VllmProcess
 from composer.chain.calls import Call, bind_calls, timed, traced
 from composer.chain.fault_policy import FaultPolicy
-from composer.chain.faults import LOAD_HOOKS, WorkerLedger
+from composer.chain.faults import WorkerLedger
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata, TransferResults
 from composer.chain.reports import Reports
 from composer.chain.scheduler import SchedulerSide
 from composer.chain.worker import WorkerSide
 from composer.chain.worker_output import WorkerOutput
-from composer.hookspecs import PROJECT, NodeSpec
+from composer.hookspecs import HOOKS, PROJECT, Every, Nodes, NodeSpec
 from composer.pipeline import ResolvedPipeline
 from composer.plugin import NodeContext
 from composer.stats import Changes, NodeStats
@@ -36,25 +37,6 @@ from composer.validation.deep_check import unsupported_hookimpl_options
 
 log = structlog.get_logger("kv_composer")
 
-SAVE_HOOKS = frozenset({"save_kv_layer", "wait_for_save"})
-#: Hooks vLLM calls every engine step: timed in per-node stats (``hook_seconds``)
-#: only with the pipeline's ``time_step_hooks``, like per-layer hooks with
-#: ``time_layer_hooks``; per-request and one-time hooks are always timed.
-STEP_HOOKS = frozenset(
-    {
-        "build_connector_meta",
-        "has_pending_block_frees",
-        "has_pending_push_work",
-        "start_load_kv",
-        "wait_for_save",
-        "finish_forward",
-        "clear_connector_metadata",
-        "get_block_ids_with_load_errors",
-        "build_connector_worker_meta",
-        "get_kv_connector_stats",
-        "get_kv_connector_kv_cache_events",
-    }
-)
 
 
 class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
@@ -147,13 +129,13 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
     # -- binding ----------------------------------------------------------------- #
 
     def order_for(self, hook: str) -> list[str]:
-        """The nodes ``hook`` is dispatched to, in order."""
-        order = [n.id for n in self.pipeline.nodes]
-        if hook == "get_num_new_matched_tokens":
+        """The nodes ``hook`` is dispatched to, in order (its row's ``nodes``)."""
+        nodes, order = HOOKS[hook].nodes, [n.id for n in self.pipeline.nodes]
+        if nodes is Nodes.LOOKUP:
             order = list(self.pipeline.load_order)
-        elif hook in LOAD_HOOKS:
+        elif nodes is Nodes.LOADERS:
             order = [n for n in order if n in self.pipeline.load_order]
-        elif hook in SAVE_HOOKS:
+        elif nodes is Nodes.SAVERS:
             order = [n for n in order if n in self.pipeline.save_to]
         return [n for n in order if n in self.nodes and n not in self.disabled]
 
@@ -172,11 +154,19 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
             callback()
 
     def _wrap(self, node_id: str, hook: str, fn: Call) -> Call:
-        if hook in STEP_HOOKS and self.pipeline.time_step_hooks:
+        if self._timed(HOOKS[hook].every):
             fn = timed(fn, self.stats[node_id], hook)
         if self.pipeline.trace:
             fn = traced(fn, node_id, hook, self.pm)
         return fn
+
+    def _timed(self, every: Every) -> bool:
+        """Whether a hook called this often is timed in the per-node stats (``hook_seconds``)."""
+        if every is Every.LAYER:
+            return self.pipeline.time_layer_hooks
+        if every is Every.STEP:
+            return self.pipeline.time_step_hooks
+        return True  # once, on demand, per request: rare enough to time always
 
     def implemented(self, hook: str) -> list[str]:
         return [n for n, _ in self.calls.get(hook, ())]

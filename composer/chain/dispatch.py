@@ -8,12 +8,10 @@ MultiConnector). Everything else is a plain loop.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from composer.chain.calls import Call, takes_kwargs
-from composer.stats import NodeStats
 
 Fault = Callable[[str, str, BaseException], None]
 Calls = list[tuple[str, Call]]
@@ -156,22 +154,6 @@ def call_each_or_pass_kwargs(hook: str, calls: Calls, fault: Fault, arity: int) 
     return each_or_kwargs
 
 
-def call_each_timed(hook: str, calls: Calls, fault: Fault, stats: dict[str, NodeStats]) -> Call:
-    """:func:`call_each`, adding each node's time to its ``hook_seconds``."""
-    clock = time.perf_counter
-
-    def each_timed(*args: Any) -> None:
-        for node_id, fn in calls:
-            t0 = clock()
-            try:
-                fn(*args)
-            except Exception as exc:
-                fault(node_id, hook, exc)
-            stats[node_id].add_time(hook, clock() - t0)
-
-    return each_timed
-
-
 def any_true(hook: str, calls: Calls, fault: Fault) -> Callable[[], bool]:
     if not calls:
         return false
@@ -190,27 +172,19 @@ def any_true(hook: str, calls: Calls, fault: Fault) -> Callable[[], bool]:
 
 
 def results(
-    hook: str,
-    calls: Calls,
-    fault: Fault,
-    stats: dict[str, NodeStats],
-    args: tuple[Any, ...],
-    default: Any = None,
+    hook: str, calls: Calls, fault: Fault, args: tuple[Any, ...], default: Any = None
 ) -> list[tuple[str, Any]]:
-    """(node id, result) of every node, timed; a failed node yields ``default``.
+    """(node id, result) of every node; a failed node yields ``default``.
 
-    For one-time and per-request hooks (always timed: they are rare).
+    For one-time and per-request hooks (their callables are timed when bound).
     """
     out = []
-    clock = time.perf_counter
     for node_id, fn in calls:
-        t0 = clock()
         try:
             result = fn(*args)
         except Exception as exc:
             fault(node_id, hook, exc)
             result = default
-        stats[node_id].add_time(hook, clock() - t0)
         out.append((node_id, result))
     return out
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from composer.chain.base import ChainBase
-from composer.chain.faults import LOAD_HOOKS, RECOVERABLE_HOOKS, NodeFailed
+from composer.chain.faults import NodeFailed
+from composer.hookspecs import HOOKS, Recompute
 
 
 class FaultPolicy(ChainBase):
@@ -19,16 +20,17 @@ class FaultPolicy(ChainBase):
         """Apply the node's error policy; returns only if the engine goes on, with
         nothing the node failed to load served."""
         policy = self.policy.get(node_id, "fail")
+        recompute = HOOKS[hook].recompute
         stats = self.stats[node_id]
         stats.errors += 1
         stats.extra.add(f"errors_{hook}")
         where = {"node": node_id, "hook": hook, "error": repr(exc)}
         if policy == "fail":
-            if hook in LOAD_HOOKS:
+            if recompute is Recompute.BLOCKS_RECOMPUTED:
                 self.load_error_blocks |= self.step_loads.get(node_id, set())
             self.log.error("node failed; on_error: fail stops the engine", **where)
             raise NodeFailed(node_id, self.plugin_names.get(node_id, "?"), hook, exc) from exc
-        if policy == "recompute" and hook in RECOVERABLE_HOOKS and self._recovered(hook, where):
+        if policy == "recompute" and self._recovered(recompute, where):
             return
         if node_id in self.disabled:
             return
@@ -42,10 +44,12 @@ class FaultPolicy(ChainBase):
             )
         self.switch_off(node_id, reason, **where)
 
-    def _recovered(self, hook: str, where: dict[str, Any]) -> bool:
+    def _recovered(self, recompute: Recompute, where: dict[str, Any]) -> bool:
         """Whether vLLM's recompute undoes this fault (then the node stays on)."""
         node_id = where["node"]
-        if hook not in LOAD_HOOKS:
+        if recompute is Recompute.SWITCH_OFF:
+            return False
+        if recompute is Recompute.RESULT_LOST:
             self.log.warning("node failed; only this call's result is lost", **where)
             return True
         if self.ledger.has_async_loads(node_id):

@@ -19,30 +19,13 @@ raises:
   flight is reported failed (vLLM recomputes those requests' external tokens),
   and every request whose blocks it held for a save is released.
 
-Nothing here imports torch or vLLM.
+Which hooks ``recompute`` repairs, and how, is each hook's ``recompute`` in
+:data:`composer.hookspecs.HOOKS`. Nothing here imports torch or vLLM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-LOAD_HOOKS = frozenset({"start_load_kv", "wait_for_layer_load"})
-
-#: Hooks whose failure, under ``recompute``, costs only that call's own effect,
-#: so the node stays on (a load hook only while the node has no async load in flight).
-RECOVERABLE_HOOKS = frozenset(
-    {
-        "get_num_new_matched_tokens",
-        "on_new_request",
-        "get_kv_connector_stats",
-        "get_kv_connector_kv_cache_events",
-        "take_events",
-        "has_pending_block_frees",
-        "has_pending_push_work",
-        "reset_cache",
-        *LOAD_HOOKS,
-    }
-)
 
 
 class NodeFailed(RuntimeError):

@@ -8,7 +8,6 @@ A finished request's blocks stay held while any node still saves from them.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -127,15 +126,12 @@ class SchedulerSide(ChainBase):
     def _lookup(
         self, node_id: str, fn: Callable[..., Any], view: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        stats = self.stats[node_id]
-        stats.lookups += 1
-        t0 = time.perf_counter()
+        self.stats[node_id].lookups += 1
         try:
             tokens, load_async = fn(view, num_computed_tokens)
         except Exception as exc:
             self.fault(node_id, "get_num_new_matched_tokens", exc)
             tokens, load_async = 0, False
-        stats.add_time("get_num_new_matched_tokens", time.perf_counter() - t0)
         return tokens, load_async
 
     def chosen_node(self, request_id: str) -> str | None:

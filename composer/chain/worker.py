@@ -36,9 +36,7 @@ class WorkerSide(ChainBase):
         calls, fault = self.calls, self.fault
         for hook in PER_LAYER_HOOKS:
             # One Python call per implementing node: vLLM calls these per layer.
-            if self.pipeline.time_layer_hooks:
-                each = dispatch.call_each_timed(hook, calls[hook], fault, self.stats)
-            elif any(takes_kwargs(fn) for _, fn in calls[hook]):
+            if any(takes_kwargs(fn) for _, fn in calls[hook]):
                 # A native connector takes vLLM's keyword arguments (0.32.0 passes none).
                 each = dispatch.call_each_or_pass_kwargs(
                     hook, calls[hook], fault, len(self.lists.spec_args[hook])

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from composer.chain import Chain, ChainMetadata
 from composer.discovery import Registry, discover
-from composer.hookspecs import NodeSpec, hookimpl
+from composer.hookspecs import HOOKS, NodeSpec, hookimpl
 from composer.plugin import Plugin
 from composer.plugin_types import Capabilities, PluginType
 from composer.validation import load_pipeline
@@ -43,7 +43,7 @@ KV_CACHE_CONFIG = SimpleNamespace(
 
 def spec_hooks() -> list[str]:
     """Every lifecycle hook of the spec, sorted."""
-    return sorted(n for n, _ in inspect.getmembers(NodeSpec) if not n.startswith("_"))
+    return sorted(HOOKS)
 
 
 class ScriptedConfig(BaseModel):

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import pluggy
 
 from composer.errors import Problem, did_you_mean, one_of
-from composer.hookspecs import PROJECT, NodeSpec
+from composer.hookspecs import HOOKS, PROJECT, NodeSpec
 from composer.loader import Marks
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.plugin_types import ClassRef, choose_class
@@ -150,7 +150,7 @@ def class_problems(cls: type) -> list[str]:
 
     if not issubclass(cls, Plugin):
         return ["does not subclass composer.plugin.Plugin"]
-    spec_names = _spec_hooks()
+    spec_names = list(HOOKS)
     out = [
         f'"{hook}" is not a hook{did_you_mean(hook, spec_names)}'
         for hook in _impl_options(cls)
@@ -225,10 +225,6 @@ def _impl_names(cls: type) -> dict[str, str]:
         if isinstance(opts, dict):
             found[str(opts.get("specname") or name)] = name
     return found
-
-
-def _spec_hooks() -> list[str]:
-    return [n for n in dir(NodeSpec) if hasattr(getattr(NodeSpec, n), PROJECT + "_spec")]
 
 
 class _NotFound(Exception):

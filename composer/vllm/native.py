@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any, cast
 
 from vllm.config.kv_transfer import KVTransferConfig
@@ -24,31 +22,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from composer.builtin import VllmConnectorConfig
 from composer.export import native_child_config
-from composer.hookspecs import NodeSpec, hookimpl
+from composer.hookspecs import HOOKS, Native, NodeSpec, hookimpl, hooks_where
 from composer.plugin import NodeContext, Plugin
 
+#: How each hook reaches the connector is its row's ``native`` and
+#: ``skip_if_default`` in :data:`composer.hookspecs.HOOKS`.
+#: Hooks vLLM's method of the same name takes with the spec's arguments: each is
+#: one generated hookimpl below, and a direct call where it is hot.
+PASS_THROUGH = hooks_where(native=Native.AS_IS)
+#: Per-step hooks whose hookimpl below takes exactly vLLM's arguments (a subset of
+#: the spec's): a direct call to the connector's method too.
+DIRECT_SUBSET = hooks_where(native=Native.DIRECT)
 #: Hooks whose vLLM base-class default does nothing and returns what the chain
-#: combines as "nothing" (None, False, an empty set or iterable); each with the
-#: connector methods it reaches. A node whose connector keeps all of those
-#: defaults is left out of the hook's call list.
-SKIP_IF_DEFAULT: dict[str, tuple[str, ...]] = {
-    "on_new_request": ("on_new_request",),
-    "handle_preemptions": ("handle_preemptions",),
-    "finish_forward": ("finish_forward",),
-    "reset_capture_state": ("reset_capture_state",),
-    "get_transfer_results": ("get_transfer_results", "get_finished"),
-    "get_block_ids_with_load_errors": ("get_block_ids_with_load_errors",),
-    "get_kv_connector_stats": ("get_kv_connector_stats",),
-    "get_kv_connector_kv_cache_events": ("get_kv_connector_kv_cache_events",),
-    "build_connector_worker_meta": ("build_connector_worker_meta",),
-    "take_events": ("take_events",),
-    "has_pending_block_frees": ("has_pending_block_frees",),
-    "has_pending_push_work": ("has_pending_push_work",),
-}
-
-
-#: What a native node passes on as keyword arguments when vLLM passed none.
-NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
+#: combines as "nothing"; each with the connector methods it reaches. A node whose
+#: connector keeps all of those defaults is left out of the hook's call list.
+SKIP_IF_DEFAULT = {name: h.skip_if_default for name, h in HOOKS.items() if h.skip_if_default}
 
 
 def _is_base_default(connector: Any, name: str) -> bool:
@@ -88,14 +76,6 @@ class NativeConnectorNode(Plugin):
         self.identity: dict[str, str] = {"name": config.connector}
         if config.module_path:
             self.identity["module_path"] = config.module_path
-        #: The keyword arguments vLLM passed to the composed connector's call of
-        #: each hook, set by the composed connector for the call's duration. A
-        #: call with keyword arguments reaches the hookimpls below (which pass
-        #: them on), not the direct hooks: vLLM's usual call has none.
-        self.call_kwargs: dict[str, Mapping[str, Any]] = {
-            "start_load_kv": NO_KWARGS,
-            "save_kv_layer": NO_KWARGS,
-        }
 
     def direct_hooks(self) -> dict[str, Any]:
         """Pass-through hooks bound straight to the connector's methods: no wrapper on
@@ -168,47 +148,6 @@ class NativeConnectorNode(Plugin):
         return self.connector.register_finished_partial_tail(
             request.raw, block_ids, partial_tail_offloads
         )
-
-
-#: Hooks that take exactly the arguments of vLLM's connector method of the same
-#: name: each is one generated hookimpl below, and a direct call where it is hot.
-PASS_THROUGH = (
-    # worker, once
-    "get_mem_pool_context",
-    "set_host_xfer_buffer_ops",
-    "get_handshake_metadata",
-    # worker, per layer and per step
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "handle_preemptions",
-    "bind_connector_metadata",
-    "start_load_kv",
-    "wait_for_save",
-    "finish_forward",
-    "reset_capture_state",
-    "clear_connector_metadata",
-    "get_transfer_results",
-    "get_block_ids_with_load_errors",
-    "build_connector_worker_meta",
-    "get_kv_connector_stats",
-    "get_kv_connector_kv_cache_events",
-    # scheduler
-    "bind_kv_cache_manager",
-    "take_events",
-    "has_pending_block_frees",
-    "has_pending_push_work",
-    "get_finished_count",
-    "set_xfer_handshake_metadata",
-    "set_xfer_handshake_metadata_pp_aware",
-    "reset_cache",
-    # either
-    "shutdown",
-)
-
-
-#: Per-step hooks whose hookimpl below takes exactly vLLM's arguments (a subset of
-#: the spec's): a direct call to the connector's method too.
-DIRECT_SUBSET = ("build_connector_meta", "update_connector_output")
 
 
 def _pass_through(hook: str) -> Any:
