@@ -213,8 +213,11 @@ KWARGS = {"request_ids": ["r1"], "num_tokens": 7}
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_keyword_arguments_reach_every_native_node(registered: None, nodes: int) -> None:
     connector = composed([child(RecordingConnector) for _ in range(nodes)])
-    # One code path: what vLLM calls is the class's, never an instance attribute.
-    assert not {"start_load_kv", "save_kv_layer"} & set(vars(connector))
+    # One code path: the per-layer hooks vLLM calls are the chain's own methods
+    # (the class's methods, which an editor follows, call the same).
+    assert not {"start_load_kv"} & set(vars(connector))
+    for name in ("save_kv_layer", "wait_for_layer_load"):
+        assert getattr(connector, name) == getattr(connector.chain, name)
 
     def call(name: str) -> Any:
         return getattr(connector, name)
@@ -230,6 +233,13 @@ def test_keyword_arguments_reach_every_native_node(registered: None, nodes: int)
             ("start_load_kv", ("fc",), {}),
             ("save_kv_layer", ("layer.0", "kv", "attn"), {}),
         ]
+    type(connector).save_kv_layer(connector, "layer.1", "kv", "attn", **KWARGS)
+    for sub in connector.sub_connectors:
+        assert cast(RecordingConnector, sub).calls[-1] == (
+            "save_kv_layer",
+            ("layer.1", "kv", "attn"),
+            KWARGS,
+        )
 
 
 def test_a_node_switched_off_is_gone_from_the_next_call(registered: None) -> None:

@@ -35,6 +35,8 @@ class ChainBase:
     #: Switched off in this process, for good.
     disabled: set[str]
     lists: CallLists
+    #: Hook -> (node id, callable), in dispatch order: ``lists.calls``.
+    calls: dict[str, list[tuple[str, Call]]]
     #: Called after the call lists change (a node switched off).
     on_rebind: list[Callable[[], None]]
     # Bound dispatch one side re-enters after a switch-off (set by the other side).
@@ -78,10 +80,6 @@ class ChainBase:
     group_loads: dict[str, tuple[str, frozenset[int], bool]]
     #: Several groups: requests whose load lost a block; reported failed when done.
     failed_group_loads: set[str]
-
-    @property
-    def calls(self) -> dict[str, list[tuple[str, Call]]]:
-        return self.lists.calls
 
     def results(self, hook: str, *args: Any, default: Any = None) -> list[tuple[str, Any]]:
         """(node id, result) of every node implementing ``hook``; a failed one gives ``default``.

@@ -146,6 +146,7 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
             for node_id, node in self.nodes.items()
         }
         self.lists = bind_calls(self.pm, self.order_for, directs, self._wrap)
+        self.calls = self.lists.calls
         self._bind_worker()
         self._bind_scheduler()
         self._bind_worker_output()

@@ -15,14 +15,14 @@ from composer.chain import dispatch
 from composer.chain.base import ChainBase
 from composer.chain.calls import takes_kwargs
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata
-from composer.hookspecs import PER_LAYER_HOOKS
 
 
 class WorkerSide(ChainBase):
     #: The step's metadata, from bind_connector_metadata to clear_connector_metadata.
     metadata: ChainMetadata | None = None
-    wait_for_layer_load: Callable[[str], None]
-    save_kv_layer: Callable[[str, Any, Any], None]
+    #: ``calls["wait_for_layer_load"]`` and ``calls["save_kv_layer"]``.
+    layer_loads: list[tuple[str, Callable[..., Any]]]
+    layer_saves: list[tuple[str, Callable[..., Any]]]
     handle_preemptions: Callable[[ChainMetadata], None]
     start_load_kv: Callable[..., None]
     wait_for_save: Callable[[], None]
@@ -34,16 +34,8 @@ class WorkerSide(ChainBase):
 
     def _bind_worker(self) -> None:
         calls, fault = self.calls, self.fault
-        for hook in PER_LAYER_HOOKS:
-            # One Python call per implementing node: vLLM calls these per layer.
-            if any(takes_kwargs(fn) for _, fn in calls[hook]):
-                # A native connector takes vLLM's keyword arguments (0.32.0 passes none).
-                each = dispatch.call_each_or_pass_kwargs(
-                    hook, calls[hook], fault, len(self.lists.spec_args[hook])
-                )
-            else:
-                each = dispatch.call_each(hook, calls[hook], fault, len(self.lists.spec_args[hook]))
-            setattr(self, hook, each)
+        # The per-layer lists, one attribute each: a dict lookup per layer shows.
+        self.layer_loads, self.layer_saves = calls["wait_for_layer_load"], calls["save_kv_layer"]
         for hook in ("wait_for_save", "finish_forward"):
             setattr(self, hook, dispatch.call_each(hook, calls[hook], fault, 0))
         self.handle_preemptions = self._make_per_node_call("handle_preemptions")
@@ -57,6 +49,45 @@ class WorkerSide(ChainBase):
         self.get_transfer_results = self._make_get_transfer_results()
         self.get_block_ids_with_load_errors = self._make_get_block_ids_with_load_errors()
         self.build_connector_worker_meta = self._make_build_connector_worker_meta()
+
+    # -- per layer, the hot path: one Python call per implementing node ------- #
+
+    def wait_for_layer_load(self, layer_name: str, **kwargs: Any) -> None:
+        """Every loading node that implements it, in pipeline order."""
+        if kwargs:  # (vLLM 0.32.0 passes none)
+            return self.call_passing_kwargs("wait_for_layer_load", (layer_name,), kwargs)
+        for node_id, fn in self.layer_loads:
+            try:
+                fn(layer_name)
+            except Exception as exc:
+                self.fault(node_id, "wait_for_layer_load", exc)
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Every saving node that implements it, in pipeline order."""
+        if kwargs:
+            args = (layer_name, kv_layer, attn_metadata)
+            return self.call_passing_kwargs("save_kv_layer", args, kwargs)
+        for node_id, fn in self.layer_saves:
+            try:
+                fn(layer_name, kv_layer, attn_metadata)
+            except Exception as exc:
+                self.fault(node_id, "save_kv_layer", exc)
+        return None
+
+    def call_passing_kwargs(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """vLLM passed keyword arguments (0.32.0 passes none; later versions do): they
+        reach the callables that take them (a native connector's own method)."""
+        for node_id, fn in self.calls[hook]:
+            try:
+                if takes_kwargs(fn):
+                    fn(*args, **kwargs)
+                else:
+                    fn(*args)
+            except Exception as exc:
+                self.fault(node_id, hook, exc)
 
     def _make_per_node_call(self, hook: str) -> Callable[[ChainMetadata], None]:
         calls, fault = self.calls[hook], self.fault

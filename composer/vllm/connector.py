@@ -70,7 +70,7 @@ class ComposedWorkerMetadata(ChainWorkerMetadata, KVConnectorWorkerMetadata):  #
 
 
 class _ChainDispatch:
-    """A per-layer or per-step method: the chain's current dispatch for it.
+    """A per-step method: the chain's current dispatch for it.
 
     vLLM's calls go straight to the chain's bound dispatch, with no method of
     ours in between: the first access caches it on the instance (a non-data
@@ -148,6 +148,10 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             if isinstance(node, NativeConnectorNode)
         }
         self.chain.on_rebind.append(self._forget_dispatch)
+        # vLLM calls the per-layer hooks straight into the chain: the methods
+        # below are what an editor follows, the chain's own are what runs.
+        self.wait_for_layer_load = self.chain.wait_for_layer_load  # type: ignore[method-assign]
+        self.save_kv_layer = self.chain.save_kv_layer  # type: ignore[method-assign]
         self._model_delivered = False
         log.info(
             "composed connector ready",
@@ -267,8 +271,14 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     # worker: per step
     # ------------------------------------------------------------------ #
 
-    wait_for_layer_load = _chain_hook()
-    save_kv_layer = _chain_hook()
+    def wait_for_layer_load(self, layer_name: str, **kwargs: Any) -> None:
+        self.chain.wait_for_layer_load(layer_name, **kwargs)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self.chain.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
     handle_preemptions = _chain_hook()
     bind_connector_metadata = _chain_hook()
     clear_connector_metadata = _chain_hook()
