@@ -213,10 +213,9 @@ KWARGS = {"request_ids": ["r1"], "num_tokens": 7}
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_keyword_arguments_reach_every_native_node(registered: None, nodes: int) -> None:
     connector = composed([child(RecordingConnector) for _ in range(nodes)])
-    # One code path: the per-layer hooks vLLM calls are the chain's own methods
-    # (the class's methods, which an editor follows, call the same).
-    assert not {"start_load_kv"} & set(vars(connector))
-    for name in ("save_kv_layer", "wait_for_layer_load"):
+    # One code path: the per-layer and per-step hooks vLLM calls are the chain's
+    # own methods (the class's methods, which an editor follows, call the same).
+    for name in ("save_kv_layer", "wait_for_layer_load", "start_load_kv"):
         assert getattr(connector, name) == getattr(connector.chain, name)
 
     def call(name: str) -> Any:
@@ -234,12 +233,12 @@ def test_keyword_arguments_reach_every_native_node(registered: None, nodes: int)
             ("save_kv_layer", ("layer.0", "kv", "attn"), {}),
         ]
     type(connector).save_kv_layer(connector, "layer.1", "kv", "attn", **KWARGS)
+    type(connector).start_load_kv(connector, "fc1", **KWARGS)
     for sub in connector.sub_connectors:
-        assert cast(RecordingConnector, sub).calls[-1] == (
-            "save_kv_layer",
-            ("layer.1", "kv", "attn"),
-            KWARGS,
-        )
+        assert cast(RecordingConnector, sub).calls[-2:] == [
+            ("save_kv_layer", ("layer.1", "kv", "attn"), KWARGS),
+            ("start_load_kv", ("fc1",), KWARGS),
+        ]
 
 
 def test_a_node_switched_off_is_gone_from_the_next_call(registered: None) -> None:

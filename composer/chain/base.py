@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from composer.chain import dispatch
 from composer.chain.calls import Call, CallLists
 from composer.chain.faults import WorkerLedger
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata
@@ -39,9 +38,6 @@ class ChainBase:
     calls: dict[str, list[tuple[str, Call]]]
     #: Called after the call lists change (a node switched off).
     on_rebind: list[Callable[[], None]]
-    # Bound dispatch one side re-enters after a switch-off (set by the other side).
-    update_connector_output: Callable[[Any], object]
-    bind_connector_metadata: Callable[[ChainMetadata], None]
 
     # The types results are built with (the vLLM adapter passes vLLM's own).
     metadata_type: type[ChainMetadata]
@@ -87,7 +83,15 @@ class ChainBase:
         For one-time and per-request hooks; per-step and per-layer hooks have
         dispatch bound when the call lists are.
         """
-        return dispatch.results(hook, self.calls[hook], self.fault, args, default)
+        out = []
+        for node_id, fn in self.calls[hook]:
+            try:
+                result = fn(*args)
+            except Exception as exc:
+                self.fault(node_id, hook, exc)
+                result = default
+            out.append((node_id, result))
+        return out
 
     if TYPE_CHECKING:
 

@@ -1,10 +1,11 @@
 """The chain: one pipeline's nodes in one vLLM process, with MultiConnector semantics.
 
 This module creates the nodes and (re)binds the call lists; the parts live
-beside it: :mod:`.calls` (binding), :mod:`.dispatch` (calling a list),
-:mod:`.scheduler` and :mod:`.worker_output` (scheduler side), :mod:`.worker`
-(worker side), :mod:`.fault_policy`, :mod:`.reports` (stats and events),
-:mod:`.metadata` (what crosses between the two). How each hook's results
+beside it: :mod:`.calls` (binding the call lists), and the hooks, each a method
+looping over its list: :mod:`.scheduler` and :mod:`.worker_output` (scheduler
+side), :mod:`.worker` (worker side), :mod:`.reports` (stats and events); then
+:mod:`.fault_policy` and :mod:`.faults` (a node's failure), :mod:`.metadata`
+(what crosses between the two processes). How each hook's results
 combine, which nodes it goes to and when it is timed are its row of
 :data:`composer.hookspecs.HOOKS`.
 
@@ -150,7 +151,6 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
         self._bind_worker()
         self._bind_scheduler()
         self._bind_worker_output()
-        self._bind_reports()
         for callback in self.on_rebind:
             callback()
 

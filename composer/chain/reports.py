@@ -8,54 +8,40 @@ its counters; KV cache events are concatenated (scheduler) or merged (worker).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-from composer.chain import dispatch
 from composer.chain.base import ChainBase
 
 
 class Reports(ChainBase):
-    take_stats: Callable[[], dict[str, dict[str, Any]]]
-    get_kv_connector_stats: Callable[[], Any]
-    get_kv_connector_kv_cache_events: Callable[[], Any]
-    take_events: Callable[[], Iterable[Any]]
+    def take_stats(self) -> dict[str, dict[str, Any]]:
+        """Every node's counters and own stats since the last report, by node id."""
+        out = self.get_kv_connector_stats()
+        return getattr(out, "data", out) or {}
 
-    def _bind_reports(self) -> None:
-        self.take_stats = self._make_take_stats()
-        self.get_kv_connector_stats = self._make_take_stats(self.stats_type or _data_or_none)
-        self.get_kv_connector_kv_cache_events = self._make_kv_cache_events()
-        self.take_events = self._make_take_events()
-
-    def _make_take_stats(self, wrap: Callable[..., Any] | None = None) -> Callable[[], Any]:
-        """``take_stats``; with ``wrap``, ``get_kv_connector_stats`` (wrap(data=...) or None)."""
-        calls, fault = self.calls["get_kv_connector_stats"], self.fault
-        changes = self.stats_changes
-        nothing: dict[str, Any] | None = None if wrap is not None else {}
-
-        def take_stats() -> Any:
-            own: dict[str, Any] | None = None
-            for node_id, fn in calls:
-                try:
-                    node_stats = fn()
-                except Exception as exc:
-                    fault(node_id, "get_kv_connector_stats", exc)
-                    continue
-                if node_stats is not None:
-                    if own is None:
-                        own = {}
-                    own[node_id] = node_stats
-            if own is None and not changes.seen:
-                return nothing  # the usual step: no node counted anything
-            # Cleared before reading, so a count made meanwhile (a node's own
-            # thread) marks it again for the next report instead of being lost.
-            changes.seen = False
-            out = self._stats_entries(own)
-            if wrap is None:
-                return out
-            return wrap(data=out) if out else None
-
-        return take_stats
+    def get_kv_connector_stats(self) -> Any:
+        """:meth:`take_stats` wrapped in vLLM's stats type (``stats_type``); None if empty."""
+        own: dict[str, Any] | None = None
+        for node_id, fn in self.calls["get_kv_connector_stats"]:
+            try:
+                node_stats = fn()
+            except Exception as exc:
+                self.fault(node_id, "get_kv_connector_stats", exc)
+                continue
+            if node_stats is not None:
+                if own is None:
+                    own = {}
+                own[node_id] = node_stats
+        if own is None and not self.stats_changes.seen:
+            return None  # the usual step: no node counted anything
+        # Cleared before reading, so a count made meanwhile (a node's own
+        # thread) marks it again for the next report instead of being lost.
+        self.stats_changes.seen = False
+        out = self._stats_entries(own)
+        if not out:
+            return None
+        return self.stats_type(data=out) if self.stats_type is not None else out
 
     def _stats_entries(self, own: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -72,44 +58,32 @@ class Reports(ChainBase):
             out[node_id] = entry
         return out
 
-    def _make_kv_cache_events(self) -> Callable[[], Any]:
-        calls, fault = self.calls["get_kv_connector_kv_cache_events"], self.fault
-        if not calls:
-            return dispatch.none
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """The nodes' KV cache events, merged (``a.merge(b)``) in node order."""
+        merged = None
+        for node_id, fn in self.calls["get_kv_connector_kv_cache_events"]:
+            try:
+                events = fn()
+            except Exception as exc:
+                self.fault(node_id, "get_kv_connector_kv_cache_events", exc)
+                continue
+            if events is not None:
+                merged = events if merged is None else merged.merge(events)
+        return merged
 
-        def get_kv_connector_kv_cache_events() -> Any:
-            merged = None
-            for node_id, fn in calls:
-                try:
-                    events = fn()
-                except Exception as exc:
-                    fault(node_id, "get_kv_connector_kv_cache_events", exc)
-                    continue
-                if events is not None:
-                    merged = events if merged is None else merged.merge(events)
-            return merged
+    def take_events(self) -> Iterable[Any]:
+        """The nodes' new KV cache events, one node after the other."""
+        calls = self.calls["take_events"]
+        return self._events(calls) if calls else ()  # (no generator on the usual step)
 
-        return get_kv_connector_kv_cache_events
-
-    def _make_take_events(self) -> Callable[[], Iterable[Any]]:
-        calls, fault = self.calls["take_events"], self.fault
-        if not calls:
-            return dispatch.no_events
-
-        def take_events() -> Iterable[Any]:
-            for node_id, fn in calls:
-                try:
-                    for event in fn():
-                        # vLLM's stored/removed events name the offloading tier
-                        # that made them in ``ownership``: the node, unless set.
-                        if getattr(event, "ownership", "") is None:
-                            event.ownership = node_id
-                        yield event
-                except Exception as exc:
-                    fault(node_id, "take_events", exc)
-
-        return take_events
-
-
-def _data_or_none(data: dict[str, Any]) -> dict[str, Any] | None:
-    return data or None
+    def _events(self, calls: list[tuple[str, Any]]) -> Iterable[Any]:
+        for node_id, fn in calls:
+            try:
+                for event in fn():
+                    # vLLM's stored/removed events name the offloading tier
+                    # that made them in ``ownership``: the node, unless set.
+                    if getattr(event, "ownership", "") is None:
+                        event.ownership = node_id
+                    yield event
+            except Exception as exc:
+                self.fault(node_id, "take_events", exc)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from composer.chain import dispatch
 from composer.chain.base import ChainBase
+from composer.chain.calls import Call
 from composer.chain.metadata import ChainMetadata, TransferParamsClash
 from composer.kv_caches import NULL_BLOCK
 from composer.pipeline import ResolvedNode
@@ -23,54 +23,66 @@ FAULTED = object()
 
 
 class SchedulerSide(ChainBase):
-    build_connector_meta: Callable[[Any], ChainMetadata]
-    has_pending_block_frees: Callable[[], bool]
-    has_pending_push_work: Callable[[], bool]
+    """The scheduler half's hooks: each a method looping over its call list."""
+
+    #: ``build_connector_meta``'s calls: with the step view and vLLM's output when
+    #: some node names the step view, else with what each hookimpl names.
+    meta_calls: list[tuple[str, Call]]
+    meta_wants_step: bool
 
     def _bind_scheduler(self) -> None:
-        for hook in ("has_pending_block_frees", "has_pending_push_work"):
-            setattr(self, hook, dispatch.any_true(hook, self.calls[hook], self.fault))
-        self.build_connector_meta = self._make_build_connector_meta()
-
-    def _make_build_connector_meta(self) -> Callable[[Any], ChainMetadata]:
-        fault, metadata_type = self.fault, self.metadata_type
         if "step" in self.lists.wanted["build_connector_meta"]:
-            # Some node names the step view: every node gets the spec's arguments.
-            wants_step = True
-            calls = self.calls["build_connector_meta"]
+            self.meta_wants_step, self.meta_calls = True, self.calls["build_connector_meta"]
         else:
-            # None does: none is built, and each node gets what its hookimpl names.
-            wants_step = False
-            calls = [
-                (node_id, fn if argnames else dispatch.drop_args(fn))
+            # No node names it: none is built (a view per step costs).
+            self.meta_wants_step = False
+            self.meta_calls = [
+                (node_id, fn if argnames else _dropping_args(fn))
                 for node_id, fn, argnames in self.lists.own["build_connector_meta"]
             ]
 
-        def build_connector_meta(scheduler_output: Any) -> ChainMetadata:
-            per_node = {}
-            # Two loops, so that the usual step builds no argument tuple.
-            if wants_step:
-                step = StepView(scheduler_output)
-                for node_id, fn in calls:
-                    try:
-                        per_node[node_id] = fn(step, scheduler_output)
-                    except Exception as exc:
-                        fault(node_id, "build_connector_meta", exc)
-                        per_node[node_id] = None
-            else:
-                for node_id, fn in calls:
-                    try:
-                        per_node[node_id] = fn(scheduler_output)
-                    except Exception as exc:
-                        fault(node_id, "build_connector_meta", exc)
-                        per_node[node_id] = None
-            meta = metadata_type(per_node, None, self.pending_loads)
-            self.pending_loads = {}
-            if self.new_holds or self.new_async_loads or self.disabled or self.new_group_loads:
-                self._step_decisions(meta)
-            return meta
+    # -- per step ----------------------------------------------------------------- #
 
-        return build_connector_meta
+    def build_connector_meta(self, scheduler_output: Any) -> ChainMetadata:
+        """Each node's metadata for its worker half, with what the workers must follow."""
+        per_node, calls = {}, self.meta_calls
+        # Two loops, so that the usual step builds no argument tuple.
+        if self.meta_wants_step:
+            step = StepView(scheduler_output)
+            for node_id, fn in calls:
+                try:
+                    per_node[node_id] = fn(step, scheduler_output)
+                except Exception as exc:
+                    self.fault(node_id, "build_connector_meta", exc)
+                    per_node[node_id] = None
+        else:
+            for node_id, fn in calls:
+                try:
+                    per_node[node_id] = fn(scheduler_output)
+                except Exception as exc:
+                    self.fault(node_id, "build_connector_meta", exc)
+                    per_node[node_id] = None
+        meta = self.metadata_type(per_node, None, self.pending_loads)
+        self.pending_loads = {}
+        if self.new_holds or self.new_async_loads or self.disabled or self.new_group_loads:
+            self._step_decisions(meta)
+        return meta
+
+    def has_pending_block_frees(self) -> bool:
+        return self._any_true("has_pending_block_frees")
+
+    def has_pending_push_work(self) -> bool:
+        return self._any_true("has_pending_push_work")
+
+    def _any_true(self, hook: str) -> bool:
+        found = False  # every node is asked, as with any()
+        for node_id, fn in self.calls[hook]:
+            try:
+                if fn():
+                    found = True
+            except Exception as exc:
+                self.fault(node_id, hook, exc)
+        return found
 
     def _step_decisions(self, meta: ChainMetadata) -> None:
         """What the workers must follow this step: holds, async loads, switch-offs."""
@@ -292,3 +304,8 @@ def hold_and_params(
         writer.update(dict.fromkeys(node_params, node_id))
         params = {**(params or {}), **node_params}
     return holders, params
+
+
+def _dropping_args(fn: Call) -> Call:
+    """``fn`` (a hookimpl naming no argument) called with vLLM's."""
+    return lambda *args: fn()

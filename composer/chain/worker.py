@@ -8,47 +8,35 @@ are freed when the last node holding them is done (the :class:`WorkerLedger`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from composer.chain import dispatch
 from composer.chain.base import ChainBase
-from composer.chain.calls import takes_kwargs
+from composer.chain.calls import Call, takes_kwargs
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata
 
 
 class WorkerSide(ChainBase):
+    """The worker half's hooks: each a method looping over its call list."""
+
     #: The step's metadata, from bind_connector_metadata to clear_connector_metadata.
     metadata: ChainMetadata | None = None
-    #: ``calls["wait_for_layer_load"]`` and ``calls["save_kv_layer"]``.
-    layer_loads: list[tuple[str, Callable[..., Any]]]
-    layer_saves: list[tuple[str, Callable[..., Any]]]
-    handle_preemptions: Callable[[ChainMetadata], None]
-    start_load_kv: Callable[..., None]
-    wait_for_save: Callable[[], None]
-    finish_forward: Callable[[], None]
-    clear_connector_metadata: Callable[[], None]
-    get_transfer_results: Callable[[set[str]], Any]
-    get_block_ids_with_load_errors: Callable[[], set[int]]
-    build_connector_worker_meta: Callable[[], ChainWorkerMetadata | None]
+    #: ``calls["wait_for_layer_load"]`` and ``calls["save_kv_layer"]``: one
+    #: attribute each, as a dict lookup per layer shows.
+    layer_loads: list[tuple[str, Call]]
+    layer_saves: list[tuple[str, Call]]
+    #: (node id, callable, returns TransferResults?): ``get_transfer_results``, or
+    #: ``get_finished`` for a node without it, in node order.
+    transfer_calls: list[tuple[str, Call, bool]]
 
     def _bind_worker(self) -> None:
-        calls, fault = self.calls, self.fault
-        # The per-layer lists, one attribute each: a dict lookup per layer shows.
+        calls = self.calls
         self.layer_loads, self.layer_saves = calls["wait_for_layer_load"], calls["save_kv_layer"]
-        for hook in ("wait_for_save", "finish_forward"):
-            setattr(self, hook, dispatch.call_each(hook, calls[hook], fault, 0))
-        self.handle_preemptions = self._make_per_node_call("handle_preemptions")
-        self.bind_connector_metadata = self._make_bind_connector_metadata()
-        # vLLM passes keyword arguments (0.32.0: none yet; later versions do) that a
-        # native connector takes as **kwargs: they reach every callable that takes them.
-        self.start_load_kv = dispatch.call_each_or_pass_kwargs(
-            "start_load_kv", calls["start_load_kv"], fault, 1
-        )
-        self.clear_connector_metadata = self._make_clear_connector_metadata()
-        self.get_transfer_results = self._make_get_transfer_results()
-        self.get_block_ids_with_load_errors = self._make_get_block_ids_with_load_errors()
-        self.build_connector_worker_meta = self._make_build_connector_worker_meta()
+        direct, via_finished = dict(calls["get_transfer_results"]), dict(calls["get_finished"])
+        self.transfer_calls = [
+            (n, direct[n], True) if n in direct else (n, via_finished[n], False)
+            for n in self.nodes
+            if n not in self.disabled and (n in direct or n in via_finished)
+        ]
 
     # -- per layer, the hot path: one Python call per implementing node ------- #
 
@@ -89,42 +77,35 @@ class WorkerSide(ChainBase):
             except Exception as exc:
                 self.fault(node_id, hook, exc)
 
-    def _make_per_node_call(self, hook: str) -> Callable[[ChainMetadata], None]:
-        calls, fault = self.calls[hook], self.fault
+    # -- per step, before the forward ----------------------------------------- #
 
-        def per_node_call(metadata: ChainMetadata) -> None:
-            per_node = metadata.per_node
-            for node_id, fn in calls:
-                try:
-                    fn(per_node.get(node_id))
-                except Exception as exc:
-                    fault(node_id, hook, exc)
+    def handle_preemptions(self, metadata: ChainMetadata) -> None:
+        per_node = metadata.per_node
+        for node_id, fn in self.calls["handle_preemptions"]:
+            try:
+                fn(per_node.get(node_id))
+            except Exception as exc:
+                self.fault(node_id, "handle_preemptions", exc)
 
-        return per_node_call
+    def bind_connector_metadata(self, metadata: ChainMetadata) -> None:
+        """Each node gets its own entry; the holds, loads and switch-offs the
+        scheduler decided are taken first."""
+        off = self.disabled
+        if metadata.disabled and not metadata.disabled <= off:
+            for node_id in sorted(metadata.disabled - off):
+                self.switch_off(node_id, "switched off in the scheduler")
+        if metadata.holds or metadata.async_loads or off or metadata.group_loads:
+            self._take_holds_and_loads(metadata, off)
+        self.step_loads = metadata.loads
+        self.metadata = metadata
+        per_node = metadata.per_node
+        for node_id, fn in self.calls["bind_connector_metadata"]:
+            try:
+                fn(per_node.get(node_id))
+            except Exception as exc:
+                self.fault(node_id, "bind_connector_metadata", exc)
 
-    def _make_bind_connector_metadata(self) -> Callable[[ChainMetadata], None]:
-        off = frozenset(self.disabled)
-        calls, fault = self.calls["bind_connector_metadata"], self.fault
-
-        def bind_connector_metadata(metadata: ChainMetadata) -> None:
-            if metadata.disabled and not metadata.disabled <= off:
-                for node_id in sorted(metadata.disabled - off):
-                    self.switch_off(node_id, "switched off in the scheduler")
-                return self.bind_connector_metadata(metadata)  # re-bound without them
-            if metadata.holds or metadata.async_loads or off or metadata.group_loads:
-                self._take_holds_and_loads(metadata, off)
-            self.step_loads = metadata.loads
-            self.metadata = metadata
-            per_node = metadata.per_node
-            for node_id, fn in calls:  # (inline: a call per step costs more)
-                try:
-                    fn(per_node.get(node_id))
-                except Exception as exc:
-                    fault(node_id, "bind_connector_metadata", exc)
-
-        return bind_connector_metadata
-
-    def _take_holds_and_loads(self, metadata: ChainMetadata, off: frozenset[str]) -> None:
+    def _take_holds_and_loads(self, metadata: ChainMetadata, off: set[str]) -> None:
         ledger = self.ledger
         if metadata.holds:
             for req_id, holders in metadata.holds.items():
@@ -146,59 +127,69 @@ class WorkerSide(ChainBase):
             # A switched-off node loads nothing: vLLM recomputes what it was to load.
             self.load_error_blocks |= loads.get(node_id, set())
 
-    def _make_clear_connector_metadata(self) -> Callable[[], None]:
-        calls, fault = self.calls["clear_connector_metadata"], self.fault
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Every loading node: start (or do) its loads for this step."""
+        if kwargs:  # (vLLM 0.32.0 passes none)
+            return self.call_passing_kwargs("start_load_kv", (forward_context,), kwargs)
+        for node_id, fn in self.calls["start_load_kv"]:
+            try:
+                fn(forward_context)
+            except Exception as exc:
+                self.fault(node_id, "start_load_kv", exc)
+        return None
 
-        def clear_connector_metadata() -> None:
-            self.step_loads = {}
-            self.metadata = None
-            for node_id, fn in calls:  # (inline: a call per step costs more)
-                try:
-                    fn()
-                except Exception as exc:
-                    fault(node_id, "clear_connector_metadata", exc)
+    # -- per step, after the forward ------------------------------------------ #
 
-        return clear_connector_metadata
+    def wait_for_save(self) -> None:
+        for node_id, fn in self.calls["wait_for_save"]:
+            try:
+                fn()
+            except Exception as exc:
+                self.fault(node_id, "wait_for_save", exc)
 
-    def _make_get_transfer_results(self) -> Callable[[set[str]], Any]:
-        direct = dict(self.calls["get_transfer_results"])
-        via_finished = dict(self.calls["get_finished"])
-        # (node id, callable, returns TransferResults?) in node order.
-        entries = [
-            (n, direct[n], True) if n in direct else (n, via_finished[n], False)
-            for n in self.nodes
-            if n not in self.disabled and (n in direct or n in via_finished)
-        ]
-        results_type, fault, ledger = self.transfer_results_type, self.fault, self.ledger
+    def finish_forward(self) -> None:
+        for node_id, fn in self.calls["finish_forward"]:
+            try:
+                fn()
+            except Exception as exc:
+                self.fault(node_id, "finish_forward", exc)
 
-        def get_transfer_results(finished_req_ids: set[str]) -> Any:
-            results = results_type()
-            if self.group_loads:
-                self._check_group_loads()
-            if self.released or self.failed_recving:
-                self._chain_own_results(results)
-            for node_id, fn, is_direct in entries:
-                try:
-                    if is_direct:
-                        r = fn(finished_req_ids)
-                        sending, recving = r.finished_sending, r.finished_recving
-                        if r.failed_recving:
-                            results.failed_recving.update(r.failed_recving)
-                    else:
-                        sending, recving = fn(finished_req_ids)
-                except Exception as exc:
-                    fault(node_id, "get_transfer_results" if is_direct else "get_finished", exc)
-                    continue
-                if recving:
-                    ledger.received(node_id, recving)
-                    results.finished_recving.update(recving)
-                if sending:
-                    results.finished_sending.update(ledger.sent(node_id, sending))
-            if self.group_loads:
-                self._group_loads_done(results)
-            return results
+    def clear_connector_metadata(self) -> None:
+        self.step_loads = {}
+        self.metadata = None
+        for node_id, fn in self.calls["clear_connector_metadata"]:
+            try:
+                fn()
+            except Exception as exc:
+                self.fault(node_id, "clear_connector_metadata", exc)
 
-        return get_transfer_results
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Finished loads; finished saves once the last node holding a request is done."""
+        results, ledger = self.transfer_results_type(), self.ledger
+        if self.group_loads:
+            self._check_group_loads()
+        if self.released or self.failed_recving:
+            self._chain_own_results(results)
+        for node_id, fn, is_direct in self.transfer_calls:
+            try:
+                if is_direct:
+                    r = fn(finished_req_ids)
+                    sending, recving = r.finished_sending, r.finished_recving
+                    if r.failed_recving:
+                        results.failed_recving.update(r.failed_recving)
+                else:
+                    sending, recving = fn(finished_req_ids)
+            except Exception as exc:
+                self.fault(node_id, "get_transfer_results" if is_direct else "get_finished", exc)
+                continue
+            if recving:
+                ledger.received(node_id, recving)
+                results.finished_recving.update(recving)
+            if sending:
+                results.finished_sending.update(ledger.sent(node_id, sending))
+        if self.group_loads:
+            self._group_loads_done(results)
+        return results
 
     def _check_group_loads(self) -> None:
         """Several groups: fail the loads that lost a block (vLLM takes no block ids then)."""
@@ -241,49 +232,40 @@ class WorkerSide(ChainBase):
             results.failed_recving.update(self.failed_recving)
             self.failed_recving = set()
 
-    def _make_get_block_ids_with_load_errors(self) -> Callable[[], set[int]]:
-        calls, fault = self.calls["get_block_ids_with_load_errors"], self.fault
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.num_groups > 1:  # failed per request instead (see get_transfer_results)
+            self._check_group_loads()
+            return set()
+        blocks, self.load_error_blocks = self.load_error_blocks, set()
+        for node_id, fn in self.calls["get_block_ids_with_load_errors"]:
+            try:
+                failed = fn()
+            except Exception as exc:
+                self.fault(node_id, "get_block_ids_with_load_errors", exc)
+                continue
+            if failed:
+                blocks |= failed
+        return blocks
 
-        def get_block_ids_with_load_errors() -> set[int]:
-            if self.num_groups > 1:  # failed per request instead (see get_transfer_results)
-                self._check_group_loads()
-                return set()
-            blocks, self.load_error_blocks = self.load_error_blocks, set()
-            for node_id, fn in calls:
-                try:
-                    failed = fn()
-                except Exception as exc:
-                    fault(node_id, "get_block_ids_with_load_errors", exc)
-                    continue
-                if failed:
-                    blocks |= failed
-            return blocks
-
-        return get_block_ids_with_load_errors
-
-    def _make_build_connector_worker_meta(self) -> Callable[[], ChainWorkerMetadata | None]:
-        calls, fault = self.calls["build_connector_worker_meta"], self.fault
-        worker_meta_type = self.worker_metadata_type
+    def build_connector_worker_meta(self) -> ChainWorkerMetadata | None:
+        """Each node's metadata for its scheduler half, and the nodes switched off here."""
+        calls = self.calls["build_connector_worker_meta"]
         if not calls and not self.unreported_disabled:
-            return dispatch.none
-
-        def build_connector_worker_meta() -> ChainWorkerMetadata | None:
-            per_node = {}
-            for node_id, fn in calls:
-                try:
-                    meta = fn()
-                except Exception as exc:
-                    fault(node_id, "build_connector_worker_meta", exc)
-                    continue
-                if meta is not None:
-                    per_node[node_id] = meta
-            if self.unreported_disabled:
-                # The scheduler half of a node switched off here must stop too.
-                off, self.unreported_disabled = frozenset(self.unreported_disabled), set()
-                return worker_meta_type(per_node, off)
-            return worker_meta_type(per_node) if per_node else None
-
-        return build_connector_worker_meta
+            return None
+        per_node = {}
+        for node_id, fn in calls:
+            try:
+                meta = fn()
+            except Exception as exc:
+                self.fault(node_id, "build_connector_worker_meta", exc)
+                continue
+            if meta is not None:
+                per_node[node_id] = meta
+        if self.unreported_disabled:
+            # The scheduler half of a node switched off here must stop too.
+            off, self.unreported_disabled = frozenset(self.unreported_disabled), set()
+            return self.worker_metadata_type(per_node, off)
+        return self.worker_metadata_type(per_node) if per_node else None
 
     # -- once, at start ------------------------------------------------------- #
 

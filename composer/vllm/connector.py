@@ -8,6 +8,7 @@ no node is ever silently skipped.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -30,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from composer.chain import Chain, ChainMetadata, ChainWorkerMetadata
+from composer.hookspecs import Every, hooks_where
 from composer.validation.model_check import check_at_engine_start
 from composer.vllm.metrics import (
     ComposedPromMetrics,  # noqa: F401  (re-exported: known as the connector's)
@@ -53,7 +55,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = structlog.get_logger("kv_composer")
@@ -67,32 +71,6 @@ class ComposedMetadata(ChainMetadata, KVConnectorMetadata):
 @dataclass
 class ComposedWorkerMetadata(ChainWorkerMetadata, KVConnectorWorkerMetadata):  # type: ignore[misc]
     """ChainWorkerMetadata.aggregate merges per node and keeps this type."""
-
-
-class _ChainDispatch:
-    """A per-step method: the chain's current dispatch for it.
-
-    vLLM's calls go straight to the chain's bound dispatch, with no method of
-    ours in between: the first access caches it on the instance (a non-data
-    descriptor, as ``functools.cached_property``), and the chain's re-binding
-    (a node switched off) drops the cache. The chain takes vLLM's arguments and
-    builds vLLM's result types.
-    """
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, connector: Any, owner: type | None = None) -> Any:
-        if connector is None:
-            return self
-        dispatch = getattr(connector.chain, self.name)
-        connector.__dict__[self.name] = dispatch
-        return dispatch
-
-
-def _chain_hook() -> Any:
-    # Typed Any: it stands in for the base class's method of the same name.
-    return _ChainDispatch()  # name set by __set_name__
 
 
 class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
@@ -147,11 +125,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             for node_id, node in self.chain.nodes.items()
             if isinstance(node, NativeConnectorNode)
         }
-        self.chain.on_rebind.append(self._forget_dispatch)
-        # vLLM calls the per-layer hooks straight into the chain: the methods
-        # below are what an editor follows, the chain's own are what runs.
-        self.wait_for_layer_load = self.chain.wait_for_layer_load  # type: ignore[method-assign]
-        self.save_kv_layer = self.chain.save_kv_layer  # type: ignore[method-assign]
+        self._call_the_chain_directly()
         self._model_delivered = False
         log.info(
             "composed connector ready",
@@ -164,10 +138,17 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         if process == "worker":
             self._deliver_model()
 
-    def _forget_dispatch(self) -> None:
-        for name, attr in vars(ComposedConnector).items():
-            if isinstance(attr, _ChainDispatch):
-                self.__dict__.pop(name, None)
+    def _call_the_chain_directly(self) -> None:
+        """vLLM's per-layer and per-step calls go straight to the chain's methods.
+
+        The methods of the same name below, which an editor follows, call the
+        same; a call of ours in between would show on the hot path (``make bench``:
+        composed vs MultiConnector). The chain's methods read its current call
+        lists, so a node switched off is gone from the next call.
+        """
+        for name in hooks_where(every=Every.LAYER) + hooks_where(every=Every.STEP):
+            if hasattr(self.chain, name):  # (get_finished: vLLM's, answered below)
+                setattr(self, name, getattr(self.chain, name))
 
     # ------------------------------------------------------------------ #
     # properties
@@ -279,17 +260,38 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         self.chain.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
-    handle_preemptions = _chain_hook()
-    bind_connector_metadata = _chain_hook()
-    clear_connector_metadata = _chain_hook()
-    start_load_kv = _chain_hook()
-    wait_for_save = _chain_hook()
-    finish_forward = _chain_hook()
-    get_transfer_results = _chain_hook()
-    get_block_ids_with_load_errors = _chain_hook()
-    build_connector_worker_meta = _chain_hook()
-    get_kv_connector_stats = _chain_hook()
-    get_kv_connector_kv_cache_events = _chain_hook()
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self.chain.handle_preemptions(kv_connector_metadata)  # type: ignore[arg-type]
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        self.chain.bind_connector_metadata(connector_metadata)  # type: ignore[arg-type]
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.chain.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self.chain.wait_for_save()
+
+    def finish_forward(self) -> None:
+        self.chain.finish_forward()
+
+    def clear_connector_metadata(self) -> None:
+        self.chain.clear_connector_metadata()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return cast(KVConnectorTransferResults, self.chain.get_transfer_results(finished_req_ids))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.chain.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return cast("KVConnectorWorkerMetadata | None", self.chain.build_connector_worker_meta())
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return cast("KVConnectorStats | None", self.chain.get_kv_connector_stats())
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        return self.chain.get_kv_connector_kv_cache_events()
 
     def has_connector_metadata(self) -> bool:
         # vLLM asks this per layer; the chain holds the step's metadata.
@@ -344,11 +346,20 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         self.chain.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    build_connector_meta = _chain_hook()
-    update_connector_output = _chain_hook()
-    take_events = _chain_hook()
-    has_pending_block_frees = _chain_hook()
-    has_pending_push_work = _chain_hook()
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return cast(KVConnectorMetadata, self.chain.build_connector_meta(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.chain.update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[Any]:
+        return self.chain.take_events()
+
+    def has_pending_block_frees(self) -> bool:
+        return self.chain.has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        return self.chain.has_pending_push_work()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
