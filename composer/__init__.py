@@ -1,36 +1,64 @@
 """KV Composer: compose vLLM KV-cache connectors from a validated graph of plugins.
 
-Importing this package never imports torch or vLLM.
+This namespace is the plugin API: a plugin imports from ``composer`` (and
+``composer.vllm``, ``composer.servers``), never from the modules below them,
+which may move. Importing this package never imports torch or vLLM.
 """
 
+from composer.builtin import VllmConnectorConfig
 from composer.discovery import Registry, discover
-from composer.errors import PipelineInvalid, Problem
+from composer.errors import PipelineInvalid, Problem, did_you_mean, one_of
 from composer.export import kv_transfer_config
 from composer.hookspecs import hookimpl, hookspec
-from composer.pipeline import Node, Pipeline, ResolvedNode, ResolvedPipeline
+from composer.kv_caches import CanonicalKVCaches
+from composer.model.kv_groups import ModelKV, ModelUnsupported
+from composer.pipeline import (
+    Int,
+    Node,
+    Number,
+    Pipeline,
+    PositiveByteSize,
+    ResolvedNode,
+    ResolvedPipeline,
+)
 from composer.plugin import NodeContext, Plugin
 from composer.plugin_types import Capabilities, EmptyConfig, PluginType
+from composer.simulate import SimKVGroup, TierModel
 from composer.validation import load_pipeline, validate_text
-from composer.views import RequestView
+from composer.validation.model_check import no_kv_blocks
+from composer.views import RequestView, StepView
 
 __all__ = [
+    "CanonicalKVCaches",
     "Capabilities",
     "EmptyConfig",
+    "Int",
+    "ModelKV",
+    "ModelUnsupported",
     "Node",
     "NodeContext",
+    "Number",
     "Pipeline",
     "PipelineInvalid",
     "Plugin",
     "PluginType",
+    "PositiveByteSize",
     "Problem",
     "Registry",
     "RequestView",
     "ResolvedNode",
     "ResolvedPipeline",
+    "SimKVGroup",
+    "StepView",
+    "TierModel",
+    "VllmConnectorConfig",
+    "did_you_mean",
     "discover",
     "hookimpl",
     "hookspec",
     "kv_transfer_config",
     "load_pipeline",
+    "no_kv_blocks",
+    "one_of",
     "validate_text",
 ]

@@ -199,10 +199,6 @@ class ResolvedPipeline:
                 return n
         raise KeyError(node_id)
 
-    @property
-    def all_native(self) -> bool:
-        return all(n.plugin.name == "vllm" for n in self.nodes)
-
 
 def typed_pipeline_model(types: dict[str, PluginType]) -> type[BaseModel]:
     """The pipeline model with each plugin's own Config, for the exported JSON Schema."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -52,7 +52,7 @@ class Capabilities(BaseModel):
 #: ``"module:function"``.
 ClassRef = str | type | Callable[[Any], type]
 #: What a node serves of a model's KV cache groups (see :mod:`composer.validation.model_check`):
-#: ``(node config, ModelKV) -> one line``, raising ``composer.model.kv_groups.ModelUnsupported``
+#: ``(node config, ModelKV) -> one line``, raising ``composer.ModelUnsupported``
 #: to refuse; or its ``"module:function"``, imported only when a model is checked.
 ModelSupport = str | Callable[[Any, Any], str]
 #: Extra checks of a node against the whole pipeline file: yields (path, message).
@@ -235,14 +235,11 @@ class PluginType:
 
 
 def resolve_ref(ref: ClassRef | ModelSupport) -> object:
-    """What ``ref`` names: ``"module:attr"`` is imported, anything else is itself."""
+    """What ``ref`` names: a ``"module:attr"`` string is imported (by
+    :func:`pkgutil.resolve_name`), anything else is itself."""
     if not isinstance(ref, str):
         return ref
-    module, _, attr = ref.partition(":")
-    obj: object = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return pkgutil.resolve_name(ref)
 
 
 def choose_class(obj: object, config: BaseModel | None, owner: str) -> type:

@@ -71,8 +71,19 @@ class NodeStats:
 
     #: Shared by a chain's nodes; first, so that every later write can mark it.
     changes: Changes = field(default_factory=Changes, repr=False)
+    #: Calls of the node's lookup; vLLM asks again for a request it could not
+    #: schedule yet, so one request may count several times here.
     lookups: int = 0
     hits: int = 0
+    #: Requests looked up in the node, each counted once (:meth:`count_request`),
+    #: and their prompt tokens; of those, the requests the node served tokens of,
+    #: and the tokens it served. The hit rates users read are
+    #: ``requests_hit / requests_looked_up`` and
+    #: ``prompt_tokens_hit / prompt_tokens_looked_up``.
+    requests_looked_up: int = 0
+    requests_hit: int = 0
+    prompt_tokens_looked_up: int = 0
+    prompt_tokens_hit: int = 0
     tokens_hit: int = 0
     tokens_loaded: int = 0
     tokens_saved: int = 0
@@ -93,6 +104,15 @@ class NodeStats:
     def __setattr__(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
         self.changes.seen = True
+
+    def count_request(self, prompt_tokens: int, served_tokens: int) -> None:
+        """One request looked up in the node, with ``prompt_tokens``, of which the node
+        served ``served_tokens`` (0: none). The chain calls it once per request."""
+        self.requests_looked_up += 1
+        self.prompt_tokens_looked_up += prompt_tokens
+        if served_tokens > 0:
+            self.requests_hit += 1
+            self.prompt_tokens_hit += served_tokens
 
     def add_time(self, hook: str, seconds: float) -> None:
         self.hook_seconds[hook] = self.hook_seconds.get(hook, 0.0) + seconds
@@ -118,6 +138,7 @@ class NodeStats:
         return not any(
             (
                 self.lookups,
+                self.requests_looked_up,
                 self.tokens_loaded,
                 self.tokens_saved,
                 self.errors,

@@ -113,6 +113,8 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
             self.log.debug("node created", node=rnode.id, plugin=rnode.plugin.name)
         # A misspelled @hookimpl is an error, not a silently skipped node; so is
         # an option the chain would ignore (nodes are called once each, in order).
+        # (At engine start this is the one check of the node classes; `kvc
+        # validate --deep` checks them before launch, with did-you-mean.)
         self.pm.check_pending()
         ignored = [
             f"node {node_id!r} hook {hook!r}: {option}=True"

@@ -3,8 +3,10 @@
 Runs the same requests twice, in two engine processes with the same CPU thread
 settings: once without any connector (the reference) and once through the
 pipeline, with vLLM's own prefix cache off so every hit comes from the
-pipeline. Prints, per request, the prompt tokens, which node served how many
-tokens, the time to first token, and whether the output equals the reference.
+pipeline. Prints, per request (named for its part in the story: a prompt's
+first time, the same prompt again, a prompt that starts as another does), the
+prompt tokens, which node served how many tokens, the time to first token,
+and whether the output equals the reference.
 """
 
 from __future__ import annotations
@@ -28,13 +30,18 @@ DEFAULT_PIPELINE: dict[str, Any] = {
 }
 
 
-def demo_rounds() -> tuple[list[str], list[str], list[str]]:
-    """Round 1: three prompts. Round 2: two repeats, a shared prefix, a new prompt."""
+def demo_rounds() -> list[list[tuple[str, str]]]:
+    """The requests, round by round, as ``(name, prompt)``; round 2 starts when round 1
+    has finished. Round 1: three new prompts. Round 2: two of them again, one that
+    starts as A does, and a new one."""
     from composer.testing.tiny_model import make_prompts
 
     a, b, c, d, tail = make_prompts(5, words=90, seed=11)
-    shared = " ".join(a.split()[:60] + tail.split()[:30])
-    return [a, b, c], [a, b, shared, d], ["repeat", "repeat", "shared prefix", "new"]
+    a_start = " ".join(a.split()[:60] + tail.split()[:30])
+    return [
+        [("A, first time", a), ("B, first time", b), ("C, first time", c)],
+        [("A again", a), ("B again", b), ("A's start, new end", a_start), ("D, first time", d)],
+    ]
 
 
 def main(file: str | None = None, *, max_tokens: int = 16) -> int:
@@ -52,8 +59,8 @@ def main(file: str | None = None, *, max_tokens: int = 16) -> int:
     print(f"nodes: {', '.join(f'{n.id} ({n.plugin.name})' for n in pipeline.nodes)}")
     print("building the tiny local model (random weights, local tokenizer)...", flush=True)
     model = str(build_tiny_model())
-    first, second, labels = demo_rounds()
-    rounds = [first, second]
+    named_rounds = demo_rounds()
+    rounds = [[prompt for _, prompt in requests] for requests in named_rounds]
     try:
         print("running vLLM without a connector (reference)...", flush=True)
         reference = run_engine(EngineSpec(model=model, rounds=rounds, max_tokens=max_tokens))
@@ -66,23 +73,25 @@ def main(file: str | None = None, *, max_tokens: int = 16) -> int:
         return 1
 
     print()
-    columns = f"{'request':<14} {'prompt':>6}  {'served by':<18} {'ttft ms':>8}  same output"
+    width = max(len(name) for requests in named_rounds for name, _ in requests)
+    columns = f"{'request':<{width}} {'prompt':>6}  {'served by':<18} {'ttft ms':>8}  same output"
     header = f"{'round':>5}  {columns}"
     print(header)
     print("-" * len(header))
     all_same = True
     hits = 0
-    for r, (ref_round, got_round) in enumerate(zip(reference.rounds, composed.rounds, strict=True)):
-        for i, (ref, got) in enumerate(zip(ref_round, got_round, strict=True)):
+    for r, (requests, ref_round, got_round) in enumerate(
+        zip(named_rounds, reference.rounds, composed.rounds, strict=True)
+    ):
+        for (name, _), ref, got in zip(requests, ref_round, got_round, strict=True):
             info = (got.kv_transfer_params or {}).get("kv_composer") or {}
             served = f"{info['served_by']}: {info['tokens']} tok" if info.get("served_by") else "-"
             hits += info.get("tokens", 0)
             same = ref.tokens == got.tokens
             all_same &= same
-            label = "first" if r == 0 else labels[i]
             ttft = f"{got.ttft_s * 1000:8.1f}" if got.ttft_s else "       -"
             print(
-                f"{r + 1:>5}  {label:<14} {got.prompt_tokens:>6}  {served:<18} {ttft}  "
+                f"{r + 1:>5}  {name:<{width}} {got.prompt_tokens:>6}  {served:<18} {ttft}  "
                 f"{'yes' if same else 'NO'}"
             )
     print()

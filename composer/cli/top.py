@@ -2,10 +2,12 @@
 
 Reads the server's Prometheus ``/metrics`` (the per-node series of
 :mod:`composer.vllm.metrics`) every ``interval`` seconds and shows, per node:
-lookups, hits, hit rate, tokens loaded, load and save bandwidth (bytes/s
-between two scrapes), pool use, errors, whether it is switched off; and
-vLLM's own prefix-cache hit rate and request queue. Standard library and
-``rich`` only: never torch or vLLM.
+requests looked up, hit rates per request and per prompt token (each request
+counted once: vLLM may ask a node about one request several times, so hits
+per lookup misread), tokens loaded, load and save bandwidth (bytes/s between
+two scrapes), pool use, errors, whether it is switched off; and vLLM's own
+prefix-cache hit rate and request queue. Standard library and ``rich`` only:
+never torch or vLLM.
 """
 
 from __future__ import annotations
@@ -48,16 +50,24 @@ def _rate(now: Snapshot, before: Snapshot | None, node: str, key: str) -> str:
     return f"{_size(max(delta, 0.0) / (now.at - before.at))}/s"
 
 
+def _percent(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
 def render(now: Snapshot, before: Snapshot | None = None, source: str = "") -> Group:
     """The view of one scrape (``before``: the previous one, for the rates)."""
     views = scrape.nodes(now.samples)
-    table = Table(title=f"KV Composer nodes — {source}" if source else "KV Composer nodes")
+    table = Table(
+        title=f"KV Composer nodes — {source}" if source else "KV Composer nodes",
+        caption="hit rates count each request once: requests the node served of those "
+        "looked up in it, and prompt tokens it served of theirs",
+    )
     for column, justify in (
         ("node", "left"),
         ("plugin", "left"),
-        ("lookups", "right"),
-        ("hits", "right"),
-        ("hit rate", "right"),
+        ("requests", "right"),
+        ("req hit rate", "right"),
+        ("token hit rate", "right"),
         ("tokens loaded", "right"),
         ("load/s", "right"),
         ("save/s", "right"),
@@ -67,16 +77,16 @@ def render(now: Snapshot, before: Snapshot | None = None, source: str = "") -> G
     ):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for node, view in sorted(views.items()):
-        lookups = view.counters.get("lookups", 0.0)
-        hits = view.counters.get("hits", 0.0)
+        requests = view.counters.get("requests_looked_up", 0.0)
+        prompt_tokens = view.counters.get("prompt_tokens_looked_up", 0.0)
         pool = view.gauges.get("pool_use")
         errors = view.counters.get("errors", 0.0)
         table.add_row(
             node,
             view.plugin,
-            f"{lookups:,.0f}",
-            f"{hits:,.0f}",
-            f"{100 * hits / lookups:.1f}%" if lookups else "-",
+            f"{requests:,.0f}",
+            _percent(view.counters.get("requests_hit", 0.0), requests),
+            _percent(view.counters.get("prompt_tokens_hit", 0.0), prompt_tokens),
             f"{view.counters.get('tokens_loaded', 0.0):,.0f}",
             _rate(now, before, node, "bytes_loaded"),
             _rate(now, before, node, "bytes_saved"),
@@ -90,8 +100,7 @@ def render(now: Snapshot, before: Snapshot | None = None, source: str = "") -> G
     waiting = scrape.total(now.samples, "vllm:num_requests_waiting")
     usage = [s.value for s in now.samples if s.name == "vllm:kv_cache_usage_perc"]
     line = (
-        f"vLLM: prefix cache hit rate "
-        f"{f'{100 * hits / queries:.1f}%' if queries else '-'}, "
+        f"vLLM: prefix cache hit rate {_percent(hits, queries)}, "
         f"KV cache use {f'{100 * max(usage):.1f}%' if usage else '-'}, "
         f"requests running {running:.0f}, waiting {waiting:.0f}"
     )

@@ -2,7 +2,7 @@
 
 The file is read by :func:`composer.model.kv_groups.predict` (the one config.json
 reader, also behind ``kvc validate --model``); this module turns its groups
-into :class:`~composer.simulate.KVGroup` for ``kvc simulate`` and its errors
+into :class:`~composer.simulate.SimKVGroup` for ``kvc simulate`` and its errors
 into :class:`~composer.simulate.SimulateError`.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from composer.model.kv_groups import ModelConfigError, ModelKV, predict
 from composer.pipeline import ResolvedPipeline
-from composer.simulate import KVGroup, SimulateError
+from composer.simulate import SimKVGroup, SimulateError
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class ModelShape:
     block_size: int
     #: Bytes of a tier slot: every layer's block with one group, the largest group's with several.
     bytes_per_block: int
-    groups: tuple[KVGroup, ...]
+    groups: tuple[SimKVGroup, ...]
     notes: tuple[str, ...] = ()
 
 
@@ -43,7 +43,7 @@ def model_shape(
     if pipeline is not None:
         model = _as_run(pipeline, model, notes)
     groups = tuple(
-        KVGroup(g.kind, g.bytes_per_token * (g.block_size or 0), g.window or 0)
+        SimKVGroup(g.kind, g.bytes_per_token * (g.block_size or 0), g.window or 0)
         for g in model.groups
     )
     sizes = {g.block_size for g in model.groups if g.block_size}

@@ -14,7 +14,7 @@ order, one request at a time. The rules are the product's:
 * a request's blocks are stored when it finishes, into vLLM's own cache and
   into every ``save_to`` node, each by its ``save`` policy.
 
-A model's KV cache groups (:class:`KVGroup`, from its ``config.json`` by
+A model's KV cache groups (:class:`SimKVGroup`, from its ``config.json`` by
 :mod:`composer.model.size`) reach every tier model: a hybrid model's tier
 stores each group's blocks on its own (a sliding window only those a hit
 needs). Window groups keep single blocks, so such a model replays every block.
@@ -33,15 +33,15 @@ Traces and their block keys are :mod:`composer.trace`'s; a sweep's runs
 
 from __future__ import annotations
 
-import importlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from pydantic import BaseModel, ValidationError
 
 from composer.pipeline import ResolvedNode, ResolvedPipeline
+from composer.plugin_types import resolve_ref
 from composer.trace import MAX_TRACE_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
 
 DEFAULT_BLOCK_SIZE = 32
@@ -54,8 +54,11 @@ class SimulateError(Exception):
 
 
 @dataclass(frozen=True)
-class KVGroup:
-    """One KV cache group, as a tier model sees it (one group of every layer by default)."""
+class SimKVGroup:
+    """One KV cache group, as a tier model sees it (one group of every layer by default).
+
+    Not :class:`composer.kv_caches.KVGroup`, a running worker's view of vLLM's tensors.
+    """
 
     #: "attention", "sliding_window", "chunked_local" or "mamba".
     kind: str
@@ -160,12 +163,6 @@ class PrefixCacheModel:
             self.evictions += 1
 
 
-def load_model_class(spec: str) -> type:
-    module, _, attr = spec.partition(":")
-    cls: type = getattr(importlib.import_module(module), attr)
-    return cls
-
-
 # --------------------------------------------------------------------------- #
 # replay
 # --------------------------------------------------------------------------- #
@@ -208,7 +205,7 @@ class Result:
     bytes_per_block: int
     load_policy: str
     nodes: list[NodeResult] = field(default_factory=list)
-    groups: list[KVGroup] = field(default_factory=list)
+    groups: list[SimKVGroup] = field(default_factory=list)
     #: What the sizes had to assume, and why the replay moved the units it did.
     notes: list[str] = field(default_factory=list)
     tokens_served: int = 0
@@ -254,7 +251,7 @@ def simulate(
     trace_name: str = "<trace>",
     overrides: dict[str, Any] | None = None,
     exact: bool = False,
-    groups: Sequence[KVGroup] | None = None,
+    groups: Sequence[SimKVGroup] | None = None,
     notes: Sequence[str] = (),
 ) -> Result:
     """Replay ``trace`` through ``pipeline``; ``overrides`` replaces config fields of
@@ -275,7 +272,7 @@ def simulate(
     window group (it keeps single blocks of a unit).
     """
     _check_options(bytes_per_block, block_size, trace_block_tokens, vllm_cache_blocks)
-    groups = tuple(groups or (KVGroup("attention", bytes_per_block),))
+    groups = tuple(groups or (SimKVGroup("attention", bytes_per_block),))
     notes = list(notes)
     unit = 1
     if not exact and trace_block_tokens % block_size == 0:
@@ -335,7 +332,7 @@ class _Replay:
         group: int,
         bytes_per_block: int,
         vllm_cache_blocks: int,
-        groups: tuple[KVGroup, ...],
+        groups: tuple[SimKVGroup, ...],
     ) -> None:
         self.pipeline, self.keymaker, self.group = pipeline, keymaker, group
         self.unit = keymaker.block_size
@@ -362,7 +359,7 @@ class _Replay:
         node: ResolvedNode,
         overrides: dict[str, Any],
         unit_bytes: int,
-        groups: tuple[KVGroup, ...],
+        groups: tuple[SimKVGroup, ...],
     ) -> None:
         spec = getattr(node.plugin, "simulator", None)
         res = NodeResult(node.id, _label(node), modelled=spec is not None)
@@ -372,9 +369,8 @@ class _Replay:
         if spec is None:
             return
         config = _with_overrides(node, overrides)
-        model: TierModel = load_model_class(spec)(
-            config, block_size=self.unit, bytes_per_block=unit_bytes, groups=groups
-        )
+        model_class = cast(Callable[..., TierModel], resolve_ref(spec))
+        model = model_class(config, block_size=self.unit, bytes_per_block=unit_bytes, groups=groups)
         self.models[node.id] = model
         res.capacity_blocks = model.capacity_blocks * self.group
         res.capacity_bytes = model.capacity_blocks * unit_bytes

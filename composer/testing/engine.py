@@ -15,7 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,9 @@ class EngineSpec:
     threads_bind: str = "0-1"
     env: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 420
+    #: Skip torch.compile and its warm-up (vLLM's ``enforce_eager``): an engine
+    #: starts seconds sooner. Both sides of a token comparison must agree on it.
+    enforce_eager: bool = False
 
 
 @dataclass
@@ -135,6 +139,51 @@ def run_engine(spec: EngineSpec) -> EngineResult:
         )
 
 
+class SharedRuns:
+    """One engine configuration's runs, shared by several test modules.
+
+    Every round list declared up front (``wanted``) runs in one engine, one
+    list after the other, on the first call; each caller gets the result of
+    its own rounds, as if it had run them alone. For engines without state
+    between rounds (no connector, vLLM's prefix cache off) that is what a run
+    of its own would give: every round is the same batch of prompts, in an
+    engine with the same settings. A round list not declared gets an engine of
+    its own.
+    """
+
+    def __init__(self, spec: EngineSpec, wanted: Sequence[list[list[str]]] = ()) -> None:
+        if spec.reset_after is not None:
+            raise ValueError("reset_after counts rounds of one list: not for shared runs")
+        #: The settings; its rounds are ignored.
+        self.spec = spec
+        self._pending = [list(r) for r in wanted]
+        self._done: list[tuple[list[list[str]], EngineResult]] = []
+        #: Engines started so far.
+        self.engines = 0
+
+    def __call__(self, rounds: list[list[str]]) -> EngineResult:
+        for known, result in self._done:
+            if known == rounds:
+                return result
+        batch = [rounds, *(r for r in self._pending if r != rounds)]
+        self._pending = []
+        total = sum(len(r) for r in batch)
+        spec = replace(
+            self.spec,
+            rounds=[rnd for r in batch for rnd in r],
+            # A hang limit only: the spec's own, plus time for the added rounds.
+            timeout_s=self.spec.timeout_s + 5 * (total - len(rounds)),
+        )
+        self.engines += 1
+        whole = run_engine(spec)
+        start = 0
+        for r in batch:
+            part = replace(whole, rounds=whole.rounds[start : start + len(r)])
+            self._done.append((r, part))
+            start += len(r)
+        return self._done[-len(batch)][1]
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process of group ``pgid`` still runs (a zombie only waits to be reaped)."""
     import psutil
@@ -191,6 +240,7 @@ def _child(spec_path: str, out_path: str) -> None:
         max_model_len=spec.max_model_len,
         enable_prefix_caching=spec.prefix_caching,
         kv_transfer_config=spec.kv_transfer_config,
+        enforce_eager=spec.enforce_eager,
         disable_log_stats=False,
         seed=0,
     )

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from composer.export import CONNECTOR_NAME
+
 #: KVTransferConfig keys of a child and the ``vllm`` node option each becomes.
 _CHILD_KEYS = {
     "kv_connector": "connector",
@@ -55,7 +57,7 @@ def composed_vllm_config(vllm_config: Any, hma: str = "auto") -> Any:
     children = parent.kv_connector_extra_config["connectors"]
     out = copy.copy(vllm_config)
     out.kv_transfer_config = KVTransferConfig(
-        kv_connector="ComposedConnector",
+        kv_connector=CONNECTOR_NAME,
         kv_role=parent.kv_role,
         engine_id=parent.engine_id,
         kv_connector_extra_config={"pipeline": pipeline_for(children, parent.kv_role, hma)},
@@ -89,7 +91,7 @@ def make_vllm_config(
     kv_transfer_config = None
     if children is not None:
         kv_transfer_config = KVTransferConfig(
-            kv_connector="ComposedConnector",
+            kv_connector=CONNECTOR_NAME,
             kv_role=kv_role,  # type: ignore[arg-type]
             kv_connector_extra_config={"pipeline": pipeline_for(children, kv_role, hma)},
         )

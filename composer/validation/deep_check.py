@@ -28,7 +28,7 @@ from composer.errors import Problem, did_you_mean, one_of
 from composer.hookspecs import HOOKS, PROJECT, NodeSpec
 from composer.loader import Marks
 from composer.pipeline import ResolvedNode, ResolvedPipeline
-from composer.plugin_types import ClassRef, choose_class
+from composer.plugin_types import ClassRef, choose_class, resolve_ref
 
 #: Hookimpl options the chain does not honour: a wrapper never wraps (the chain
 #: is no pluggy hook call) and order is pipeline order, not tryfirst/trylast.
@@ -241,21 +241,25 @@ def _resolve(ref: ClassRef) -> object:
     """What ``ref`` names; :class:`_NotFound` (with did-you-mean) when it does not exist."""
     if not isinstance(ref, str):
         return ref
-    module_name, _, attr = ref.partition(":")
+    module_name = ref.partition(":")[0]
     try:
-        obj: object = importlib.import_module(module_name)
+        # The module on its own first: an error of its own code is no missing name.
+        importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is None or not module_name.startswith(exc.name):
             raise  # the module exists, one of its own imports does not
         raise _NotFound(f'no module "{exc.name}"{_module_hint(exc.name)}') from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            names = [n for n in dir(obj) if isinstance(getattr(obj, n), type)]
-            raise _NotFound(
-                f'"{getattr(obj, "__name__", obj)}" has no class "{part}"'
-                f"{did_you_mean(part, names)}"
-            )
-        obj = getattr(obj, part)
+    try:
+        obj = resolve_ref(ref)
+    except AttributeError as exc:  # the name a step of "Class.Inner" misses, and where
+        holder, name = exc.obj, str(exc.name)
+        names = [n for n in dir(holder) if isinstance(getattr(holder, n), type)]
+        raise _NotFound(
+            f'"{getattr(holder, "__name__", holder)}" has no class "{name}"'
+            f"{did_you_mean(name, names)}"
+        ) from None
+    except ValueError:  # pkgutil.resolve_name's grammar: dotted names, one colon
+        raise _NotFound('is not a "module:Class" name') from None
     if not (isinstance(obj, type) or callable(obj)):
         raise _NotFound(f"is a {type(obj).__name__}, not a class")
     return obj

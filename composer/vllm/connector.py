@@ -88,9 +88,10 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.pipeline = runtime_pipeline(extra)
         deep_check_at_start(self.pipeline)
         process = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        # vLLM switches its hybrid manager off unless every node supports HMA
-        # (all_nodes_support_hma, as for MultiConnector), so several KV cache
-        # groups reach the nodes only when all of them can take them.
+        # vLLM turns its hybrid manager off unless every node supports HMA
+        # (all_nodes_support_hma, as for MultiConnector), or unless the user
+        # turned it on explicitly (--no-disable-hybrid-kv-cache-manager): then
+        # several KV cache groups could reach nodes that cannot take them.
         hma_on = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         if hma_on and len(kv_cache_config.kv_cache_groups) > 1 and not self.pipeline.hma:
             lacking = [n.id for n in self.pipeline.nodes if not n.capabilities.hma]

@@ -200,8 +200,13 @@ PREFIX = "vllm:kv_composer_"
 
 #: NodeStats fields exported as counters (``<PREFIX><field>_total``).
 COUNTERS = {
-    "lookups": "Lookups asked of the node (get_num_new_matched_tokens).",
+    "lookups": "Lookups asked of the node (get_num_new_matched_tokens; a request may be "
+    "asked more than once).",
     "hits": "Lookups the node answered with at least one block.",
+    "requests_looked_up": "Requests looked up in the node, each counted once.",
+    "requests_hit": "Requests looked up in the node that it served tokens of.",
+    "prompt_tokens_looked_up": "Prompt tokens of the requests looked up in the node.",
+    "prompt_tokens_hit": "Prompt tokens the node served of the requests looked up.",
     "tokens_hit": "Prompt tokens the node reported it holds.",
     "tokens_loaded": "Prompt tokens loaded from the node into vLLM's KV cache.",
     "tokens_saved": "Tokens the node stored.",

@@ -63,10 +63,11 @@ class NativeConnectorNode(Plugin):
         connector_cls = KVConnectorFactory.get_connector_class(temp.kv_transfer_config)
         groups = len(getattr(ctx.kv_cache_config, "kv_cache_groups", ()) or ())
         if not supports_hma(connector_cls) and groups <= 1:
-            # vLLM keeps its hybrid manager on for the composed connector; with a
-            # single KV cache group the chain turns request_finished_all_groups
-            # into request_finished for this node, so the factory's HMA refusal
-            # does not apply. (Several groups without HMA fail at engine start.)
+            # The hybrid manager can be on while this connector lacks HMA (the
+            # user turned it on explicitly). With one KV cache group the chain
+            # turns request_finished_all_groups into request_finished for this
+            # node, so the factory's HMA refusal does not apply. (Several groups
+            # without HMA are refused at engine start, by the composed connector.)
             temp.scheduler_config = copy.copy(temp.scheduler_config)
             temp.scheduler_config.disable_hybrid_kv_cache_manager = True
         self.connector = KVConnectorFactory.create_connector(temp, role, ctx.kv_cache_config)

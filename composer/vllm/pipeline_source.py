@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from composer.builtin import VllmConnectorConfig
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.validation import load_pipeline
+from composer.validation.deep_check import deep_check
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -131,11 +132,8 @@ def requires_piecewise(pipeline: ResolvedPipeline) -> bool:
 
 
 def deep_check_at_start(pipeline: ResolvedPipeline) -> None:
-    """At engine start, native connector names are checked against vLLM's registry."""
-    try:
-        from composer.validation.deep_check import deep_check
-    except ImportError:  # pragma: no cover - the module ships with the core
-        return
-    problems = deep_check(pipeline)
+    """At engine start, native connector names are checked against vLLM's registry
+    (the chain checks its node classes itself as it creates the nodes)."""
+    problems = deep_check(pipeline, classes=False)
     if problems:
         raise ValueError("invalid pipeline:\n" + "\n".join(str(p) for p in problems))

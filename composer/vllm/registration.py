@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-CONNECTOR = "ComposedConnector"
+from composer.export import CONNECTOR_NAME as CONNECTOR
 
 
 def register() -> None:
@@ -12,7 +12,7 @@ def register() -> None:
 
     if CONNECTOR not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(
-            CONNECTOR, "composer.vllm.connector", "ComposedConnector"
+            CONNECTOR, "composer.vllm.connector", "ComposedConnector"  # the class
         )
     _route_hma_question(KVConnectorFactory)
     from composer.vllm.handoff import install
