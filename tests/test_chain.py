@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from composer import Capabilities, Plugin, PluginType, discover, hookimpl, load_pipeline
 from composer.chain import Chain, TransferParamsClash
+from composer.testing.chains import KV_CACHE_CONFIG, Blocks, pipeline_chain, registry, request
 
 CALLS: list[tuple[str, str, Any]] = []
 
@@ -111,25 +112,12 @@ class _Module:
     __name__ = "fakes"
 
 
-REGISTRY = discover(extra=[_Module()], entry_points=False)
-KV_CACHE_CONFIG = SimpleNamespace(
-    kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4))]
-)
+REGISTRY = registry(_Module())
 
 
 def chain(nodes: dict[str, Any], role: str = "scheduler", **pipeline: Any) -> Chain:
     CALLS.clear()
-    resolved = load_pipeline({"version": 1, "nodes": nodes, **pipeline}, registry=REGISTRY)
-    return Chain(resolved, role, kv_cache_config=KV_CACHE_CONFIG)  # type: ignore[arg-type]
-
-
-def request(rid: str = "r1") -> Any:
-    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(20)))
-
-
-class Blocks:
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return ([10, 11, 12, 13, 14],)
+    return pipeline_chain({"nodes": nodes, **pipeline}, role, types=REGISTRY)
 
 
 def test_first_hit_serves_and_others_get_zero_tokens() -> None:

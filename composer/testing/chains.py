@@ -1,9 +1,12 @@
-"""Chains without vLLM, for tests: a node that implements every hook, and a driver.
+"""Chains without vLLM, for tests: a chain of any plugin types, a node that
+implements every hook, and a driver.
 
-``Scripted`` answers each hook from its config (``returns``), records every call
-in ``CALLS`` and raises in the hook named ``fail_in``; :func:`drive` calls a hook
-through a chain the way vLLM calls it. Used by the project's own tests (fault
-policies, the combine table) and usable by a plugin's.
+:func:`pipeline_chain` builds a chain from a pipeline and the plugin types of a
+test module; ``Scripted`` answers each hook from its config (``returns``),
+records every call in ``CALLS`` and raises in the hook named ``fail_in``;
+:func:`drive` calls a hook through a chain the way vLLM calls it. Used by the
+project's own tests (the chain, fault policies, the combine table) and usable
+by a plugin's.
 """
 
 from __future__ import annotations
@@ -97,9 +100,20 @@ class _Module:
     __name__ = "composer.testing.chains"
 
 
-def registry() -> Registry:
-    """The plugin types discovered here, plus ``scripted``."""
-    return discover(extra=[_Module()], entry_points=False)
+def registry(*modules: Any) -> Registry:
+    """The built-in plugin types, ``scripted``, and those ``modules`` register
+    (objects with a ``register_plugin_types`` hookimpl); no entry points."""
+    return discover(extra=[_Module(), *modules], entry_points=False)
+
+
+def pipeline_chain(
+    pipeline: dict[str, Any], role: str = "scheduler", *, types: Registry | None = None
+) -> Chain:
+    """The chain of ``pipeline`` (a pipeline file's data) in one vLLM process, without
+    vLLM: one KV cache group of 4-token blocks. ``CALLS`` is cleared."""
+    CALLS.clear()
+    resolved = load_pipeline({"version": 1, **pipeline}, registry=types or registry())
+    return Chain(resolved, role, kv_cache_config=KV_CACHE_CONFIG)  # type: ignore[arg-type]
 
 
 def chain(nodes: dict[str, dict[str, Any]], role: str = "scheduler", **settings: Any) -> Chain:
@@ -114,8 +128,7 @@ def chain(nodes: dict[str, dict[str, Any]], role: str = "scheduler", **settings:
         }
         for node_id, fields in nodes.items()
     }
-    pipeline = load_pipeline({"version": 1, "nodes": spec, **settings}, registry=registry())
-    return Chain(pipeline, role, kv_cache_config=KV_CACHE_CONFIG)  # type: ignore[arg-type]
+    return pipeline_chain({"nodes": spec, **settings}, role)
 
 
 def request(rid: str = "r1") -> Any:
