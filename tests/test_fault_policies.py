@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from composer import Capabilities, PluginType, discover, hookimpl, load_pipeline
+from composer import Capabilities, PluginType, hookimpl
 from composer.chain import Chain
 from composer.chain.faults import NodeFailed, WorkerLedger
 from composer.hookspecs import LOAD_HOOKS, RECOVERABLE_HOOKS
-from composer.testing.chains import NOTHING, Scripted, drive, spec_hooks
+from composer.testing.chains import NOTHING, Scripted, drive, pipeline_chain, registry, spec_hooks
+from composer.testing.chains import Blocks as _Blocks
+from composer.testing.chains import request as _request
 
 SHUTDOWNS: list[str] = []
 
@@ -68,10 +70,7 @@ class _Module:
     __name__ = "fault_fakes"
 
 
-REGISTRY = discover(extra=[_Module()], entry_points=False)
-KV_CACHE_CONFIG = SimpleNamespace(
-    kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4))]
-)
+REGISTRY = registry(_Module())
 
 
 def _chain(role: str, policy: str, fail_in: str = "", **config: Any) -> Chain:
@@ -84,17 +83,7 @@ def _chain(role: str, policy: str, fail_in: str = "", **config: Any) -> Chain:
         },
         "good": {"plugin": "everything", "config": {"hold": config.get("hold", False)}},
     }
-    pipeline = load_pipeline({"version": 1, "nodes": nodes}, registry=REGISTRY)
-    return Chain(pipeline, role, kv_cache_config=KV_CACHE_CONFIG)  # type: ignore[arg-type]
-
-
-def _request(rid: str = "r1") -> Any:
-    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(20)), num_tokens=20)
-
-
-class _Blocks:
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return ([10, 11, 12, 13, 14],)
+    return pipeline_chain({"nodes": nodes}, role, types=REGISTRY)
 
 
 def _meta(chain: Chain, **fields: Any) -> Any:
