@@ -193,17 +193,7 @@ class WorkerSide(ChainBase):
 
     def _check_group_loads(self) -> None:
         """Several groups: fail the loads that lost a block (vLLM takes no block ids then)."""
-        errors, self.load_error_blocks = self.load_error_blocks, set()
-        for node_id, fn in self.calls["get_block_ids_with_load_errors"]:
-            try:
-                failed = fn()
-            except Exception as exc:
-                self.fault(node_id, "get_block_ids_with_load_errors", exc)
-                continue
-            if failed:
-                errors |= failed
-        errors |= self.load_error_blocks  # a fault above may have added some
-        self.load_error_blocks = set()
+        errors = self._drain_load_errors()
         for req_id, (node_id, blocks, _) in self.group_loads.items():
             if node_id in self.disabled or blocks & errors:
                 self.failed_group_loads.add(req_id)
@@ -236,7 +226,11 @@ class WorkerSide(ChainBase):
         if self.num_groups > 1:  # failed per request instead (see get_transfer_results)
             self._check_group_loads()
             return set()
-        blocks, self.load_error_blocks = self.load_error_blocks, set()
+        return self._drain_load_errors()
+
+    def _drain_load_errors(self) -> set[int]:
+        """The blocks that failed to load since the last call: the nodes' and the chain's."""
+        blocks: set[int] = set()
         for node_id, fn in self.calls["get_block_ids_with_load_errors"]:
             try:
                 failed = fn()
@@ -245,6 +239,9 @@ class WorkerSide(ChainBase):
                 continue
             if failed:
                 blocks |= failed
+        # (After the nodes: a fault above may have added some.)
+        blocks |= self.load_error_blocks
+        self.load_error_blocks = set()
         return blocks
 
     def build_connector_worker_meta(self) -> ChainWorkerMetadata | None:
