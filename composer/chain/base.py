@@ -36,8 +36,6 @@ class ChainBase:
     lists: CallLists
     #: Hook -> (node id, callable), in dispatch order: ``lists.calls``.
     calls: dict[str, list[tuple[str, Call]]]
-    #: Called after the call lists change (a node switched off).
-    on_rebind: list[Callable[[], None]]
 
     # The types results are built with (the vLLM adapter passes vLLM's own).
     metadata_type: type[ChainMetadata]
@@ -80,8 +78,8 @@ class ChainBase:
     def results(self, hook: str, *args: Any, default: Any = None) -> list[tuple[str, Any]]:
         """(node id, result) of every node implementing ``hook``; a failed one gives ``default``.
 
-        For one-time and per-request hooks; per-step and per-layer hooks have
-        dispatch bound when the call lists are.
+        For one-time and per-request hooks; the per-step and per-layer ones have
+        a method each, with its own loop.
         """
         out = []
         for node_id, fn in self.calls[hook]:

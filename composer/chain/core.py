@@ -43,8 +43,8 @@ log = structlog.get_logger("kv_composer")
 class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
     """The nodes of one pipeline in one vLLM process.
 
-    Per-layer and per-step hooks are attributes bound to the current call lists
-    (re-bound when a node is switched off); the rest are methods.
+    Each hook vLLM calls is a method that runs the hook's call list (rebuilt
+    when a node is switched off), in the part of the chain that owns it.
     """
 
     def __init__(
@@ -85,7 +85,6 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
         self.ledger = WorkerLedger()
         self.load_error_blocks, self.step_loads = set(), {}
         self.released, self.failed_recving, self.unreported_disabled = set(), set(), set()
-        self.on_rebind = []
         self.rebind()
 
     def _create_nodes(self, vllm_config: Any, kv_cache_config: Any) -> None:
@@ -143,7 +142,7 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
         return [n for n in order if n in self.nodes and n not in self.disabled]
 
     def rebind(self) -> None:
-        """(Re)build every hook's call list and the dispatch bound to it."""
+        """(Re)build every hook's call list, and what each side derives from them."""
         directs = {
             node_id: node.direct_hooks() if hasattr(node, "direct_hooks") else {}
             for node_id, node in self.nodes.items()
@@ -153,8 +152,6 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
         self._bind_worker()
         self._bind_scheduler()
         self._bind_worker_output()
-        for callback in self.on_rebind:
-            callback()
 
     def _wrap(self, node_id: str, hook: str, fn: Call) -> Call:
         if self._timed(HOOKS[hook].every):
