@@ -73,11 +73,7 @@ class Reports(ChainBase):
 
     def take_events(self) -> Iterable[Any]:
         """The nodes' new KV cache events, one node after the other."""
-        calls = self.calls["take_events"]
-        return self._events(calls) if calls else ()  # (no generator on the usual step)
-
-    def _events(self, calls: list[tuple[str, Any]]) -> Iterable[Any]:
-        for node_id, fn in calls:
+        for node_id, fn in self.calls["take_events"]:
             try:
                 for event in fn():
                     # vLLM's stored/removed events name the offloading tier

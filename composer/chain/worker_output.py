@@ -17,30 +17,35 @@ from composer.chain.calls import Call
 class WorkerOutput(ChainBase):
     #: (node id, callable, names connector_output?, names worker_meta?), in node order.
     output_calls: list[tuple[str, Call, bool, bool]]
-    #: Only native nodes, inside vLLM: the loop MultiConnector runs, no argument choice.
-    output_native_only: bool
+    #: Only native nodes, inside vLLM: their (node id, callable), for the loop
+    #: MultiConnector runs (no argument choice); else None.
+    output_native_only: list[tuple[str, Call]] | None
 
     def _bind_worker_output(self) -> None:
         self.output_calls = [
             (node_id, fn, "connector_output" in names, "worker_meta" in names)
             for node_id, fn, names in self.lists.own["update_connector_output"]
         ]
-        self.output_native_only = self.restore_worker_meta and all(
+        native_only = self.restore_worker_meta and all(
             out and not meta for _, _, out, meta in self.output_calls
+        )
+        self.output_native_only = (
+            [(node_id, fn) for node_id, fn, _, _ in self.output_calls] if native_only else None
         )
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Each node gets its own worker metadata (see the module's docstring)."""
-        calls = self.output_calls
+        native = self.output_native_only
         # (Inside vLLM, whose output always has the field, for native nodes only.)
-        if self.output_native_only and connector_output.kv_connector_worker_meta is None:
+        if native is not None and connector_output.kv_connector_worker_meta is None:
             # The usual step for vLLM's own connectors: nothing to swap.
-            for node_id, fn, _, _ in calls:
+            for node_id, fn in native:
                 try:
                     fn(connector_output)
                 except Exception as exc:
                     self.fault(node_id, "update_connector_output", exc)
             return None
+        calls = self.output_calls
         chain_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not calls:
             self._follow_workers(connector_output)  # (with nothing called, nothing overwritten)
