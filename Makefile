@@ -12,12 +12,16 @@ install: $(STAMP)
 # torch first, so that nothing pulls a CUDA torch; vLLM's CPU build next; then
 # drop the CUDA-only torchvision/torchaudio/torchcodec it drags in, which break
 # `import vllm` on CPU.
+# `-qq`: pip's errors only (its exit status unchanged). Its warnings here are
+# setuptools' notice on every editable install ("Please be careful with folders
+# in your working directory...") and index locations of a pip config that do
+# not exist ("Location ... is ignored"): nothing for this project to act on.
 $(STAMP): pyproject.toml $(PLUGINS)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet 'torch==2.13.0'
-	$(PIP) install --quiet -e '.[vllm,test,lint]' $(foreach p,$(PLUGINS),-e ./$(dir $(p)))
-	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(PIP) install -qq --upgrade pip
+	$(PIP) install -qq 'torch==2.13.0'
+	$(PIP) install -qq -e '.[vllm,test,lint]' $(foreach p,$(PLUGINS),-e ./$(dir $(p)))
+	$(PIP) uninstall -qq -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import vllm, composer" 
 	touch $@
 

@@ -138,6 +138,35 @@ def test_first_hit_serves_and_others_get_zero_tokens() -> None:
     assert c.stats["b"].hits == 1 and c.stats["a"].lookups == 1
 
 
+def test_a_request_counts_once_per_node_however_often_vllm_asks() -> None:
+    c = chain(
+        {
+            "a": {"plugin": "tier", "config": {"hit": 0}},
+            "b": {"plugin": "tier", "config": {"hit": 8}},
+        }
+    )
+    # vLLM asks again while it cannot schedule the request, then admits it once.
+    for _ in range(3):
+        assert c.get_num_new_matched_tokens(request(), 0) == (8, False)
+    c.update_state_after_alloc(request(), Blocks(), 8)
+    # Back after a preemption: asked and admitted again, counted by vLLM apart.
+    back = request()
+    back.num_preemptions = 1
+    c.get_num_new_matched_tokens(back, 0)
+    c.update_state_after_alloc(back, Blocks(), 8)
+    counted = {
+        n: (
+            s.lookups,
+            s.requests_looked_up,
+            s.requests_hit,
+            s.prompt_tokens_looked_up,
+            s.prompt_tokens_hit,
+        )
+        for n, s in c.stats.items()
+    }
+    assert counted == {"a": (4, 1, 0, 20, 0), "b": (4, 1, 1, 20, 8)}
+
+
 def test_longest_hit_policy_and_load_order() -> None:
     c = chain(
         {

@@ -430,6 +430,27 @@ def test_serve_and_demo_hand_their_arguments_over(monkeypatch: pytest.MonkeyPatc
     ]
 
 
+def test_the_demo_names_its_requests_for_what_they_are() -> None:
+    from composer.cli.demo import demo_rounds
+
+    def leading_words_shared(a: str, b: str) -> int:
+        return len(os.path.commonprefix([a.split(), b.split()]))
+
+    rounds = demo_rounds()
+    names = [name for requests in rounds for name, _ in requests]
+    assert len(set(names)) == len(names)
+    first_time = {name.split(",")[0]: prompt for name, prompt in rounds[0]}
+    assert all(name.endswith(", first time") for name, _ in rounds[0])
+    for name, prompt in rounds[1]:
+        if name.endswith(" again"):  # the same prompt as that letter's first time
+            assert prompt == first_time[name.removesuffix(" again")]
+        elif name.endswith(", first time"):  # no earlier prompt starts as it does
+            assert all(leading_words_shared(prompt, p) < 5 for p in first_time.values())
+        else:  # "X's start, new end": X's first words, then others
+            start = first_time[name.split("'s start")[0]]
+            assert 30 <= leading_words_shared(prompt, start) < len(start.split())
+
+
 def test_serve_refuses_a_bad_pipeline_and_becomes_vllm_serve_for_a_good_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -67,6 +67,8 @@ TYPES = {
     "good": dict(node=Good),
     "split": dict(scheduler="deep_plugins:Good", worker="deep_plugins:Goood"),
     "no-module": dict(node="deep_plugin:Good"),
+    "nested": dict(node="deep_plugins:Good.Inner"),
+    "malformed": dict(node="deep_plugins:Good-x"),
     "misspelled": dict(node=Misspelled),
     "bad-argument": dict(worker=BadArgument),
     "wrapper": dict(node=Wrapper),
@@ -127,6 +129,16 @@ def test_a_good_node_class_passes(plugins: Path, capsys: pytest.CaptureFixture[s
             "no-module",
             'plugin type "no-module": class "deep_plugin:Good": no module '
             '"deep_plugin" (did you mean "deep_plugins"?)',
+        ),
+        (
+            "nested",
+            'plugin type "nested": class "deep_plugins:Good.Inner": "Good" has no class '
+            '"Inner"',
+        ),
+        (
+            "malformed",
+            'plugin type "malformed": class "deep_plugins:Good-x": is not a "module:Class" '
+            "name",
         ),
         (
             "misspelled",

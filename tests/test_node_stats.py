@@ -45,6 +45,22 @@ def test_every_way_of_writing_a_counter_marks_the_node_changed() -> None:
     assert not stats.changes.seen and stats.gauges == {"g": 1}
 
 
+def test_a_request_counts_once_and_as_hit_only_when_served() -> None:
+    stats = NodeStats()
+    assert stats.is_empty()
+    stats.count_request(512, 480)
+    stats.count_request(512, 0)
+    assert not stats.is_empty()
+    snap = stats.take()
+    counts = {k: snap[k] for k in snap if k.startswith(("requests_", "prompt_tokens_"))}
+    assert counts == {
+        "requests_looked_up": 2,
+        "requests_hit": 1,
+        "prompt_tokens_looked_up": 1024,
+        "prompt_tokens_hit": 480,
+    }
+
+
 def test_zeroed_keeps_states_and_empties_counts() -> None:
     stats = NodeStats(tokens_loaded=5, disabled=True)
     stats.extra.add("evictions", 3)

@@ -212,7 +212,7 @@ def test_cli_usage_errors_exit_2_without_a_traceback(tmp_path: Path) -> None:
 def test_the_benchmark_pipelines_are_valid() -> None:
     from composer.validation import load_pipeline
 
-    files = sorted((Path(__file__).parents[1] / "bench" / "serving").glob("*.yaml"))
+    files = sorted((Path(__file__).parents[1] / "benchmarks" / "serving").glob("*.yaml"))
     assert len(files) == 2
     for file in files:
         assert bench_servers.Config.parse(str(file)).pipeline == file

@@ -25,7 +25,7 @@ from composer.cli import main
 from composer.discovery import discover
 from composer.model.size import model_shape
 from composer.pipeline import ResolvedPipeline
-from composer.simulate import VLLM_CACHE_ID, KVGroup, Result, SimulateError, simulate
+from composer.simulate import VLLM_CACHE_ID, Result, SimKVGroup, SimulateError, simulate
 from composer.trace import KeyMaker, TraceRequest, read_trace
 from composer.validation import validate_text
 
@@ -308,12 +308,12 @@ def config_file(tmp_path: Path, config: dict[str, Any], name: str = "config.json
 def test_gemma3_groups_and_slot(tmp_path: Path) -> None:
     shape = model_shape(config_file(tmp_path, GEMMA3), BS)
     assert shape.groups == (
-        KVGroup("sliding_window", LAYER_BLOCK, 64), KVGroup("attention", LAYER_BLOCK)
+        SimKVGroup("sliding_window", LAYER_BLOCK, 64), SimKVGroup("attention", LAYER_BLOCK)
     )
     assert (shape.block_size, shape.bytes_per_block) == (BS, LAYER_BLOCK)  # one group's block
     full = {**GEMMA3, "layer_types": ["full_attention"] * 2}
     assert model_shape(config_file(tmp_path, full, "full.json"), BS).groups == (
-        KVGroup("attention", 2 * LAYER_BLOCK),
+        SimKVGroup("attention", 2 * LAYER_BLOCK),
     )
 
 

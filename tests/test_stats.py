@@ -330,6 +330,8 @@ def test_every_node_gets_prometheus_series_with_node_and_plugin_labels() -> None
     for node in ("NixlConnector", "ExampleConnector"):
         assert value("vllm:kv_composer_lookups_total", node) == 0
     first, later = NodeStats(lookups=3, hits=2, tokens_loaded=64), NodeStats(lookups=1)
+    first.count_request(100, 64)
+    later.count_request(50, 0)
     first.extra.add("evictions", 5)
     first.gauges["pool_use"] = 0.25
     first.add_time("start_load_kv", 0.5)
@@ -344,6 +346,10 @@ def test_every_node_gets_prometheus_series_with_node_and_plugin_labels() -> None
     assert value("vllm:kv_composer_lookups_total", ex) == 4  # summed
     assert value("vllm:kv_composer_hits_total", ex) == 2
     assert value("vllm:kv_composer_tokens_loaded_total", ex) == 64
+    assert value("vllm:kv_composer_requests_looked_up_total", ex) == 2
+    assert value("vllm:kv_composer_requests_hit_total", ex) == 1
+    assert value("vllm:kv_composer_prompt_tokens_looked_up_total", ex) == 150
+    assert value("vllm:kv_composer_prompt_tokens_hit_total", ex) == 64
     assert value("vllm:kv_composer_events_total", ex, event="evictions") == 5
     assert value("vllm:kv_composer_gauge", ex, gauge="pool_use") == 0.75  # the latest
     assert value("vllm:kv_composer_hook_seconds_total", ex, hook="start_load_kv") == 0.5

@@ -41,14 +41,46 @@ def test_recorded_payload_gives_each_nodes_series() -> None:
     assert not cpu.disabled
 
 
-def test_view_shows_hit_rate_tokens_and_pool_use() -> None:
-    samples = scrape.parse(RECORDED.read_text())
-    text = _text(top.render(top.Snapshot(0.0, samples), None, "recorded"))
+def _with_per_request_series(text: str, **counts: float) -> str:
+    """``text`` with the per-request counters of its ``cpu`` node (the recording predates them)."""
+    labels = '{engine="0",model_name="m",node="cpu",plugin="offload-cpu"}'
+    lines = [f"{scrape.PREFIX}{name}_total{labels} {value}" for name, value in counts.items()]
+    return text + "\n".join(lines) + "\n"
+
+
+def _cpu_cells(text: str) -> list[str]:
     row = next(line for line in text.splitlines() if " cpu " in line)
-    cells = [c.strip() for c in row.strip("│ \n").split("│")]
-    assert cells[:6] == ["cpu", "offload-cpu", "4", "2", "50.0%", "480"]
+    return [c.strip() for c in row.strip("│ \n").split("│")]
+
+
+def test_view_shows_hit_rates_per_request_and_per_token_tokens_and_pool_use() -> None:
+    # The recorded run: two requests with one 512-token prompt, the second served
+    # 480 tokens by the tier (vLLM's external_prefix_cache_hits_total in the same
+    # payload), though the node was looked up 4 times and hit twice.
+    text = _with_per_request_series(
+        RECORDED.read_text(),
+        requests_looked_up=2,
+        requests_hit=1,
+        prompt_tokens_looked_up=1024,
+        prompt_tokens_hit=480,
+    )
+    samples = scrape.parse(text)
+    view = _text(top.render(top.Snapshot(0.0, samples), None, "recorded"))
+    cells = _cpu_cells(view)
+    assert cells[:6] == ["cpu", "offload-cpu", "2", "50.0%", "46.9%", "480"]
     assert cells[6:8] == ["-", "-"]  # no rate from a single scrape
     assert cells[8] == "0.4%" and cells[10] == "on"
+    assert "each request once" in view
+
+
+def test_a_node_no_request_reached_has_no_hit_rate() -> None:
+    # A server before its first request, or one whose /metrics predates the series.
+    zeros = dict.fromkeys(
+        ("requests_looked_up", "requests_hit", "prompt_tokens_looked_up", "prompt_tokens_hit"), 0
+    )
+    for text in (_with_per_request_series(RECORDED.read_text(), **zeros), RECORDED.read_text()):
+        view = _text(top.render(top.Snapshot(0.0, scrape.parse(text))))
+        assert _cpu_cells(view)[2:5] == ["0", "-", "-"]
 
 
 def test_rates_are_bytes_per_second_between_two_scrapes() -> None:

@@ -8,15 +8,14 @@ declared here, which ``Chain.__init__`` sets.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from composer.chain.calls import Call, CallLists
 from composer.chain.faults import WorkerLedger
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata
 from composer.pipeline import ResolvedPipeline
+from composer.plugin_types import VllmProcess
 from composer.stats import Changes, NodeStats
-
-VllmProcess = Literal["scheduler", "worker"]
 
 
 class ChainBase:

@@ -156,6 +156,12 @@ class SchedulerSide(ChainBase):
         block_ids = blocks.get_block_ids() if blocks is not None else ()
         if chosen is not None and num_external_tokens > 0:
             self._plan_load(view.request_id, chosen, block_ids, num_external_tokens)
+        if not getattr(request, "num_preemptions", 0):
+            # Once per request, at its admission (as vLLM counts its external prefix
+            # cache hits): vLLM asks again about a request it could not schedule yet.
+            for node_id, _ in self.calls["get_num_new_matched_tokens"]:
+                served = num_external_tokens if node_id == chosen else 0
+                self.stats[node_id].count_request(view.num_prompt_tokens, served)
         for node_id, fn in self.calls["update_state_after_alloc"]:
             tokens = num_external_tokens if node_id == chosen else 0
             try:

@@ -132,7 +132,13 @@ def chain(nodes: dict[str, dict[str, Any]], role: str = "scheduler", **settings:
 
 
 def request(rid: str = "r1") -> Any:
-    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(20)), num_tokens=20)
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=list(range(20)),
+        num_tokens=20,
+        num_prompt_tokens=20,
+        num_preemptions=0,
+    )
 
 
 class Blocks:

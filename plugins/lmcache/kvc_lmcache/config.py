@@ -19,8 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from composer.errors import did_you_mean
-from composer.pipeline import Int, Number
+from composer import Int, Number, did_you_mean
 from kvc_lmcache.l2 import L2Adapter
 
 TCP_URL = re.compile(r"^tcp://(?P<host>[^:/\s]+):(?P<port>\d{1,5})$")

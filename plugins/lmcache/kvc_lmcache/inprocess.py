@@ -26,8 +26,7 @@ from typing import Any
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from composer.hookspecs import hookimpl
-from composer.plugin import NodeContext, Plugin
+from composer import NodeContext, Plugin, hookimpl
 from kvc_lmcache.config import LMCacheConfig
 
 #: The instance id LMCache's vLLM integration (and CacheBlend) looks the model up under.

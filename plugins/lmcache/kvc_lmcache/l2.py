@@ -38,8 +38,7 @@ from pydantic import (
     model_validator,
 )
 
-from composer.errors import did_you_mean, one_of
-from composer.pipeline import Int, Number
+from composer import Int, Number, did_you_mean, one_of
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 HOST_PORT = re.compile(r"^(?P<host>[^:\s,]+):(?P<port>\d{1,5})$")

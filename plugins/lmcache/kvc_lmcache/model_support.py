@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from composer.model.kv_groups import ModelKV, ModelUnsupported
+from composer import ModelKV, ModelUnsupported
 from kvc_lmcache.config import LMCacheConfig
 
 LMCACHE = "LMCache 0.5.6"

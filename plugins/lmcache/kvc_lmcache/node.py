@@ -17,10 +17,8 @@ import threading
 import time
 from typing import Any
 
-from composer.builtin import VllmConnectorConfig
-from composer.hookspecs import hookimpl
-from composer.plugin import NodeContext, Plugin
-from composer.vllm.native import NativeConnectorNode
+from composer import NodeContext, Plugin, VllmConnectorConfig, hookimpl
+from composer.vllm import NativeConnectorNode
 from kvc_lmcache import l2_stats
 from kvc_lmcache.config import TCP_URL, LMCacheConfig
 from kvc_lmcache.l2 import adapter_args
@@ -275,12 +273,10 @@ class LMCacheServerNode(NativeConnectorNode):
         self.connector.get_num_new_matched_tokens(request.raw, num_computed_tokens)
         return 0, False
 
-    @hookimpl
-    def start_load_kv(self, forward_context: Any) -> None:
-        self._start_load_kv(forward_context, **self.call_kwargs["start_load_kv"])
-
     def _start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """The direct hook: the chain passes vLLM's keyword arguments, like the native one."""
+        """The node's ``start_load_kv`` (NativeConnectorNode's hookimpl, made direct by
+        :meth:`direct_hooks`): the chain passes vLLM's keyword arguments, as to the
+        native node."""
         if self.server_alive:
             with contextlib.suppress(AssertionError):  # no metadata bound: nothing to load
                 self.loads.started(self.connector._get_connector_metadata())

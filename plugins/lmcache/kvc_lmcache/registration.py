@@ -7,8 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from composer.hookspecs import hookimpl
-from composer.plugin_types import Capabilities, PluginType
+from composer import Capabilities, PluginType, hookimpl
 from kvc_lmcache.config import LMCacheConfig
 
 

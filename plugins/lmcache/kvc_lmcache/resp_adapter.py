@@ -35,7 +35,7 @@ from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
     NativeConnectorL2Adapter,
 )
 
-from composer.servers.valkey import ping
+from composer.servers import ping
 
 #: Seconds between two reconnection attempts while the store is unreachable.
 RETRY_S = 1.0

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composer.servers.loopback import LOOPBACK, free_port
+from composer.servers import LOOPBACK, free_port
 
 PR_SET_PDEATHSIG = 1
 

@@ -7,8 +7,7 @@ import json
 import os
 from typing import Any
 
-from composer.hookspecs import hookimpl
-from composer.plugin import NodeContext, Plugin
+from composer import NodeContext, Plugin, hookimpl
 from kvc_model_tracker.config import ModelTrackerConfig
 from kvc_model_tracker.handle import ModelHandle, ModelNotTracked, ModelSummary
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from composer.hookspecs import hookimpl
-from composer.plugin_types import Capabilities, PluginType
+from composer import Capabilities, PluginType, hookimpl, no_kv_blocks
 from kvc_model_tracker.config import ModelTrackerConfig
 
 MODEL_TRACKER = PluginType(
@@ -17,7 +16,7 @@ MODEL_TRACKER = PluginType(
     roles={"service"},
     # It never touches KV blocks, so it is no obstacle to the hybrid allocator.
     capabilities=Capabilities(provides_model=True, hma=True),
-    model_support="composer.validation.model_check:no_kv_blocks",
+    model_support=no_kv_blocks,
 )
 
 

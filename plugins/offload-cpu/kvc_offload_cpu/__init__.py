@@ -1,7 +1,10 @@
 """KV Composer ``offload-cpu`` plugin: a CPU memory tier for vLLM KV cache blocks.
 
-Importing this package is light (no torch): the runtime node lives in
-:mod:`kvc_offload_cpu.node` and is imported by KV Composer only when a
+Importing this package is light (no torch): the node's two halves,
+:mod:`kvc_offload_cpu.scheduler` (the block index, in vLLM's scheduler) and
+:mod:`kvc_offload_cpu.worker` (the host pool and the copies, with torch, in
+each worker), are named as ``"module:Class"`` by
+:mod:`kvc_offload_cpu.registration` and imported by KV Composer only when a
 pipeline actually runs.
 """
 

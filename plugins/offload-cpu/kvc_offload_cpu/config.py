@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from composer.pipeline import Int, PositiveByteSize
+from composer import Int, PositiveByteSize
 
 
 class OffloadCPUConfig(BaseModel):

@@ -54,7 +54,7 @@ class RequestKeys:
     def ensure(self, request: Any, num_blocks: int, block_size: int) -> int:
         """Make keys for blocks ``[0, num_blocks)`` available; returns how many are.
 
-        ``request`` is a :class:`composer.views.RequestView`. Fewer keys come back
+        ``request`` is a :class:`composer.RequestView`. Fewer keys come back
         when the request does not hold that many full blocks of tokens yet.
         """
         if len(self.keys) >= num_blocks:

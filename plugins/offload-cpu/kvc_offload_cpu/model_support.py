@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from composer.model.kv_groups import ModelKV
+from composer import ModelKV
 
 
 def model_support(config: BaseModel, model: ModelKV) -> str:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from composer.hookspecs import hookimpl
-from composer.plugin_types import Capabilities, PluginType
+from composer import Capabilities, PluginType, hookimpl
 from kvc_offload_cpu.config import OffloadCPUConfig
 
 

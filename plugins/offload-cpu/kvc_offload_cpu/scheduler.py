@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from composer.hookspecs import hookimpl
-from composer.plugin import NodeContext, Plugin
+from composer import NodeContext, Plugin, hookimpl
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.index import BlockIndex, Entry
 from kvc_offload_cpu.keys import RequestKeys

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from composer.simulate import KVGroup
+from composer import SimKVGroup
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.index import BlockIndex
 from kvc_offload_cpu.layout import SERVED_KINDS, GroupLayout
@@ -35,14 +35,14 @@ class OffloadCPUModel:
         *,
         block_size: int,
         bytes_per_block: int,
-        groups: Sequence[KVGroup] = (),
+        groups: Sequence[SimKVGroup] = (),
     ) -> None:
         assert isinstance(config, OffloadCPUConfig)
         self.config = config
         self.block_size = block_size
         self.capacity_blocks = int(config.capacity) // bytes_per_block if bytes_per_block else 0
         self.index = BlockIndex(self.capacity_blocks)
-        groups = tuple(groups) or (KVGroup("attention", bytes_per_block),)
+        groups = tuple(groups) or (SimKVGroup("attention", bytes_per_block),)
         self.layouts = tuple(GroupLayout(g.kind, block_size, g.window) for g in groups)
         self.group_bytes = tuple(g.block_bytes for g in groups)
         self.several = len(groups) > 1

@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-from composer.hookspecs import hookimpl
-from composer.kv_caches import CanonicalKVCaches
-from composer.plugin import NodeContext, Plugin
+from composer import CanonicalKVCaches, NodeContext, Plugin, hookimpl
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.datapath import HostPool, RegionPlan
 from kvc_offload_cpu.layout import BlockLayout, layout_from_kv_cache_config
