@@ -116,6 +116,7 @@ def run_engine(spec: EngineSpec) -> EngineResult:
                 pass
             finally:
                 signalled = _kill_group(proc)
+                _wait_reaped(proc.pid)
         text = log_file.read_text(errors="replace")
         tail = text[-6000:]
         if proc.returncode != 0 or not out_file.exists():
@@ -184,17 +185,32 @@ class SharedRuns:
         return self._done[-len(batch)][1]
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs (a zombie only waits to be reaped)."""
+def _group_alive(pgid: int, zombies: bool = False) -> bool:
+    """Whether a process of group ``pgid`` still runs (a zombie only waits to be
+    reaped; counted only with ``zombies``)."""
     import psutil
 
     for p in psutil.process_iter(["status"]):
         try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+            counted = zombies or p.info["status"] != psutil.STATUS_ZOMBIE
+            if counted and os.getpgid(p.pid) == pgid:
                 return True
         except (OSError, psutil.Error):
             continue
     return False
+
+
+#: Seconds to wait for the engine's exited processes to be reaped.
+REAP_WAIT_S = 5.0
+
+
+def _wait_reaped(pgid: int) -> None:
+    """Wait a little for the group's zombies to be reaped, by init once their parent is
+    gone: until then their pids still answer ``kill(pid, 0)``, so a caller checking
+    that a process the engine started (e.g. a server) is gone would see it alive."""
+    deadline = time.monotonic() + REAP_WAIT_S
+    while _group_alive(pgid, zombies=True) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _kill_group(proc: subprocess.Popen[Any], grace_s: float = SHUTDOWN_GRACE_S) -> bool:

@@ -39,7 +39,11 @@ def runs(
 
     def spec(config: dict[str, Any]) -> EngineSpec:
         return EngineSpec(
-            model=tiny_model, rounds=[PROMPTS, PROMPTS], kv_transfer_config=config, env=engine_env
+            model=tiny_model,
+            rounds=[PROMPTS, PROMPTS],
+            kv_transfer_config=config,
+            env=engine_env,
+            enforce_eager=True,
         )
 
     multi = {

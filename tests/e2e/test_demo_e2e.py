@@ -11,6 +11,11 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
+NAMES = [
+    "A, first time", "B, first time", "C, first time",
+    "A again", "B again", "A's start, new end", "D, first time",
+]
+
 
 def test_kvc_demo_shows_hits_with_identical_output() -> None:
     kvc = Path(sys.executable).with_name("kvc")
@@ -27,6 +32,9 @@ def test_kvc_demo_shows_hits_with_identical_output() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "every output equals the reference: True" in out
-    served = [line for line in out.splitlines() if " cpu: " in line]
-    assert len(served) >= 3, out  # two repeats and the shared prefix were served by the tier
+    rows = {name: line for line in out.splitlines() for name in NAMES if f"  {name} " in line}
+    assert sorted(rows) == sorted(NAMES), out
+    # What was seen before is served by the tier, what was not is computed.
+    served = {name for name, line in rows.items() if " cpu: " in line}
+    assert served == {"A again", "B again", "A's start, new end"}, out
     assert " NO" not in out

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from composer import kv_transfer_config, load_pipeline
-from composer.testing.engine import EngineFailed, EngineResult, EngineSpec, run_engine
+from composer.testing.engine import EngineFailed, EngineResult, EngineSpec, SharedRuns, run_engine
 from composer.testing.tiny_model import GEMMA3_SHAPE, build_tiny_model, make_prompts
 
 pytestmark = pytest.mark.e2e
@@ -69,22 +69,28 @@ for i in range(len(CELLS)):
 # Two last requests that no faulty node takes part in: by the second, every
 # block freed by the run is back in vLLM's pool.
 ROUNDS += [[PROMPTS[-2]], [PROMPTS[-1]]]
+#: The reference: these rounds without a connector (the shared ``plain_llama`` engine).
+PLAIN_LLAMA_ROUNDS = ROUNDS
 MODES = {
     "sync": {"load_mode": "sync", "save_mode": "sync"},
     "async": {"load_mode": "async", "save_mode": "async"},
 }
 
 
-def _pipeline(policy: str, mode: str, tmp: Path, cells: list[tuple[str, int]]) -> dict[str, Any]:
+def _pipeline(
+    policy: str, mode: str | list[str], tmp: Path, cells: list[tuple[str, int]]
+) -> dict[str, Any]:
+    """One faulty node per cell; ``mode``: every node's load/save mode, or each cell's."""
     watch = {"plugin": "block-watch", "config": {"path": str(tmp / "free.jsonl")}}
     nodes: dict[str, Any] = {"watch": watch}
+    modes = [mode] * len(cells) if isinstance(mode, str) else mode
     for i, (hook, call) in enumerate(cells):
         nodes[f"f{i}"] = {
             "plugin": "faulty-tier",
             "on_error": policy,
             "config": {
                 "capacity": "8MiB",
-                **MODES[mode],
+                **MODES[modes[i]],
                 "fault_hook": hook,
                 "fault_call": call,
                 "active_from": 2 * PAIR * i,
@@ -101,8 +107,8 @@ def _env(engine_env: dict[str, str]) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model: str, engine_env: dict[str, str]) -> EngineResult:
-    return run_engine(EngineSpec(model=tiny_model, rounds=ROUNDS, env=engine_env, timeout_s=600))
+def plain(plain_llama: SharedRuns) -> EngineResult:
+    return plain_llama(ROUNDS)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -134,6 +140,7 @@ def test_matrix(
             rounds=ROUNDS,
             kv_transfer_config=config,
             env=_env(engine_env),
+            enforce_eager=True,
             timeout_s=600,
         )
     )
@@ -176,6 +183,7 @@ def test_fail_stops_the_engine_with_a_clear_message(
                 rounds=ROUNDS[:2],
                 kv_transfer_config=config,
                 env=_env(engine_env),
+                enforce_eager=True,
                 timeout_s=300,
             )
         )
@@ -183,35 +191,41 @@ def test_fail_stops_the_engine_with_a_clear_message(
     assert "on_error policy is fail" in failed.value.log
 
 
-#: On a hybrid model: the scheduler-side hooks and a load fault, first call each.
-HYBRID_CELLS = [(h, 1) for h in PER_STEP[:6]] + [("start_load_kv", 1)]
+#: On a hybrid model: the scheduler-side hooks and a load fault, first call each, with
+#: sync loads and saves, then the same with async ones (each cell its own node).
+HYBRID_SUBSET = [(h, 1) for h in PER_STEP[:6]] + [("start_load_kv", 1)]
+HYBRID_MODES = ["sync"] * len(HYBRID_SUBSET) + ["async"] * len(HYBRID_SUBSET)
+HYBRID_CELLS = HYBRID_SUBSET * 2
 HYBRID_ROUNDS = ROUNDS[: 2 * len(HYBRID_CELLS)] + ROUNDS[-2:]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_hybrid_model_subset(mode: str, engine_env: dict[str, str], tmp_path: Path) -> None:
+def test_hybrid_model_subset(engine_env: dict[str, str], tmp_path: Path) -> None:
     """A Gemma-3-shaped model (sliding-window and full-attention KV cache groups, vLLM's
     hybrid manager on): every fault is recomputed, per request (vLLM takes no failed
     block ids with several groups). Each cell's repeat must give the tokens its first
-    round computed, in the same engine."""
-    config = _pipeline("recompute", mode, tmp_path, HYBRID_CELLS)
+    round computed, in the same engine. Both modes' cells run in one engine."""
+    config = _pipeline("recompute", HYBRID_MODES, tmp_path, HYBRID_CELLS)
     result = run_engine(
         EngineSpec(
             model=str(build_tiny_model(GEMMA3_SHAPE)),
             rounds=HYBRID_ROUNDS,
             kv_transfer_config=config,
             env=_env(engine_env),
+            enforce_eager=True,
             timeout_s=600,
         )
     )
     assert "groups=sliding_window,attention" in result.log  # the hybrid manager stayed on
-    for i, cell in enumerate(HYBRID_CELLS):
-        assert result.tokens(2 * i + 1) == result.tokens(2 * i), f"cell {i} {cell}"
+    for i, (cell, mode) in enumerate(zip(HYBRID_CELLS, HYBRID_MODES, strict=True)):
+        assert result.tokens(2 * i + 1) == result.tokens(2 * i), f"cell {i} {cell} {mode}"
     lines = (tmp_path / "fired.jsonl").read_text().splitlines()
     fired = {json.loads(line)["node"] for line in lines}
     assert fired == {f"f{i}" for i in range(len(HYBRID_CELLS))}
     free = [json.loads(line) for line in (tmp_path / "free.jsonl").read_text().splitlines()]
     assert free[-1][1] == free[0][1], "KV blocks still held after every request finished"
     assert result.clean_exit
-    served = sum(r.cached_tokens for rnd in result.rounds[1::2] for r in rnd)
-    assert served > 0
+    for mode in MODES:
+        # Each mode's tier really served: the repeats of its cells had hits.
+        repeats = [2 * i + 1 for i, m in enumerate(HYBRID_MODES) if m == mode]
+        served = sum(r.cached_tokens for i in repeats for r in result.rounds[i])
+        assert served > 0, mode

@@ -33,7 +33,7 @@ import vllm  # noqa: F401  (installed by `make test`: missing must fail, not ski
 from composer import kv_transfer_config, load_pipeline
 from composer.discovery import discover
 from composer.servers.valkey import ValkeyServer, valkey_server
-from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine
+from composer.testing.engine import EngineResult, EngineSpec, SharedRuns, plugin_env, run_engine
 from composer.testing.tiny_model import build_tiny_model, make_prompts
 
 pytestmark = pytest.mark.e2e
@@ -46,6 +46,8 @@ Q = make_prompts(N, words=120, seed=62)  # computed by B while Valkey is killed
 R = make_prompts(N, words=120, seed=63)  # computed by B after Valkey is back
 A_ROUNDS = [P, P]
 B_ROUNDS = [P, Q, P, R, R]
+#: The reference: B's rounds without a connector (the shared ``plain_llama`` engine).
+PLAIN_LLAMA_ROUNDS = B_ROUNDS
 #: Request ordinal (1-based) -> what the fleet-faults node does first.
 B_ACTIONS = {
     # SIGKILLed from a timer while round 1's requests are looked up, computed and saved.
@@ -118,7 +120,9 @@ def _kv_b(vk: ValkeyServer, report: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, plain_llama: SharedRuns
+) -> Iterator[dict[str, Any]]:
     model = str(build_tiny_model())
     state = tmp_path_factory.mktemp("lmcache-state")
     env = {"KVC_LMCACHE_STATE_DIR": str(state), **plugin_env(HERE, "kvc_fleet_faults")}
@@ -126,7 +130,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
     def run(rounds: list[list[str]], kv: dict[str, Any] | None) -> EngineResult:
         return run_engine(
-            EngineSpec(model=model, rounds=rounds, kv_transfer_config=kv, env=env, max_tokens=8)
+            EngineSpec(
+                model=model,
+                rounds=rounds,
+                kv_transfer_config=kv,
+                env=env,
+                max_tokens=8,
+                enforce_eager=True,
+            )
         )
 
     restarted: list[int] = []
@@ -134,7 +145,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         with valkey_server(tmp_path_factory.mktemp("valkey")) as vk:
             client = valkey.Valkey(host=vk.host, port=vk.port)
-            out["plain"] = run(B_ROUNDS, None)
+            out["plain"] = plain_llama(B_ROUNDS)
             out["a"] = run(A_ROUNDS, _kv_a(vk))
             out["keys_after_a"] = client.dbsize()
             client.close()

@@ -25,7 +25,7 @@ from kvc_lmcache.server import _alive
 
 from composer import kv_transfer_config, load_pipeline
 from composer.discovery import discover
-from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine
+from composer.testing.engine import EngineResult, EngineSpec, SharedRuns, plugin_env, run_engine
 from composer.testing.tiny_model import build_tiny_model, make_prompts
 
 pytestmark = pytest.mark.e2e
@@ -34,6 +34,8 @@ HERE = Path(__file__).parent
 BLOCK = 32
 N = 3
 P = make_prompts(N, words=120, seed=71)
+#: The reference: P twice without a connector (the shared ``plain_llama`` engine).
+PLAIN_LLAMA_ROUNDS = [P, P]
 
 
 def _kv(disk: Path, key: Path, faults: dict[str, Any] | None) -> dict[str, Any]:
@@ -63,7 +65,9 @@ def _kv(disk: Path, key: Path, faults: dict[str, Any] | None) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, plain_llama: SharedRuns
+) -> Iterator[dict[str, Any]]:
     model = str(build_tiny_model())
     state = tmp_path_factory.mktemp("lmcache-state")
     env = {"KVC_LMCACHE_STATE_DIR": str(state), **plugin_env(HERE, "kvc_fleet_faults")}
@@ -74,10 +78,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
     def run(rounds: list[list[str]], kv: dict[str, Any] | None) -> EngineResult:
         return run_engine(
-            EngineSpec(model=model, rounds=rounds, kv_transfer_config=kv, env=env, max_tokens=8)
+            EngineSpec(
+                model=model,
+                rounds=rounds,
+                kv_transfer_config=kv,
+                env=env,
+                max_tokens=8,
+                enforce_eager=True,
+            )
         )
 
-    out["plain"] = run([P, P], None)
+    out["plain"] = plain_llama(PLAIN_LLAMA_ROUNDS)
     out["writer"] = run([P], _kv(disk, key, None))
     out["files_after_writer"] = sorted(p.name for p in disk.rglob("*") if p.is_file())
     faults = {

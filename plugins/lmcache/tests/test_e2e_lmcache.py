@@ -3,7 +3,8 @@
 Engines (module scope, all with the same VLLM_CPU_OMP_THREADS_BIND, so token
 comparisons are not thread-count noise):
 
-* ``plain``: no connector, the reference tokens;
+* ``plain``: no connector, the reference tokens (the session's shared
+  ``plain_llama`` engine);
 * ``owned``: the pipeline with an lmcache node that starts and owns its
   `lmcache server`; the CPU tier is so small that round 1's prompts are
   evicted from it, so round 2 is served by LMCache;
@@ -26,7 +27,7 @@ import vllm  # noqa: F401  (installed by `make test`: missing must fail, not ski
 from kvc_lmcache.server import ServerInfo, ServerSettings, _alive, start_server, stop_pid  # noqa: E402
 
 from composer import kv_transfer_config, load_pipeline  # noqa: E402
-from composer.testing.engine import EngineResult, EngineSpec, run_engine  # noqa: E402
+from composer.testing.engine import EngineResult, EngineSpec, SharedRuns, run_engine  # noqa: E402
 from composer.testing.tiny_model import build_tiny_model, make_prompts  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.e2e
 BLOCK = 32
 PROMPTS = make_prompts(3, words=120, seed=41)
 ROUNDS = [PROMPTS, PROMPTS]
+PLAIN_LLAMA_ROUNDS = ROUNDS
 # One tiny-model KV block (2 layers x 2 KV heads x 32 x K,V x bf16 x 32 tokens)
 # is 16 KiB: the tier holds 4 blocks, fewer than one prompt.
 CPU_CAPACITY = "64KiB"
@@ -70,18 +72,27 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerIn
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, shared_server: ServerInfo) -> dict[str, Any]:
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, shared_server: ServerInfo, plain_llama: SharedRuns
+) -> dict[str, Any]:
     model = str(build_tiny_model())
     out: dict[str, Any] = {}
     state = tmp_path_factory.mktemp("lmcache-state")
     env = {"KVC_LMCACHE_STATE_DIR": str(state)}
 
     def run(name: str, rounds: list[list[str]], kv: dict[str, Any] | None) -> EngineResult:
-        spec = EngineSpec(model=model, rounds=rounds, kv_transfer_config=kv, env=env, max_tokens=8)
+        spec = EngineSpec(
+            model=model,
+            rounds=rounds,
+            kv_transfer_config=kv,
+            env=env,
+            max_tokens=8,
+            enforce_eager=True,
+        )
         out[name] = run_engine(spec)
         return out[name]
 
-    run("plain", ROUNDS, None)
+    out["plain"] = plain_llama(ROUNDS)
     owned_tmp = tmp_path_factory.mktemp("owned")
     run("owned", ROUNDS, _kv(owned_tmp, {"chunk_size": BLOCK, "server": {"l1_size_gb": 0.25}}))
     out["owned_report"] = json.loads((owned_tmp / "tracker.json.0").read_text())

@@ -34,7 +34,14 @@ from kvc_lmcache.server import (
 
 from composer import kv_transfer_config, load_pipeline
 from composer.discovery import discover
-from composer.testing.engine import EngineFailed, EngineResult, EngineSpec, plugin_env, run_engine
+from composer.testing.engine import (
+    EngineFailed,
+    EngineResult,
+    EngineSpec,
+    SharedRuns,
+    plugin_env,
+    run_engine,
+)
 from composer.testing.tiny_model import build_tiny_model, make_prompts
 
 pytestmark = pytest.mark.e2e
@@ -43,6 +50,8 @@ HERE = Path(__file__).parent
 BLOCK = 32
 PROMPTS = make_prompts(3, words=120, seed=43)
 MQ_TIMEOUT = 30.0
+#: The reference: three rounds of PROMPTS without a connector (the shared ``plain_llama``).
+PLAIN_LLAMA_ROUNDS = [PROMPTS] * 3
 BETWEEN: dict[str, Any] = {"at_request": len(PROMPTS) + 1, "settle_s": 2.0}
 #: Killed as round 2's lookups go out: LMCache sends them to a dead server and
 #: polls for their acks, which would take mq_timeout.
@@ -80,7 +89,9 @@ def _kv(report: Path, killer: dict[str, Any], on_error: str, server: dict[str, A
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, plain_llama: SharedRuns
+) -> Iterator[dict[str, Any]]:
     model = str(build_tiny_model())
     state = tmp_path_factory.mktemp("lmcache-state")
     env = {"KVC_LMCACHE_STATE_DIR": str(state), **plugin_env(HERE, "kvc_lmcache_faults")}
@@ -88,7 +99,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
     def run(name: str, rounds: int, kv: Any) -> EngineResult:
         spec = EngineSpec(
-            model=model, rounds=[PROMPTS] * rounds, kv_transfer_config=kv, env=env, max_tokens=8
+            model=model,
+            rounds=[PROMPTS] * rounds,
+            kv_transfer_config=kv,
+            env=env,
+            max_tokens=8,
+            enforce_eager=True,
         )
         return run_engine(spec)
 
@@ -106,7 +122,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         return tmp_path_factory.mktemp(name) / "report"
 
     try:
-        out["plain"] = run("plain", 3, None)
+        out["plain"] = plain_llama(PLAIN_LLAMA_ROUNDS)
         cases = {
             "recompute-between": (BETWEEN, "recompute", given, 3),
             "disable-between": (BETWEEN, "disable", given, 3),

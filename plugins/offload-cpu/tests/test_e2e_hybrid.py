@@ -76,7 +76,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
     def run(model: str, kv: dict[str, Any] | None, **kw: Any) -> EngineResult:
         return run_engine(
-            EngineSpec(model=model, rounds=ROUNDS, kv_transfer_config=kv, env=env, **kw)
+            EngineSpec(
+                model=model,
+                rounds=ROUNDS,
+                kv_transfer_config=kv,
+                env=env,
+                enforce_eager=True,
+                **kw,
+            )
         )
 
     report = tmp / "corrupt.json"
@@ -192,7 +199,15 @@ def test_a_node_that_cannot_serve_the_groups_stops_the_engine_with_the_validate_
     model = str(build_tiny_model(GEMMA3_SHAPE))
     env = plugin_env(HERE, "offload_cpu_e2e_plugins")  # as the other engines of this module
     with pytest.raises(EngineFailed) as failed:
-        run_engine(EngineSpec(model=model, rounds=[[SHORT]], kv_transfer_config=kv, env=env))
+        run_engine(
+            EngineSpec(
+                model=model,
+                rounds=[[SHORT]],
+                kv_transfer_config=kv,
+                env=env,
+                enforce_eager=True,
+            )
+        )
     log = failed.value.log
     assert "nodes.lm: LMCache 0.5.6's connector handles one KV cache group" in log
     assert "sliding_window+attention" in log and "hma: off" in log

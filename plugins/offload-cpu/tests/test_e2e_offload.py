@@ -1,9 +1,10 @@
 """offload-cpu inside real vLLM (CPU build, tiny local model, prefix cache off).
 
 One module-scoped set of engine runs: a plain engine (no connector) as the
-reference, the pipeline ``{cpu: offload-cpu}`` (sync loads), the same with a
-4 GiB pool, and the same with async loads and checksums while a test node
-corrupts every other stored block. All runs use the same
+reference (the session's shared ``plain_llama`` engine), the pipeline
+``{cpu: offload-cpu}`` (sync loads), the same with a 4 GiB pool, and the same
+with async loads and checksums while a test node corrupts every other stored
+block. All runs use the same
 VLLM_CPU_OMP_THREADS_BIND, so token comparisons are not thread-count noise.
 """
 
@@ -18,7 +19,13 @@ import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 from offload_cpu_e2e_plugins import tier_pipeline
 
-from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine  # noqa: E402
+from composer.testing.engine import (  # noqa: E402
+    EngineResult,
+    EngineSpec,
+    SharedRuns,
+    plugin_env,
+    run_engine,
+)
 from composer.testing.tiny_model import build_tiny_model, make_prompts  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -31,10 +38,13 @@ SHARED = [p + " " + tail for p, tail in zip(BASE[:2], TAILS, strict=True)]
 NEW = make_prompts(1, words=120, seed=23)
 # Round 1 fills the tier; round 2 repeats, extends and adds prompts.
 ROUNDS = [BASE, [BASE[0], SHARED[0], NEW[0], BASE[2], SHARED[1]]]
+PLAIN_LLAMA_ROUNDS = ROUNDS
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, plain_llama: SharedRuns
+) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("offload-cpu")
     model = str(build_tiny_model())
     env = plugin_env(HERE, "offload_cpu_e2e_plugins")
@@ -45,11 +55,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     patch.syspath_prepend(str(HERE))
 
     def spec(kv: dict[str, Any] | None) -> EngineSpec:
-        return EngineSpec(model=model, rounds=ROUNDS, kv_transfer_config=kv, env=env, max_tokens=8)
+        return EngineSpec(
+            model=model,
+            rounds=ROUNDS,
+            kv_transfer_config=kv,
+            env=env,
+            max_tokens=8,
+            enforce_eager=True,
+        )
 
     report = tmp / "corrupt.json"
     out: dict[str, Any] = {"report": report}
-    out["plain"] = run_engine(spec(None))
+    out["plain"] = plain_llama(ROUNDS)
     out["cpu"] = run_engine(spec(tier_pipeline({"capacity": "256MiB"})))
     # A pool far larger than the prompts: its pages are still being mapped when
     # round 1 repeats round 0, right after the engine is ready.
