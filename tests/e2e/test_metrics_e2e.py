@@ -65,7 +65,12 @@ def test_metrics_show_every_node_and_kvc_top_reads_them(
     assert result.connector_tokens == 480  # vLLM's own count of the connector's tokens
     assert top.returncode == 0, top.stderr
     assert "cpu" in top.stdout and "offload-cpu" in top.stdout
-    assert "50.0%" in top.stdout  # 2 lookups per request (vLLM asks again), 1 of 2 hit
+    # Per request and per prompt token, each request counted once however often
+    # vLLM looked it up: 2 requests of 512 tokens, the second served 480.
+    assert cpu.counters["requests_looked_up"] == 2 and cpu.counters["requests_hit"] == 1
+    assert cpu.counters["prompt_tokens_looked_up"] == 1024
+    assert cpu.counters["prompt_tokens_hit"] == 480
+    assert "50.0%" in top.stdout and "46.9%" in top.stdout  # 1 of 2 requests; 480 of 1024
 
 
 def _raw(base: str) -> str:
