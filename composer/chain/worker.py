@@ -239,9 +239,9 @@ class WorkerSide(ChainBase):
                 continue
             if failed:
                 blocks |= failed
-        # (After the nodes: a fault above may have added some.)
-        blocks |= self.load_error_blocks
-        self.load_error_blocks = set()
+        if self.load_error_blocks:  # (after the nodes: a fault above may have added some)
+            blocks |= self.load_error_blocks
+            self.load_error_blocks = set()
         return blocks
 
     def build_connector_worker_meta(self) -> ChainWorkerMetadata | None:
