@@ -27,6 +27,8 @@ class WorkerSide(ChainBase):
     #: (node id, callable, returns TransferResults?): ``get_transfer_results``, or
     #: ``get_finished`` for a node without it, in node order.
     transfer_calls: list[tuple[str, Call, bool]]
+    #: The hooks vLLM may pass keyword arguments to: (node id, callable, takes them?).
+    kwargs_calls: dict[str, list[tuple[str, Call, bool]]]
 
     def _bind_worker(self) -> None:
         calls = self.calls
@@ -37,6 +39,10 @@ class WorkerSide(ChainBase):
             for n in self.nodes
             if n not in self.disabled and (n in direct or n in via_finished)
         ]
+        self.kwargs_calls = {
+            hook: [(node_id, fn, takes_kwargs(fn)) for node_id, fn in calls[hook]]
+            for hook in ("wait_for_layer_load", "save_kv_layer", "start_load_kv")
+        }
 
     # -- per layer, the hot path: one Python call per implementing node ------- #
 
@@ -68,9 +74,9 @@ class WorkerSide(ChainBase):
     def call_passing_kwargs(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """vLLM passed keyword arguments (0.32.0 passes none; later versions do): they
         reach the callables that take them (a native connector's own method)."""
-        for node_id, fn in self.calls[hook]:
+        for node_id, fn, fn_takes_kwargs in self.kwargs_calls[hook]:
             try:
-                if takes_kwargs(fn):
+                if fn_takes_kwargs:
                     fn(*args, **kwargs)
                 else:
                     fn(*args)

@@ -1,8 +1,10 @@
 """Checks that need the runtime: node classes and vLLM's connector registry.
 
-``kvc validate --deep`` runs these, and the vLLM adapter runs them at engine
-start. Nothing heavy is imported at module level, so importing this module
-stays as light as ``import composer``:
+``kvc validate --deep`` runs these. At engine start the vLLM adapter checks
+the connector names (``classes=False``) and the chain checks the node classes
+it creates (pluggy's own checks and :func:`unsupported_hookimpl_options`).
+Nothing heavy is imported at module level, so importing this module stays as
+light as ``import composer``:
 
 * every node class of every node (per vLLM process) is imported, must
   subclass :class:`composer.plugin.Plugin`, and is registered with a pluggy
