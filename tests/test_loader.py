@@ -412,3 +412,27 @@ def test_undecodable_bytes_are_located_by_line_and_character() -> None:
     with pytest.raises(FileProblem) as info:
         decode_pipeline("a: 1\nb: é\xe9".encode("utf-8", "surrogateescape")[:-1] + b"\xff\n")
     assert (info.value.line, info.value.column) == (2, 5)
+
+
+UNUSUAL_BREAKS = {"cr": "\r", "nel": "\x85", "line-separator": "\u2028", "para-separator": "\u2029"}
+
+
+@pytest.mark.parametrize("brk", UNUSUAL_BREAKS.values(), ids=list(UNUSUAL_BREAKS))
+def test_lines_are_counted_as_an_editor_counts_them(brk: str) -> None:
+    # YAML also ends a line at these; grep -n, vim and less do not.
+    text = f"# a{brk}# b{brk}\nkey: 1\nbad: !!int x {brk}\n"
+    data, marks, problems = load_yaml(text)
+    assert data == {"key": 1, "bad": None}
+    assert marks.locate(("key",)) == (2, 6)
+    assert marks.locate(("bad",), key=True) == (3, 1)
+    assert [(p.path, p.line, p.column) for p in problems] == [(("bad",), 3, 6)]
+
+    _, _, problems = load_yaml(f"# a{brk}\nkey: 'open{brk}\n")
+    assert [(str(p), p.line, p.column) for p in problems] == [
+        (
+            "YAML syntax error: found unexpected end of stream"
+            " (while scanning a quoted scalar at line 2, column 6)",
+            3,
+            1,
+        )
+    ]

@@ -13,6 +13,7 @@ values, numbers; :mod:`composer.loader.file`: the file's size); ``${VAR}`` is
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,40 @@ class Marks:
         return None, None
 
 
+class Positions:
+    """Editor positions (lines end at ``\\n`` only, as grep, vim and less count them)
+    for YAML's marks.
+
+    YAML also ends a line at a lone ``\\r``, U+0085, U+2028 and U+2029, so past
+    one of those its line numbers are not the ones an editor shows.
+    """
+
+    _UNUSUAL_BREAK = re.compile("\r(?!\n)|[\x85\u2028\u2029]")
+    _YAML_BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        # Start offset of each YAML line; None when YAML's lines are the editor's.
+        self._starts: list[int] | None = None
+        if self._UNUSUAL_BREAK.search(text):
+            self._starts = [0] + [m.end() for m in self._YAML_BREAK.finditer(text)]
+
+    def of(self, mark: yaml.Mark) -> tuple[int, int]:
+        """1-based (line, column) of a 0-based YAML mark."""
+        if self._starts is None or mark.line >= len(self._starts):
+            return mark.line + 1, mark.column + 1
+        return self.at(self._starts[mark.line] + mark.column)
+
+    def at(self, offset: int) -> tuple[int, int]:
+        """1-based (line, column) of a character offset into the text."""
+        before = self.text[:offset]
+        return before.count("\n") + 1, offset - (before.rfind("\n") + 1) + 1
+
+    def line_text(self, line: int) -> str:
+        lines = self.text.split("\n")
+        return lines[line - 1] if 0 < line <= len(lines) else ""
+
+
 class YAMLProblem(Exception):
     """A problem found while reading YAML.
 
@@ -110,53 +145,42 @@ class YAMLProblem(Exception):
         self.replaces_value = replaces_value
 
 
-def syntax_problem(exc: yaml.YAMLError, text: str = "") -> YAMLProblem:
+def syntax_problem(exc: yaml.YAMLError, positions: Positions) -> YAMLProblem:
     """One located problem from PyYAML's error, without its multi-line rendering."""
     if isinstance(exc, yaml.reader.ReaderError):
         # libyaml counts bytes of UTF-8, PyYAML characters.
-        position = (
+        text = positions.text
+        offset = (
             len(text.encode("utf-8")[: exc.position].decode("utf-8", errors="ignore"))
             if LIBYAML
             else exc.position
         )
-        before = text[:position]
         char = exc.character if isinstance(exc.character, str) else chr(exc.character)
         return YAMLProblem(
             (),
             f"YAML syntax error: character {char!r} (#x{ord(char):04x}) is not allowed",
-            before.count("\n") + 1,
-            position - (before.rfind("\n") + 1) + 1,
+            *positions.at(offset),
         )
     if not isinstance(exc, yaml.MarkedYAMLError):
         return YAMLProblem((), f"YAML error: {exc}", None, None)
     mark = exc.problem_mark or exc.context_mark
-    line: int | None = mark.line + 1 if mark else None
-    col: int | None = mark.column + 1 if mark else None
+    line, col = positions.of(mark) if mark else (None, None)
     message = str(exc.problem or exc.context or "invalid YAML")
     if exc.context and exc.problem:
         where = ""
-        if (
-            exc.context_mark is not None
-            and mark is not None
-            and ((exc.context_mark.line, exc.context_mark.column) != (mark.line, mark.column))
-        ):
-            where = f" at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}"
+        if exc.context_mark is not None and mark is not None:
+            context_line, context_col = positions.of(exc.context_mark)
+            if (context_line, context_col) != (line, col):
+                where = f" at line {context_line}, column {context_col}"
         message += f" ({exc.context}{where})"
-    if line is not None and col is not None and _line(text, line)[col - 1 : col] == "\t":
-        message += "; indent with spaces, YAML does not allow tabs"
-    elif line is not None and "flow" in str(exc.context) and "${" in _line(text, line):
-        message += "; quote ${...} values inside {...} and [...]"
+    if line is not None and col is not None:
+        text_of_line = positions.line_text(line)
+        if text_of_line[col - 1 : col] == "\t":
+            message += "; indent with spaces, YAML does not allow tabs"
+        elif "flow" in str(exc.context) and "${" in text_of_line:
+            message += "; quote ${...} values inside {...} and [...]"
     kind = "error" if isinstance(exc, ConstructorError | LimitExceeded) else "syntax error"
     return YAMLProblem((), f"YAML {kind}: {message}", line, col)
-
-
-def _line(text: str, line: int) -> str:
-    lines = text.split("\n")
-    return lines[line - 1] if 0 < line <= len(lines) else ""
-
-
-def _pos(node: yaml.Node) -> tuple[int, int]:
-    return node.start_mark.line + 1, node.start_mark.column + 1
 
 
 def _tag(node: yaml.Node) -> str:
@@ -164,17 +188,20 @@ def _tag(node: yaml.Node) -> str:
 
 
 class _Builder:
-    def __init__(self, loader: AnyPipelineLoader, env: Mapping[str, str]) -> None:
+    def __init__(
+        self, loader: AnyPipelineLoader, env: Mapping[str, str], positions: Positions
+    ) -> None:
         self.loader = loader
+        self.positions = positions
         self.env = env
         self.marks = Marks()
         self.problems: list[YAMLProblem] = []
 
     def _problem(self, path: Path, message: str, node: yaml.Node, **kw: bool) -> None:
-        self.problems.append(YAMLProblem(path, message, *_pos(node), **kw))
+        self.problems.append(YAMLProblem(path, message, *self.positions.of(node.start_mark), **kw))
 
     def build(self, node: yaml.Node, path: Path) -> Any:
-        self.marks.values.setdefault(path, _pos(node))
+        self.marks.values.setdefault(path, self.positions.of(node.start_mark))
         if node.tag not in PLAIN_TAGS:
             # The safe constructors would build bytes, dates, sets or pairs, or refuse;
             # a pipeline is plain mappings, lists and JSON-like scalars.
@@ -232,7 +259,7 @@ class _Builder:
                             key_node,
                         )
                     continue
-                self.marks.keys[(*path, key)] = _pos(key_node)
+                self.marks.keys[(*path, key)] = self.positions.of(key_node.start_mark)
                 out[key] = self.build(value_node, (*path, key))
         return out
 
@@ -271,7 +298,7 @@ class _Builder:
         try:
             return self.loader.construct_object(node, deep=True)
         except yaml.constructor.ConstructorError as exc:  # e.g. an unknown or bad tag
-            problem = syntax_problem(exc)
+            problem = syntax_problem(exc, self.positions)
             self.problems.append(
                 YAMLProblem(
                     path,
@@ -314,14 +341,17 @@ def load_yaml(
     text: str, *, env: Mapping[str, str] | None = None
 ) -> tuple[Any, Marks, list[YAMLProblem]]:
     """Parse one YAML document safely; returns (data, marks, problems)."""
+    positions = Positions(text)
     try:
         loader: AnyPipelineLoader = PipelineLoader(text)
     except yaml.YAMLError as exc:  # the reader checks every character up front
-        return None, Marks(), [syntax_problem(exc, text)]
+        return None, Marks(), [syntax_problem(exc, positions)]
     except UnicodeEncodeError as exc:  # lone surrogates, e.g. undecodable bytes kept as such
-        before = text[: exc.start]
-        line, col = before.count("\n") + 1, exc.start - (before.rfind("\n") + 1) + 1
-        return None, Marks(), [YAMLProblem((), "the text is not valid Unicode", line, col)]
+        return (
+            None,
+            Marks(),
+            [YAMLProblem((), "the text is not valid Unicode", *positions.at(exc.start))],
+        )
     try:
         try:
             try:
@@ -333,21 +363,17 @@ def load_yaml(
                 loader = PurePipelineLoader(text)
                 root = loader.get_single_node()
         except yaml.YAMLError as exc:
-            return None, Marks(), [syntax_problem(exc, text)]
+            return None, Marks(), [syntax_problem(exc, positions)]
         except ValueError as exc:  # pure-Python PyYAML lets chr() fail on escapes past U+10FFFF
-            mark = loader.get_mark()
-            return (
-                None,
-                Marks(),
-                [YAMLProblem((), f"YAML syntax error: {exc}", mark.line + 1, mark.column + 1)],
-            )
+            where = positions.of(loader.get_mark())
+            return None, Marks(), [YAMLProblem((), f"YAML syntax error: {exc}", *where)]
         if root is None:
             return None, Marks(values={(): (1, 1)}), []
-        builder = _Builder(loader, os.environ if env is None else env)
+        builder = _Builder(loader, os.environ if env is None else env, positions)
         try:
             data = builder.build(root, ())
         except yaml.YAMLError as exc:
-            return None, builder.marks, [syntax_problem(exc, text)]
+            return None, builder.marks, [syntax_problem(exc, positions)]
         return data, builder.marks, builder.problems
     finally:
         loader.dispose()
