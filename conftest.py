@@ -39,6 +39,7 @@ def plain_llama(request: pytest.FixtureRequest) -> SharedRuns:
         model=str(build_tiny_model()),
         rounds=[],
         enforce_eager=True,
+        in_process=True,
         # No plugin modules: the test modules' own may not be importable here.
         env={"KV_COMPOSER_PLUGIN_MODULES": ""},
         timeout_s=600,

@@ -317,7 +317,7 @@ def test_installed_plugin_runs_in_vllm(
     prompts = ["hello " * 40, "hi", "the same prompt, again " * 8]
     result = run_engine(
         EngineSpec(model=str(build_tiny_model()), rounds=[prompts], kv_transfer_config=config,
-                   max_tokens=4, env=env, enforce_eager=True)
+                   max_tokens=4, env=env, enforce_eager=True, in_process=True)
     )
     assert [len(r.tokens) for r in result.rounds[0]] == [4, 4, 4]
     # The node logs each prompt of at least 4 tokens, in the scheduler process.

@@ -44,6 +44,7 @@ def runs(
             kv_transfer_config=config,
             env=engine_env,
             enforce_eager=True,
+            in_process=True,
         )
 
     multi = {

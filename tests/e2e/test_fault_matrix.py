@@ -141,6 +141,7 @@ def test_matrix(
             kv_transfer_config=config,
             env=_env(engine_env),
             enforce_eager=True,
+            in_process=True,
             timeout_s=600,
         )
     )
@@ -184,6 +185,7 @@ def test_fail_stops_the_engine_with_a_clear_message(
                 kv_transfer_config=config,
                 env=_env(engine_env),
                 enforce_eager=True,
+                in_process=True,
                 timeout_s=300,
             )
         )
@@ -212,6 +214,7 @@ def test_hybrid_model_subset(engine_env: dict[str, str], tmp_path: Path) -> None
             kv_transfer_config=config,
             env=_env(engine_env),
             enforce_eager=True,
+            in_process=True,
             timeout_s=600,
         )
     )

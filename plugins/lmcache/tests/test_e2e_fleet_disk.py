@@ -85,6 +85,7 @@ def runs(
                 env=env,
                 max_tokens=8,
                 enforce_eager=True,
+                in_process=True,
             )
         )
 

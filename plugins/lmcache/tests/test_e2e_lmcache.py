@@ -88,6 +88,9 @@ def runs(
             env=env,
             max_tokens=8,
             enforce_eager=True,
+            # Not in_process: LMCache's scheduler and worker halves talk across
+            # processes here, as when serving. Its reference (plain_llama) runs
+            # in one process with the same two OpenMP threads.
         )
         out[name] = run_engine(spec)
         return out[name]

@@ -82,6 +82,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 kv_transfer_config=kv,
                 env=env,
                 enforce_eager=True,
+                in_process=True,
                 **kw,
             )
         )
@@ -206,6 +207,7 @@ def test_a_node_that_cannot_serve_the_groups_stops_the_engine_with_the_validate_
                 kv_transfer_config=kv,
                 env=env,
                 enforce_eager=True,
+                in_process=True,
             )
         )
     log = failed.value.log

@@ -62,6 +62,7 @@ def runs(
             env=env,
             max_tokens=8,
             enforce_eager=True,
+            in_process=True,
         )
 
     report = tmp / "corrupt.json"
