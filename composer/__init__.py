@@ -21,7 +21,7 @@ from composer.pipeline import (
     ResolvedNode,
     ResolvedPipeline,
 )
-from composer.plugin import NodeContext, Plugin
+from composer.plugin import NodeContext, Plugin, Unavailable
 from composer.plugin_types import Capabilities, EmptyConfig, PluginType
 from composer.simulate import SimKVGroup, TierModel
 from composer.validation import load_pipeline, validate_text
@@ -51,6 +51,7 @@ __all__ = [
     "SimKVGroup",
     "StepView",
     "TierModel",
+    "Unavailable",
     "VllmConnectorConfig",
     "did_you_mean",
     "discover",

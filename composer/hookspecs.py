@@ -141,6 +141,24 @@ class Recompute(StrEnum):
     switched off instead while the node has an async load in flight."""
 
 
+class Away(StrEnum):
+    """What a node's :class:`~composer.Unavailable` (its store is away) does in a hook.
+    Not a fault: under every ``on_error`` policy the node stays on and is counted."""
+
+    MISS = "a miss"
+    """The lookup found nothing; vLLM computes the request."""
+    RESULT_LOST = "result lost"
+    """Only this call's result is lost (a report is skipped)."""
+    BLOCKS_RECOMPUTED = "blocks recomputed"
+    """The blocks the node loads this step become load errors, which vLLM recomputes
+    (the node still reports finished any async load it had started)."""
+    SAVE_SKIPPED = "save skipped"
+    """Nothing is saved and the request's blocks are not held for the node."""
+    FAULT = "a fault"
+    """The hook has no such meaning (the node's two halves could be out of step):
+    the node's ``on_error`` applies."""
+
+
 class Nodes(StrEnum):
     """The nodes a hook is dispatched to, and in which order."""
 
@@ -178,6 +196,7 @@ class Hook:
     every: Every
     combine: Combine
     recompute: Recompute
+    away: Away
     nodes: Nodes
     native: Native
     #: vLLM base-class methods behind the hook: a ``vllm`` node whose connector
@@ -200,16 +219,26 @@ def hook(
     combine: Combine,
     *,
     recompute: Recompute = Recompute.SWITCH_OFF,
+    away: Away | None = None,
     nodes: Nodes = Nodes.ALL,
     native: Native,
     skip_if_default: bool | tuple[str, ...] = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Mark a lifecycle hookspec and record its row in :data:`HOOKS`."""
+    """Mark a lifecycle hookspec and record its row in :data:`HOOKS`.
+
+    ``away`` defaults to what ``recompute`` says: what vLLM's recompute undoes
+    after a fault, it undoes after an outage too.
+    """
+    if away is None:
+        away = {
+            Recompute.RESULT_LOST: Away.RESULT_LOST,
+            Recompute.BLOCKS_RECOMPUTED: Away.BLOCKS_RECOMPUTED,
+        }.get(recompute, Away.FAULT)
 
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
         name = fn.__name__
         skip = (name,) if skip_if_default is True else skip_if_default or ()
-        HOOKS[name] = Hook(name, process, every, combine, recompute, nodes, native, skip)
+        HOOKS[name] = Hook(name, process, every, combine, recompute, away, nodes, native, skip)
         return hookspec(fn)
 
     return mark
@@ -281,6 +310,7 @@ class NodeSpec:
         Every.REQUEST,
         Combine.LOAD_POLICY,
         recompute=Recompute.RESULT_LOST,
+        away=Away.MISS,
         nodes=Nodes.LOOKUP,
         native=Native.ADAPTED,
     )
@@ -339,7 +369,13 @@ class NodeSpec:
         the call, as MultiConnector's children see it.
         """
 
-    @hook(Process.SCHEDULER, Every.REQUEST, Combine.HOLD_ANY_PARAMS_NO_CLASH, native=Native.ADAPTED)
+    @hook(
+        Process.SCHEDULER,
+        Every.REQUEST,
+        Combine.HOLD_ANY_PARAMS_NO_CLASH,
+        away=Away.SAVE_SKIPPED,
+        native=Native.ADAPTED,
+    )
     def request_finished(
         self, request: RequestView, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -350,7 +386,13 @@ class NodeSpec:
         written by two nodes is an error.
         """
 
-    @hook(Process.SCHEDULER, Every.REQUEST, Combine.HOLD_ANY_PARAMS_NO_CLASH, native=Native.ADAPTED)
+    @hook(
+        Process.SCHEDULER,
+        Every.REQUEST,
+        Combine.HOLD_ANY_PARAMS_NO_CLASH,
+        away=Away.SAVE_SKIPPED,
+        native=Native.ADAPTED,
+    )
     def request_finished_all_groups(
         self, request: RequestView, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -462,13 +504,27 @@ class NodeSpec:
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Worker, per attention layer, hot path: block until this layer's load is done."""
 
-    @hook(Process.WORKER, Every.LAYER, Combine.CALL_EACH, nodes=Nodes.SAVERS, native=Native.AS_IS)
+    @hook(
+        Process.WORKER,
+        Every.LAYER,
+        Combine.CALL_EACH,
+        away=Away.SAVE_SKIPPED,
+        nodes=Nodes.SAVERS,
+        native=Native.AS_IS,
+    )
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> None:
         """Worker, per attention layer, hot path: start saving this layer's KV."""
 
-    @hook(Process.WORKER, Every.STEP, Combine.CALL_EACH, nodes=Nodes.SAVERS, native=Native.AS_IS)
+    @hook(
+        Process.WORKER,
+        Every.STEP,
+        Combine.CALL_EACH,
+        away=Away.SAVE_SKIPPED,
+        nodes=Nodes.SAVERS,
+        native=Native.AS_IS,
+    )
     def wait_for_save(self) -> None:
         """Worker, every step after the forward: submit saves; sync ones finish before return."""
 
@@ -565,18 +621,26 @@ STEP_HOOKS = frozenset(hooks_where(every=Every.STEP))
 LOAD_HOOKS = frozenset(hooks_where(recompute=Recompute.BLOCKS_RECOMPUTED))
 #: Under ``recompute`` a failure here costs only that call's effect: the node stays on.
 RECOVERABLE_HOOKS = frozenset(n for n, h in HOOKS.items() if h.recompute != Recompute.SWITCH_OFF)
+#: A node's ``Unavailable`` here is an outage, not a fault (its ``away`` says what it costs).
+AWAY_HOOKS = frozenset(n for n, h in HOOKS.items() if h.away != Away.FAULT)
+#: A node's lookup, load and save of a step: the calls that reach its store
+#: every time they are made, so one that returns normally ends an outage
+#: (``request_finished`` and the per-layer hooks need not touch the store).
+STORE_CALLS = ("get_num_new_matched_tokens", "start_load_kv", "wait_for_save")
+assert AWAY_HOOKS.issuperset(STORE_CALLS)
 
 
 def markdown_table() -> str:
     """The README's hook table (``tests/test_hookspecs.py`` checks it is current)."""
     rows = [
-        "| hook | process | called | combine | on `recompute` | nodes | `vllm` node | what |",
-        "|---|---|---|---|---|---|---|---|",
+        "| hook | process | called | combine | on `recompute` | store away | nodes | `vllm` node "
+        "| what |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for h in HOOKS.values():
         doc = (getattr(NodeSpec, h.name).__doc__ or "").strip().splitlines()[0]
         rows.append(
             f"| `{h.signature}` | {h.process} | {h.every} | {h.combine} | {h.recompute} "
-            f"| {h.nodes} | {h.native} | {doc.replace('|', '/')} |"
+            f"| {h.away} | {h.nodes} | {h.native} | {doc.replace('|', '/')} |"
         )
     return "\n".join(rows) + "\n"

@@ -1,4 +1,5 @@
-"""The base class of plugin instances: one per pipeline node and vLLM process."""
+"""The base class of plugin instances (one per pipeline node and vLLM process), and
+what a node raises when its store is away."""
 
 from __future__ import annotations
 
@@ -10,6 +11,19 @@ from pydantic import BaseModel
 
 from composer.plugin_types import NodeRole, VllmProcess
 from composer.stats import NodeStats
+
+
+class Unavailable(Exception):
+    """Raised by a node's hook when its store is away: the call did nothing.
+
+    The node stays on; vLLM recomputes what the call would have served. The
+    node's part of the contract: while the store is away it raises this from
+    every lookup, load and save it is asked for (a call that returns normally
+    ends the outage), and anything it had already started, it still reports
+    finished (``get_finished``) or failed (``get_block_ids_with_load_errors``),
+    so no request waits and no block stays held. A subclass (the ``lmcache``
+    node's ``ServerGone``) says which store is away.
+    """
 
 
 @dataclass
@@ -51,9 +65,7 @@ class Plugin(Generic[ConfigT]):
         self.stats = ctx.stats
         import structlog  # lazily: `import composer` stays light
 
-        self.log = structlog.get_logger("kv_composer").bind(
-            node=ctx.node_id, process=ctx.process
-        )
+        self.log = structlog.get_logger("kv_composer").bind(node=ctx.node_id, process=ctx.process)
 
     def service(self) -> Any:
         """What nodes that ``need`` this one receive (default: the instance)."""

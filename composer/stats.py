@@ -90,6 +90,9 @@ class NodeStats:
     bytes_loaded: int = 0
     bytes_saved: int = 0
     errors: int = 0
+    #: Hook -> calls that found the node's store away (it raised ``Unavailable``):
+    #: misses, skipped saves, recomputed loads; not errors.
+    unavailable: dict[str, int] = field(default_factory=dict)
     disabled: bool = False
     hook_seconds: dict[str, float] = field(default_factory=dict)
     #: Plugin-specific counters (evictions, bytes copied, ...): summed, reset by each report.
@@ -142,6 +145,7 @@ class NodeStats:
                 self.tokens_loaded,
                 self.tokens_saved,
                 self.errors,
+                self.unavailable,
                 self.hook_seconds,
                 self.extra,
                 self.gauges.changed,

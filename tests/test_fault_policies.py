@@ -14,11 +14,19 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel, ConfigDict
+from structlog.testing import capture_logs
 
-from composer import Capabilities, PluginType, hookimpl
+from composer import Capabilities, PluginType, Unavailable, hookimpl
 from composer.chain import Chain
 from composer.chain.faults import NodeFailed, WorkerLedger
-from composer.hookspecs import LOAD_HOOKS, RECOVERABLE_HOOKS
+from composer.hookspecs import (
+    AWAY_HOOKS,
+    HOOKS,
+    LOAD_HOOKS,
+    RECOVERABLE_HOOKS,
+    STORE_CALLS,
+    Away,
+)
 from composer.testing.chains import NOTHING, Scripted, drive, pipeline_chain, registry, spec_hooks
 from composer.testing.chains import Blocks as _Blocks
 from composer.testing.chains import request as _request
@@ -32,6 +40,8 @@ class FaultConfig(BaseModel):
     hit: int = 0
     load_async: bool = False
     hold: bool = False
+    #: Raise Unavailable (the node's store is away) instead of a fault.
+    away: bool = False
 
 
 class Everything(Scripted):
@@ -39,6 +49,8 @@ class Everything(Scripted):
 
     def answer(self, hook: str) -> Any:
         if self.config.fail_in == hook:
+            if self.config.away:
+                raise Unavailable(f"store away in {hook}")
             raise RuntimeError(f"boom in {hook}")
         if hook == "shutdown":
             SHUTDOWNS.append(self.node_id)
@@ -138,6 +150,68 @@ def test_recompute_keeps_the_node_only_where_recompute_undoes_the_fault(
         if role == "worker" and hook in LOAD_HOOKS:
             # The blocks it was loading this step are recomputed, whatever the policy.
             assert chain.get_block_ids_with_load_errors() == {10, 11}
+
+
+@pytest.mark.parametrize("hook", ALL_HOOKS)
+@pytest.mark.parametrize("policy", ["fail", "recompute", "disable"])
+def test_a_store_away_is_no_fault_where_the_hook_can_say_so(hook: str, policy: str) -> None:
+    """Unavailable under every policy: the node stays on and the call's effect is
+    what the hook's ``away`` says; where it says "a fault", the policy applies."""
+    for role in ("scheduler", "worker"):
+        chain = _chain(role, policy, hook, away=True, hold=True, load_async=True)
+        if not chain.implemented(hook):
+            continue
+        if role == "worker" and hook in LOAD_HOOKS:
+            chain.bind_connector_metadata(_meta(chain, async_loads={"r0": "bad"}))
+        if hook not in AWAY_HOOKS:
+            if policy == "fail":
+                # (shutdown re-raises the node's own error after the others ran)
+                with pytest.raises(Unavailable if hook == "shutdown" else NodeFailed):
+                    drive(chain, hook, _request())
+            else:
+                drive(chain, hook, _request())
+                assert chain.stats["bad"].errors == 1
+            continue
+        with capture_logs() as logs:
+            out = drive(chain, hook, _request())  # never raises, whatever the policy
+        counted = out["bad"]["counters"] if hook == "get_kv_connector_stats" else None
+        counted = counted or chain.stats["bad"].take()
+        assert counted["errors"] == 0 and counted["unavailable"] == {hook: 1}, (role, hook)
+        assert chain.disabled == set() and SHUTDOWNS == []
+        assert counted["extra"]["outages"] == 1 and counted["gauges"]["store_away"] == 1
+        assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
+            "node's store is away: the node stays on, vLLM recomputes what it would "
+            "have served or saved until it is back"
+        ]
+        away = HOOKS[hook].away
+        if away is Away.MISS:
+            assert out == (0, False), "the other node has no hit; the away one is a miss"
+        if away is Away.SAVE_SKIPPED and hook.startswith("request_finished"):
+            assert chain.new_holds["r1"] == ("good",), "nothing held for the away node"
+        if role == "worker" and away is Away.BLOCKS_RECOMPUTED:
+            # Even with an async load of it in flight: the node reports that one itself.
+            assert chain.get_block_ids_with_load_errors() == {10, 11}
+
+
+@pytest.mark.parametrize("hook", STORE_CALLS)
+def test_an_outage_is_logged_once_and_ends_at_the_next_store_call_that_returns(
+    hook: str,
+) -> None:
+    role = "scheduler" if HOOKS[hook].process == "scheduler" else "worker"
+    chain = _chain(role, "fail", hook, away=True)
+    with capture_logs() as logs:
+        for _ in range(3):
+            drive(chain, hook, _request())
+        assert chain.stats["bad"].gauges["store_away"] == 1
+        chain.nodes["bad"].config.fail_in = ""  # the store is back
+        drive(chain, hook, _request())
+        drive(chain, hook, _request())
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert [e["event"] for e in warnings][1:] == ["node's store is back"]
+    assert warnings[1]["calls_unavailable"] == 3 and warnings[1]["away_s"] >= 0
+    counted = chain.stats["bad"].take()
+    assert counted["unavailable"] == {hook: 3} and counted["extra"]["outages"] == 1
+    assert counted["gauges"]["store_away"] == 0 and chain.outages == {}
 
 
 def test_scheduler_switch_off_reaches_the_worker_releasing_holds_and_failing_async_loads() -> None:

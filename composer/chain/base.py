@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from composer.chain.calls import Call, CallLists
-from composer.chain.faults import WorkerLedger
+from composer.chain.faults import Outage, WorkerLedger
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata
 from composer.pipeline import ResolvedPipeline
 from composer.plugin_types import VllmProcess
@@ -32,6 +32,8 @@ class ChainBase:
     plugin_names: dict[str, str]
     #: Switched off in this process, for good.
     disabled: set[str]
+    #: Nodes whose store is away (they raised Unavailable), until a store call returns.
+    outages: dict[str, Outage]
     lists: CallLists
     #: Hook -> (node id, callable), in dispatch order: ``lists.calls``.
     calls: dict[str, list[tuple[str, Call]]]
@@ -85,14 +87,16 @@ class ChainBase:
             try:
                 result = fn(*args)
             except Exception as exc:
-                self.fault(node_id, hook, exc)
-                result = default
+                # The node's store away: no result, nothing held for it.
+                result = None if self.fault(node_id, hook, exc) else default
             out.append((node_id, result))
         return out
 
     if TYPE_CHECKING:
 
-        def fault(self, node_id: str, hook: str, exc: BaseException) -> None: ...
+        def fault(self, node_id: str, hook: str, exc: BaseException) -> bool: ...
+
+        def store_back(self, node_id: str) -> None: ...
 
         def switch_off(self, node_id: str, reason: str, **where: Any) -> None: ...
 

@@ -39,7 +39,6 @@ from composer.validation.deep_check import unsupported_hookimpl_options
 log = structlog.get_logger("kv_composer")
 
 
-
 class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
     """The nodes of one pipeline in one vLLM process.
 
@@ -77,6 +76,7 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
         self.stats_changes = Changes()
         self._create_nodes(vllm_config, kv_cache_config)
         self.disabled = set()
+        self.outages = {}
         self.chosen, self.served, self.pending_loads = {}, {}, {}
         self.new_holds, self.new_async_loads, self.new_group_loads = {}, {}, {}
         self.block_size = _block_size(kv_cache_config)

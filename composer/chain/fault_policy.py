@@ -4,21 +4,29 @@
 undoes the fault (a lookup, a synchronous load, a report) and switches it off
 elsewhere; ``disable`` switches it off. A node switched off leaves this
 process's call lists for good, and the other process follows through the metadata.
+
+:class:`~composer.chain.faults.Unavailable` (the node's store is away) is no
+fault: the node stays on, and its outage is logged when it starts and when it ends.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from composer.chain.base import ChainBase
-from composer.chain.faults import NodeFailed
-from composer.hookspecs import HOOKS, Recompute
+from composer.chain.faults import NodeFailed, Outage, Unavailable
+from composer.hookspecs import HOOKS, Away, Recompute
 
 
 class FaultPolicy(ChainBase):
-    def fault(self, node_id: str, hook: str, exc: BaseException) -> None:
+    def fault(self, node_id: str, hook: str, exc: BaseException) -> bool:
         """Apply the node's error policy; returns only if the engine goes on, with
-        nothing the node failed to load served."""
+        nothing the node failed to load served. True: it was no fault but the
+        node's store away (the caller drops the node's result, holds nothing for it)."""
+        if isinstance(exc, Unavailable) and HOOKS[hook].away is not Away.FAULT:
+            self.store_away(node_id, hook, exc)
+            return True
         policy = self.policy.get(node_id, "fail")
         recompute = HOOKS[hook].recompute
         stats = self.stats[node_id]
@@ -31,9 +39,9 @@ class FaultPolicy(ChainBase):
             self.log.error("node failed; on_error: fail stops the engine", **where)
             raise NodeFailed(node_id, self.plugin_names.get(node_id, "?"), hook, exc) from exc
         if policy == "recompute" and self._recovered(recompute, where):
-            return
+            return False
         if node_id in self.disabled:
-            return
+            return False
         if policy == "disable":
             reason = "on_error: disable"
         else:
@@ -43,6 +51,46 @@ class FaultPolicy(ChainBase):
                 "the node is switched off instead"
             )
         self.switch_off(node_id, reason, **where)
+        return False
+
+    def store_away(self, node_id: str, hook: str, exc: BaseException) -> None:
+        """The node's store is away: count the call, recompute what it was loading."""
+        stats = self.stats[node_id]
+        stats.unavailable[hook] = stats.unavailable.get(hook, 0) + 1
+        stats.changes.seen = True
+        blocks = 0
+        if HOOKS[hook].away is Away.BLOCKS_RECOMPUTED:
+            step = self.step_loads.get(node_id, set())
+            blocks = len(step - self.load_error_blocks)
+            self.load_error_blocks |= step
+            if blocks:
+                stats.extra.add("blocks_recomputed", blocks)
+        outage = self.outages.get(node_id)
+        if outage is None:
+            outage = self.outages[node_id] = Outage(time.monotonic())
+            stats.extra.add("outages")
+            stats.gauges["store_away"] = 1
+            self.log.warning(
+                "node's store is away: the node stays on, vLLM recomputes what it would "
+                "have served or saved until it is back",
+                node=node_id,
+                hook=hook,
+                error=repr(exc),
+            )
+        outage.calls += 1
+        outage.blocks += blocks
+
+    def store_back(self, node_id: str) -> None:
+        """A lookup, load or save of the node returned normally: its outage is over."""
+        outage = self.outages.pop(node_id)
+        self.stats[node_id].gauges["store_away"] = 0
+        self.log.warning(
+            "node's store is back",
+            node=node_id,
+            away_s=round(time.monotonic() - outage.since, 3),
+            calls_unavailable=outage.calls,
+            blocks_recomputed=outage.blocks,
+        )
 
     def _recovered(self, recompute: Recompute, where: dict[str, Any]) -> bool:
         """Whether vLLM's recompute undoes this fault (then the node stays on)."""

@@ -20,12 +20,25 @@ raises:
   and every request whose blocks it held for a save is released.
 
 Which hooks ``recompute`` repairs, and how, is each hook's ``recompute`` in
-:data:`composer.hookspecs.HOOKS`. Nothing here imports torch or vLLM.
+:data:`composer.hookspecs.HOOKS`.
+
+A node whose *store* is away (a server restarting, a store failing over, a
+disk read-only) raises :class:`Unavailable` instead: that is not a fault, and
+no policy applies. The chain counts it, keeps the node on, and vLLM recomputes
+what the call would have served: a lookup is a miss, a load's blocks are
+recomputed, a save is skipped (each hook's ``away`` in
+:data:`composer.hookspecs.HOOKS`; where a hook has no such meaning, ``away`` is
+"a fault" and ``on_error`` applies after all). Nothing here imports torch or vLLM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+from composer.plugin import Unavailable
+
+__all__ = ["NodeFailed", "Outage", "Unavailable", "WorkerLedger"]
 
 
 class NodeFailed(RuntimeError):
@@ -39,6 +52,17 @@ class NodeFailed(RuntimeError):
         )
         self.node_id = node_id
         self.hook = hook
+
+
+@dataclass
+class Outage:
+    """A node's store away, as one vLLM process sees it."""
+
+    #: time.monotonic() of the first call that found it away.
+    since: float
+    #: Calls that found it away, and the blocks those calls left to vLLM to recompute.
+    calls: int = 0
+    blocks: int = 0
 
 
 class WorkerLedger:

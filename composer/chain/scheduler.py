@@ -143,7 +143,9 @@ class SchedulerSide(ChainBase):
             tokens, load_async = fn(view, num_computed_tokens)
         except Exception as exc:
             self.fault(node_id, "get_num_new_matched_tokens", exc)
-            tokens, load_async = 0, False
+            return 0, False
+        if node_id in self.outages:
+            self.store_back(node_id)
         return tokens, load_async
 
     def chosen_node(self, request_id: str) -> str | None:
@@ -238,8 +240,8 @@ class SchedulerSide(ChainBase):
             try:
                 results.append((node_id, fn(view, arg)))
             except Exception as exc:
-                self.fault(node_id, hook, exc)
-                results.append((node_id, FAULTED))
+                away = self.fault(node_id, hook, exc)
+                results.append((node_id, None if away else FAULTED))
         return self._finish(request, results)
 
     def _groups_for(self, node_id: str, block_ids: tuple[list[int], ...]) -> tuple[list[int], ...]:

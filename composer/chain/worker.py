@@ -82,6 +82,9 @@ class WorkerSide(ChainBase):
                     fn(*args)
             except Exception as exc:
                 self.fault(node_id, hook, exc)
+                continue
+            if node_id in self.outages and hook == "start_load_kv":
+                self.store_back(node_id)
 
     # -- per step, before the forward ----------------------------------------- #
 
@@ -142,6 +145,9 @@ class WorkerSide(ChainBase):
                 fn(forward_context)
             except Exception as exc:
                 self.fault(node_id, "start_load_kv", exc)
+                continue
+            if node_id in self.outages:
+                self.store_back(node_id)
         return None
 
     # -- per step, after the forward ------------------------------------------ #
@@ -152,6 +158,9 @@ class WorkerSide(ChainBase):
                 fn()
             except Exception as exc:
                 self.fault(node_id, "wait_for_save", exc)
+                continue
+            if node_id in self.outages:
+                self.store_back(node_id)
 
     def finish_forward(self) -> None:
         for node_id, fn in self.calls["finish_forward"]:

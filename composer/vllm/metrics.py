@@ -223,6 +223,7 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
     Series (after vLLM's ``model_name``/``engine`` labels, then ``node``, ``plugin``):
     ``vllm:kv_composer_<counter>_total`` for :data:`COUNTERS`,
     ``vllm:kv_composer_hook_seconds_total{hook}`` (time spent in each hook),
+    ``vllm:kv_composer_unavailable_total{hook}`` (calls that found the node's store away),
     ``vllm:kv_composer_events_total{event}`` (a plugin's own counters:
     evictions, load_errors, ...), ``vllm:kv_composer_gauge{gauge}`` (a plugin's
     current values: pool_use, load_gib_s, ...), ``vllm:kv_composer_disabled``
@@ -254,6 +255,12 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
         self.hook_seconds: Any = counter_cls(
             name=f"{PREFIX}hook_seconds",
             documentation="Seconds spent in the node's hooks.",
+            labelnames=[*names, "hook"],
+        )
+        self.unavailable: Any = counter_cls(
+            name=f"{PREFIX}unavailable",
+            documentation="Calls that found the node's store away (a miss, a skipped save, "
+            "recomputed blocks): not errors.",
             labelnames=[*names, "hook"],
         )
         self.events: Any = counter_cls(
@@ -312,6 +319,9 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
         for hook, seconds in _numbers(counters.get("hook_seconds")):
             if seconds > 0:
                 self.hook_seconds.labels(*labels, hook).inc(seconds)
+        for hook, count in _numbers(counters.get("unavailable")):
+            if count > 0:
+                self.unavailable.labels(*labels, hook).inc(count)
         for event, count in _numbers(counters.get("extra")):
             if count > 0:
                 self.events.labels(*labels, event).inc(count)
