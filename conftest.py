@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from composer.testing.engine import SharedRuns
+    from composer.testing.engine import Prompt, SharedRuns
 
-_WANTED = pytest.StashKey[list[list[list[str]]]]()
+_WANTED = pytest.StashKey["list[list[list[Prompt]]]"]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    wanted: list[list[list[str]]] = []
+    wanted: list[list[list[Prompt]]] = []
     for item in session.items:
         rounds = getattr(getattr(item, "module", None), "PLAIN_LLAMA_ROUNDS", None)
         if rounds is not None and rounds not in wanted:

@@ -55,9 +55,17 @@ def _exactly_int(value: Any) -> Any:
     return value
 
 
+#: Largest size a pipeline may give: 1 EiB. No machine holds that much memory or
+#: disk (x86-64 and arm64 address at most 2**57 bytes), so a larger size is a typo
+#: or a unit gone wrong, refused before launch rather than tried at node start.
+MAX_BYTE_SIZE = 2**60
+
+
 def _positive_size(value: ByteSize) -> ByteSize:
     if value <= 0:
         raise PydanticCustomError("greater_than", "Input should be greater than {gt}", {"gt": 0})
+    if value > MAX_BYTE_SIZE:
+        raise PydanticCustomError("byte_size_too_large", "Input should be at most 1EiB")
     return value
 
 
@@ -69,7 +77,7 @@ Number = Annotated[
 ]
 #: A TCP port, 1 to 65535.
 Port = Annotated[Int, Field(ge=1, le=65535)]
-#: A size in bytes greater than 0 ("8GiB", 1048576); true/false refused.
+#: A size in bytes greater than 0 and at most 1 EiB ("8GiB", 1048576); true/false refused.
 PositiveByteSize = Annotated[
     ByteSize,
     _no_bool("byte_size", "Input should be a size"),

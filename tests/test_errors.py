@@ -10,17 +10,21 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import yaml
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
 from composer import (
     Capabilities,
+    Int,
+    Node,
+    Number,
     Pipeline,
     PipelineInvalid,
     PluginType,
+    PositiveByteSize,
     Registry,
     ResolvedPipeline,
     discover,
@@ -148,7 +152,7 @@ def test_unset_variable_is_reported_once_at_its_value(problems: Check) -> None:
     ]
 
 
-def test_variables_and_defaults_expand_to_the_types_yaml_would_read(valid: Valid) -> None:
+def test_variables_and_defaults_expand_to_text_that_typed_fields_convert(valid: Valid) -> None:
     pipeline = valid(
         """\
         version: 1
@@ -177,12 +181,136 @@ def test_variables_and_defaults_expand_to_the_types_yaml_would_read(valid: Valid
         "min_blocks": 16,
         "checksums": True,
     }
-    assert pipeline.source["nodes"]["a"]["config"]["min_blocks"] == 16
+    # The file's data as written: the plugin's model converts it again wherever it runs.
+    assert pipeline.source["nodes"]["a"]["config"]["min_blocks"] == "16"
     assert native.connector == "ExampleConnector"
     assert native.kv_port == 5600
-    # Quoted: stays a string even though it looks like a number.
+    # A string field keeps the text even though it looks like a number.
     assert native.engine_id == "5600"
     assert native.extra_config == {"path": "${HOME}/kv", "empty": "fallback"}
+
+
+class _TypedConfig(BaseModel):
+    """A field of each kind plugins use, for values that arrive through ${VAR}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: PositiveByteSize = ByteSize(1)
+    count: Int = 1
+    ratio: Number = 1.0
+    flag: bool = False
+    name: str = ""
+    mode: Literal["fast", "safe"] = "fast"
+
+
+class _TypedTypes:
+    @hookimpl
+    def register_plugin_types(self, register: Callable[[PluginType], None]) -> None:
+        register(PluginType(name="typed", node="x:Y", config=_TypedConfig))
+
+
+_TYPED = discover(extra=[_TypedTypes()], entry_points=False)
+#: The value is on line 6 (column 13 for "size").
+_TYPED_PIPELINE = "version: 1\nnodes:\n  t:\n    plugin: typed\n    config:\n      {}: {}\n"
+#: How a text reaches a value: from the environment, quoted or not, or as a default.
+_ROUTES = {"variable": "${V}", "quoted": '"${V}"', "default": "${UNSET:-TEXT}"}
+
+
+def _typed(field: str, text: str, route: str) -> ResolvedPipeline:
+    value = _ROUTES[route].replace("TEXT", text)
+    return validate_text(
+        _TYPED_PIPELINE.format(field, value), file="p.yaml", registry=_TYPED, env={"V": text}
+    )
+
+
+@pytest.mark.parametrize("route", list(_ROUTES))
+@pytest.mark.parametrize(
+    ("field", "text", "expected"),
+    [
+        ("size", "8GiB", 8 * 1024**3),
+        ("size", "1048576", 1048576),
+        ("size", "1.5 KiB", 1536),
+        ("count", "12", 12),
+        ("count", "-3", -3),
+        ("ratio", "0.5", 0.5),
+        ("ratio", "1e3", 1000.0),
+        ("flag", "true", True),
+        ("flag", "false", False),
+        ("mode", "safe", "safe"),
+        ("name", "123", "123"),
+        ("name", "true", "true"),
+        ("name", "null", "null"),
+        ("name", "1e3", "1e3"),
+        ("name", "[1, 2]", "[1, 2]"),
+        ("name", "!!python/object/apply:os.system [echo pwned]", None),
+        ("name", "&anchor *alias", None),
+    ],
+)
+def test_a_variable_is_text_that_a_typed_field_converts(
+    route: str, field: str, text: str, expected: Any
+) -> None:
+    config = _typed(field, text, route).node("t").config
+    assert getattr(config, field) == (text if expected is None else expected)
+
+
+@pytest.mark.parametrize("route", list(_ROUTES))
+@pytest.mark.parametrize(
+    ("field", "text", "message"),
+    [
+        ("count", "[1, 2]", 'expected an integer, got "[1, 2]"'),
+        ("count", "1e3", 'expected an integer, got "1e3"'),
+        ("count", "!!int 3", 'expected an integer, got "!!int 3"'),
+        ("count", "true", 'expected an integer, got "true"'),
+        ("ratio", "nan", 'expected a finite number, got "nan"'),
+        ("ratio", "true", 'expected a number, got "true"'),
+        ("flag", "[true]", 'expected true or false, got "[true]"'),
+        (
+            "mode",
+            "[fast]",
+            '"[fast]" is not allowed (did you mean "fast"?); expected one of "fast", "safe"',
+        ),
+        ("size", "[1]", 'expected a size such as 8GiB, 512MB or a number of bytes, got "[1]"'),
+        (
+            "size",
+            "1e30 GiB",
+            'expected a size unit such as B, KB, MB, GB, KiB, MiB or GiB, got "1e30 GiB"',
+        ),
+        ("size", "2EiB", 'expected a size of at most 1EiB (no machine holds more), got "2EiB"'),
+    ],
+)
+def test_a_variable_a_typed_field_cannot_convert_is_located_at_its_value(
+    route: str, field: str, text: str, message: str
+) -> None:
+    with pytest.raises(PipelineInvalid) as info:
+        _typed(field, text, route)
+    column = len(f"      {field}: ") + 1
+    assert str(info.value) == f"p.yaml:6:{column}: nodes.t.config.{field}: {message}"
+
+
+@pytest.mark.parametrize(
+    ("written", "shown"),
+    [
+        ("99999999999999999999999", "99999999999999999999999"),
+        ("1152921504606846977", "1152921504606846977"),
+        ("2EiB", '"2EiB"'),
+        ("1.5 EiB", '"1.5 EiB"'),
+        ("16000000 TiB", '"16000000 TiB"'),
+        ("'1180591620717411303424'", '"1180591620717411303424"'),
+    ],
+)
+def test_a_size_larger_than_any_machine_is_refused_where_it_is(written: str, shown: str) -> None:
+    with pytest.raises(PipelineInvalid) as info:
+        validate_text(_TYPED_PIPELINE.format("size", written), file="p.yaml", registry=_TYPED)
+    assert str(info.value) == (
+        "p.yaml:6:13: nodes.t.config.size: expected a size of at most 1EiB (no machine holds "
+        f"more), got {shown}"
+    )
+
+
+@pytest.mark.parametrize("written", ["1EiB", "1152921504606846976", "1024 PiB"])
+def test_a_size_of_one_eib_is_the_largest_valid(written: str) -> None:
+    pipeline = validate_text(_TYPED_PIPELINE.format("size", written), registry=_TYPED)
+    assert pipeline.node("t").config.size == 2**60  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- #
@@ -255,7 +383,7 @@ def test_wrong_types(problems: Check) -> None:
         load_order: a
         """
     ) == [
-        'p.yaml:6:17: nodes.a.config.capacity: expected a size such as 8GiB, 512MB or a number '
+        "p.yaml:6:17: nodes.a.config.capacity: expected a size such as 8GiB, 512MB or a number "
         'of bytes, got "lots"',
         'p.yaml:7:19: nodes.a.config.min_blocks: expected an integer, got "many"',
         'p.yaml:8:18: nodes.a.config.checksums: expected true or false, got "maybe"',
@@ -451,8 +579,7 @@ def test_load_order_and_save_to_problems(problems: Check) -> None:
         save_to: [t, c, c]
         """
     ) == [
-        'p.yaml:5:17: load_order[1]: node "cc" does not exist (did you mean "c"?); '
-        'nodes: "c", "t"',
+        'p.yaml:5:17: load_order[1]: node "cc" does not exist (did you mean "c"?); nodes: "c", "t"',
         'p.yaml:5:21: load_order[2]: node "c" is listed twice',
         'p.yaml:5:24: load_order[3]: node "t" has role "service", which does not load; '
         'roles that load: "both", "load", "transport"',
@@ -651,17 +778,50 @@ def test_kv_port_range_ends_are_valid(valid: Valid) -> None:
         assert valid(_NATIVE % port).nodes[0].config.kv_port == int(port)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("value", ["true", "false", "1.0", "'1'", "-1", "2", ".inf", "null"])
+@pytest.mark.parametrize("value", ["true", "false", "1.0", "'1'", "-1", "2", "null"])
 def test_version_is_exactly_the_integer_1(problems: Check, value: str) -> None:
-    shown = {"'1'": '"1"', ".inf": "inf"}.get(value, value)
+    shown = {"'1'": '"1"'}.get(value, value)
     assert problems(_NATIVE.replace("version: 1", f"version: {value}") % "8000") == [
         f"p.yaml:1:10: version: pipeline format version {shown} is not supported; expected 1"
     ]
 
 
+_NON_FINITE_AT = {
+    "version": _NATIVE.replace("version: 1", "version: VALUE") % "8000",
+    "string-field": _NATIVE % "8000" + "    description: VALUE\n",
+    "port": _NATIVE % "VALUE",
+    "extra-config": _NATIVE % "8000, extra_config: {x: [VALUE]}",
+}
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1.0e+400"])
+@pytest.mark.parametrize("where", _NON_FINITE_AT.values(), ids=list(_NON_FINITE_AT))
+def test_no_value_is_infinite_or_nan(problems: Check, value: str, where: str) -> None:
+    # JSON has neither: vLLM's config would get null in their place.
+    found = problems(where.replace("VALUE", value))
+    shown = {".inf": "inf", "-.inf": "-inf", ".nan": "nan", "1.0e+400": "inf"}[value]
+    assert len(found) == 1, found
+    assert re.fullmatch(rf"p\.yaml:\d+:\d+: \S+: expected a finite number, got {shown}", found[0])
+
+
 _UNSAFE_TEXT = [
-    "\n", "\r", "\x1b", "\x07", "\x08", "\x00", "\x7f", "\x85", "\x9b", "\u202e", "\u2066",
-    "\u200b", "\u2028", "\u2029", "\ufeff", "\U000e0041", "\udce9",
+    "\n",
+    "\r",
+    "\x1b",
+    "\x07",
+    "\x08",
+    "\x00",
+    "\x7f",
+    "\x85",
+    "\x9b",
+    "\u202e",
+    "\u2066",
+    "\u200b",
+    "\u2028",
+    "\u2029",
+    "\ufeff",
+    "\U000e0041",
+    "\udce9",
 ]
 #: What a YAML file can carry (a lone surrogate it cannot; the loader tests cover those).
 _YAML_UNSAFE_TEXT = [c for c in _UNSAFE_TEXT if not 0xD800 <= ord(c) <= 0xDFFF]
@@ -716,8 +876,10 @@ def test_a_self_referencing_dict_is_pipeline_invalid(registry: Registry) -> None
     cyclic_list: list[Any] = []
     cyclic_list.append(cyclic_list)
     with pytest.raises(PipelineInvalid, match=r"needs\[0\]: refers to a mapping or list"):
-        load_pipeline({"version": 1, "nodes": {"a": {"plugin": "cache", "needs": cyclic_list}}},
-                      registry=registry)
+        load_pipeline(
+            {"version": 1, "nodes": {"a": {"plugin": "cache", "needs": cyclic_list}}},
+            registry=registry,
+        )
 
 
 def test_deep_or_huge_python_data_is_pipeline_invalid(registry: Registry) -> None:
@@ -727,17 +889,138 @@ def test_deep_or_huge_python_data_is_pipeline_invalid(registry: Registry) -> Non
         inner["x"] = {}
         inner = inner["x"]
     with pytest.raises(PipelineInvalid, match="nested deeper than 100 levels"):
-        load_pipeline({"version": 1, "nodes": {"a": {"plugin": "cache", "config": deep}}},
-                      registry=registry)
+        load_pipeline(
+            {"version": 1, "nodes": {"a": {"plugin": "cache", "config": deep}}}, registry=registry
+        )
     with pytest.raises(PipelineInvalid, match="more than 100,000 values"):
         load_pipeline({"version": 1, "nodes": {}, "x": list(range(200_000))}, registry=registry)
+
+
+class _Custom:
+    def __repr__(self) -> str:
+        raise RuntimeError("a repr that raises must not be called")
+
+
+def _recursive_list() -> list[Any]:
+    loop: list[Any] = []
+    loop.append(loop)
+    return loop
+
+
+_NOT_PLAIN = "expected a mapping, list, string, number, true/false or null, got an object of type"
+#: Python values that are not data, and the problem each is.
+_NOT_DATA: dict[str, tuple[Callable[[], Any], str]] = {
+    "object": (object, f"{_NOT_PLAIN} object"),
+    "custom-class": (_Custom, f"{_NOT_PLAIN} _Custom"),
+    "class": (lambda: int, f"{_NOT_PLAIN} type"),
+    "function": (lambda: len, f"{_NOT_PLAIN} builtin_function_or_method"),
+    "set": (lambda: {1, 2}, f"{_NOT_PLAIN} set"),
+    "frozenset": (lambda: frozenset({1}), f"{_NOT_PLAIN} frozenset"),
+    "bytes": (lambda: b"ab", f"{_NOT_PLAIN} bytes"),
+    "bytearray": (lambda: bytearray(b"ab"), f"{_NOT_PLAIN} bytearray"),
+    "complex": (lambda: 1j, f"{_NOT_PLAIN} complex"),
+    "path": (lambda: Path("/tmp"), f"{_NOT_PLAIN} PosixPath"),
+    "nan": (lambda: float("nan"), "expected a finite number, got nan"),
+    "inf": (lambda: float("inf"), "expected a finite number, got inf"),
+    "-inf": (lambda: float("-inf"), "expected a finite number, got -inf"),
+    "huge-int": (lambda: 10**5000, "integer of more than 100 digits; at most 100 are read"),
+    "int-key": (lambda: {1: "a"}, "mapping keys are strings, not 1"),
+    "none-key": (lambda: {None: "a"}, "mapping keys are strings, not null"),
+    "tuple-key": (lambda: {(1, 2): "a"}, "mapping keys are strings, not an object of type tuple"),
+    "object-key": (
+        lambda: {_Custom(): "a"},
+        "mapping keys are strings, not an object of type _Custom",
+    ),
+    "recursive-list": (_recursive_list, "refers to a mapping or list that contains it (a cycle)"),
+}
+#: Where in a pipeline the value goes, and the dotted key the problem names.
+_PLACES: dict[str, tuple[Callable[[Any], dict[str, Any]], str]] = {
+    "extra-config": (
+        lambda v: {
+            "version": 1,
+            "nodes": {
+                "n": {
+                    "plugin": "vllm",
+                    "config": {"connector": "X", "extra_config": {"deep": [{"x": v}]}},
+                }
+            },
+        },
+        "nodes.n.config.extra_config.deep[0].x",
+    ),
+    "typed-field": (
+        lambda v: {
+            "version": 1,
+            "nodes": {"n": {"plugin": "vllm", "config": {"connector": "X", "kv_port": v}}},
+        },
+        "nodes.n.config.kv_port",
+    ),
+    "pipeline-key": (lambda v: {"version": 1, "nodes": {"n": {"plugin": "vllm"}}, "hma": v}, "hma"),
+}
+
+
+def _where(path: str, message: str) -> str:
+    # A cycle is found where the list repeats: one level further down.
+    return path + "[0]" if message.endswith("(a cycle)") else path
+
+
+@pytest.mark.parametrize("place", _PLACES.values(), ids=list(_PLACES))
+@pytest.mark.parametrize(("make", "message"), _NOT_DATA.values(), ids=list(_NOT_DATA))
+def test_python_values_that_are_not_data_are_pipeline_invalid_where_they_are(
+    registry: Registry,
+    make: Callable[[], Any],
+    message: str,
+    place: tuple[Callable[[Any], dict[str, Any]], str],
+) -> None:
+    pipeline_with, path = place
+    with pytest.raises(PipelineInvalid) as info:
+        load_pipeline(pipeline_with(make()), registry=registry)
+    assert [str(p) for p in info.value.problems] == [
+        f"<pipeline>: {_where(path, message)}: {message}"
+    ]
+
+
+@pytest.mark.parametrize(("make", "message"), _NOT_DATA.values(), ids=list(_NOT_DATA))
+def test_a_pipeline_model_holding_what_is_not_data_is_pipeline_invalid(
+    registry: Registry, make: Callable[[], Any], message: str
+) -> None:
+    node = Node(plugin="vllm", config={"connector": "X", "extra_config": {"x": make()}})
+    with pytest.raises(PipelineInvalid) as info:
+        load_pipeline(Pipeline(version=1, nodes={"n": node}), registry=registry)
+    path = _where("nodes.n.config.extra_config.x", message)
+    if message.endswith("(a cycle)"):
+        path += "[0]"  # model_dump copied the outer list: the cycle closes one level down
+    assert [str(p) for p in info.value.problems] == [f"<pipeline>: {path}: {message}"]
+
+
+def test_a_root_key_that_is_not_a_string_is_pipeline_invalid(registry: Registry) -> None:
+    with pytest.raises(PipelineInvalid) as info:
+        load_pipeline({"version": 1, "nodes": {"n": {"plugin": "vllm"}}, 2: "x"}, registry=registry)  # type: ignore[dict-item]
+    assert str(info.value) == "<pipeline>: <root>: mapping keys are strings, not 2"
+
+
+def test_python_data_of_every_plain_kind_is_valid_and_kept(registry: Registry) -> None:
+    extra = {"s": "x", "i": -3, "f": 0.5, "b": True, "n": None, "l": [1, "a"], "t": (1, 2)}
+    pipeline = load_pipeline(
+        {
+            "version": 1,
+            "nodes": {"n": {"plugin": "vllm", "config": {"connector": "X", "extra_config": extra}}},
+        },
+        registry=registry,
+    )
+    # A tuple is a list, as JSON has it.
+    assert pipeline.source["nodes"]["n"]["config"]["extra_config"] == {**extra, "t": [1, 2]}
 
 
 def test_shared_python_values_are_not_cycles(valid: Valid, registry: Registry) -> None:
     config = {"capacity": "1GiB"}
     pipeline = load_pipeline(
-        {"version": 1, "nodes": {"a": {"plugin": "cache", "config": config},
-                                 "b": {"plugin": "cache", "config": config}}},
+        {
+            "version": 1,
+            "nodes": {
+                "a": {"plugin": "cache", "config": config},
+                "b": {"plugin": "cache", "config": config},
+            },
+        },
         registry=registry,
     )
     assert [n.id for n in pipeline.nodes] == ["a", "b"]
@@ -778,9 +1061,7 @@ def test_messages_list_at_most_twenty_names(problems: Check) -> None:
     ["raise", "exit", "bad-yield"],
 )
 @pytest.mark.parametrize("where", ["check", "validator", "capabilities"])
-def test_a_failing_plugin_is_an_environment_error_not_a_crash(
-    failure: str, where: str
-) -> None:
+def test_a_failing_plugin_is_an_environment_error_not_a_crash(failure: str, where: str) -> None:
     def fail() -> Any:
         if failure == "exit":
             sys.exit(0)

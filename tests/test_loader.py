@@ -106,14 +106,57 @@ def test_expand_env_raises_for_unset() -> None:
         expand_env("${A}", {})
 
 
-def test_expanded_unquoted_values_take_yaml_types_quoted_stay_strings() -> None:
-    data, _, problems = load_yaml(
-        'i: ${N}\nf: ${F}\nb: ${B}\nn: ${X:-null}\ns: "${N}"\nt: ${T}\n',
-        env={"N": "8", "F": "0.5", "B": "true", "T": "a: b"},
-    )
+#: Values that YAML would read as something else than text, had they been in the file.
+_YAML_LOOKING = [
+    "8",
+    "1048576",
+    "0.5",
+    "1e3",
+    "0x10",
+    "true",
+    "null",
+    "~",
+    "",
+    "[1, 2]",
+    "{a: 1}",
+    "a: b",
+    "- x",
+    "!!python/object/apply:os.system [echo pwned]",
+    "!!int abc",
+    "&anchor x",
+    "*alias",
+    "<<",
+    "|\n  block",
+    "'quoted'",
+    '"double"',
+    "# comment",
+    "--- x",
+    "9" * 5000,
+]
+_STYLES = {"plain": "{}", "single": "'{}'", "double": '"{}"'}
+
+
+@pytest.mark.parametrize("style", sorted(_STYLES))
+@pytest.mark.parametrize("value", _YAML_LOOKING, ids=[repr(v)[:30] for v in _YAML_LOOKING])
+@pytest.mark.parametrize("around", ["{}", "<{}>"], ids=["whole", "inside-text"])
+def test_a_variable_expands_to_text_whatever_it_looks_like(
+    value: str, style: str, around: str
+) -> None:
+    written = _STYLES[style].format(around.format("${V}"))
+    data, _, problems = load_yaml(f"a: {written}\n", env={"V": value})
     assert problems == []
-    # A value that would read as a mapping stays the text it was.
-    assert data == {"i": 8, "f": 0.5, "b": True, "n": None, "s": "8", "t": "a: b"}
+    assert data == {"a": around.format(value)}
+
+
+#: Defaults a plain (unquoted) value can hold: the style that YAML would type.
+_PLAIN_DEFAULTS = ["8", "0.5", "1e3", "true", "null", "~", "[1, 2]", "!!int abc", "&a x", "*a"]
+
+
+@pytest.mark.parametrize("default", _PLAIN_DEFAULTS)
+def test_a_default_expands_to_text_whatever_it_looks_like(default: str) -> None:
+    data, _, problems = load_yaml(f"a: ${{UNSET:-{default}}}\n", env={})
+    assert problems == []
+    assert data == {"a": default}
 
 
 def test_load_pipeline_reports_unreadable_files(tmp_path: Path, registry: Registry) -> None:
@@ -185,10 +228,14 @@ def _merge_doubling(levels: int) -> str:
         (_bomb(10, 9), (5, 45)),
         (_bomb(2, 40), (15, 18)),
         (_bomb(100, 4), (3, 50)),
-        ("m0: &m0 {a: 1, b: 2}\n" + "".join(
-            f"m{i}: &m{i} {{{', '.join(f'k{j}: *m{i - 1}' for j in range(10))}}}\n"
-            for i in range(1, 8)
-        ), (6, 14)),
+        (
+            "m0: &m0 {a: 1, b: 2}\n"
+            + "".join(
+                f"m{i}: &m{i} {{{', '.join(f'k{j}: *m{i - 1}' for j in range(10))}}}\n"
+                for i in range(1, 8)
+            ),
+            (6, 14),
+        ),
         (_merge_doubling(40), (39, 14)),
     ],
     ids=["laughs-10x9", "laughs-2x40", "laughs-100x4", "mappings", "merge-doubling"],
@@ -271,9 +318,7 @@ def test_nesting_up_to_the_limit_loads() -> None:
 )
 def test_every_tag_error_is_located_at_its_value(value: str, message: str) -> None:
     data, _, problems = load_yaml(f"version: 1\nport: {value}\n")
-    assert [(p.message, p.path, p.line, p.column) for p in problems] == [
-        (message, ("port",), 2, 7)
-    ]
+    assert [(p.message, p.path, p.line, p.column) for p in problems] == [(message, ("port",), 2, 7)]
     assert data == {"version": 1, "port": None}
 
 
@@ -287,8 +332,14 @@ def test_a_bad_tag_on_a_key_is_located_too() -> None:
 
 @pytest.mark.parametrize(
     "number",
-    ["9" * 5000, "-" + "9" * 5000, "0x" + "f" * 200, "1" * 200 + ".5", "1." + "5" * 200 + "e+5",
-     "_".join(["999"] * 100)],
+    [
+        "9" * 5000,
+        "-" + "9" * 5000,
+        "0x" + "f" * 200,
+        "1" * 200 + ".5",
+        "1." + "5" * 200 + "e+5",
+        "_".join(["999"] * 100),
+    ],
 )
 def test_numbers_wider_than_the_limit_are_refused_where_they_are(number: str) -> None:
     _, _, problems = load_yaml(f"a: 1\nb: {number}\n? {number}\n: 1\n")
@@ -303,11 +354,6 @@ def test_numbers_wider_than_the_limit_are_refused_where_they_are(number: str) ->
     ]
 
 
-def test_an_expanded_variable_too_wide_for_a_number_stays_text() -> None:
-    data, _, problems = load_yaml("a: ${BIG}\n", env={"BIG": "9" * 5000})
-    assert problems == [] and data == {"a": "9" * 5000}
-
-
 def test_an_environment_value_that_is_not_utf8_is_reported_at_its_use() -> None:
     # os.environ keeps undecodable bytes as lone surrogates.
     _, _, problems = load_yaml("a: 1\nb: x${BAD}\n", env={"BAD": "caf\udce9"})
@@ -316,16 +362,18 @@ def test_an_environment_value_that_is_not_utf8_is_reported_at_its_use() -> None:
     ]
 
 
-_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}|\$\$")
+_REFERENCE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$\{")
 
 
 def _reference_expand(text: str, env: dict[str, str]) -> str:
-    """The regular-expression expansion the scanner replaced (quadratic on long input)."""
+    """The expansion as a regular expression (quadratic on long input, hence the scanner)."""
 
     def sub(m: re.Match[str]) -> str:
         if m.group(0) == "$$":
             return "$"
         name, default = m.group(1), m.group(2)
+        if name is None or "${" in (default or ""):  # a "${" that begins no reference
+            raise EnvProblem(m.group(0))
         if name in env and (env[name] != "" or default is None):
             return env[name]
         if default is not None:
@@ -337,7 +385,7 @@ def _reference_expand(text: str, env: dict[str, str]) -> str:
 
 @settings(max_examples=3000, deadline=None)
 @given(text=st.text(alphabet="${}:-AB_1 x", max_size=40))
-def test_expand_env_means_what_the_regular_expression_meant(text: str) -> None:
+def test_expand_env_means_what_the_regular_expression_means(text: str) -> None:
     env = {"A": "a", "B": "", "A_1": "z"}
     try:
         expected: str | None = _reference_expand(text, env)
@@ -350,9 +398,61 @@ def test_expand_env_means_what_the_regular_expression_meant(text: str) -> None:
     assert got == expected
 
 
-def test_expand_env_on_long_unclosed_references_keeps_the_text() -> None:
-    for text in ("${A:-" * 20000, "${" * 20000, "$${" * 20000, "${" + "A" * 20000):
-        assert expand_env(text, {"A": "x"}) == text.replace("$$", "$")
+#: Every way a "${" can fail to be a reference, each also as a long run (linear time).
+_BROKEN_REFERENCES = {
+    "unclosed": ("${", "unterminated reference"),
+    "unclosed-name": ("${A", "unterminated reference"),
+    "unclosed-default": ("${A:-x", "unterminated reference"),
+    "unclosed-after-text": ("ok ${A} then ${", "unterminated reference"),
+    "empty": ("${}", "is not ${NAME} or ${NAME:-default}"),
+    "digit-first": ("${1A}", "is not ${NAME} or ${NAME:-default}"),
+    "space": ("${ A}", "is not ${NAME} or ${NAME:-default}"),
+    "shell-dash": ("${A-x}", "is not ${NAME} or ${NAME:-default}"),
+    "colon-only": ("${A:x}", "is not ${NAME} or ${NAME:-default}"),
+    "newline": ("${A\n}", "is not ${NAME} or ${NAME:-default}"),
+    "nested-default": ("${A:-${B}}", "a default cannot hold another ${...}"),
+}
+
+
+@pytest.mark.parametrize("lead", ["", "${A}$$ " * 10_000], ids=["alone", "after-20k"])
+@pytest.mark.parametrize(
+    ("text", "message"), _BROKEN_REFERENCES.values(), ids=list(_BROKEN_REFERENCES)
+)
+def test_a_dollar_brace_that_begins_no_reference_is_an_error(
+    text: str, message: str, lead: str
+) -> None:
+    with pytest.raises(EnvProblem) as info:
+        expand_env(lead + text, {"A": "x", "B": "y"})
+    assert message in str(info.value)
+    assert len(str(info.value)) < 200  # the value is quoted, not repeated
+
+
+@pytest.mark.parametrize(
+    "text", ["${A:-" * 20_000, "${" * 20_000, "$$${" * 20_000, "${" + "A" * 20_000, "${}" * 20_000]
+)
+def test_long_runs_of_broken_references_are_errors(text: str) -> None:
+    # Once quadratic with a regular expression; the hostile corpus times these.
+    with pytest.raises(EnvProblem):
+        expand_env(text, {"A": "x"})
+
+
+@pytest.mark.parametrize(
+    "text", ["$$" * 20_000, "$${" * 20_000, "$" * 20_001, "$A " * 20_000, "$}" * 20_000]
+)
+def test_dollars_that_begin_no_reference_stay_text(text: str) -> None:
+    assert expand_env(text, {}) == text.replace("$$", "$")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), _BROKEN_REFERENCES.values(), ids=list(_BROKEN_REFERENCES)
+)
+def test_a_broken_reference_is_located_at_its_value(text: str, message: str) -> None:
+    quoted = text.replace("\\", "\\\\").replace("\n", "\\n")
+    data, _, problems = load_yaml(f'a:\n  b: [1, "{quoted}"]\n', env={"A": "x"})
+    assert [(p.path, p.line, p.column, p.replaces_value) for p in problems] == [
+        (("a", "b", 1), 2, 10, True)
+    ]
+    assert message in problems[0].message
 
 
 def test_a_merge_override_is_not_a_duplicate_key() -> None:
@@ -379,8 +479,7 @@ def test_a_real_duplicate_beside_a_merge_is_still_reported() -> None:
 def test_merging_what_is_not_a_mapping_is_located(value: str) -> None:
     _, _, problems = load_yaml(f"a: 1\nb:\n  <<: {value}\n")
     assert problems and all(
-        p.message == "<< merges a mapping or a list of mappings" and p.line == 3
-        for p in problems
+        p.message == "<< merges a mapping or a list of mappings" and p.line == 3 for p in problems
     )
 
 

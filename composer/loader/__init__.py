@@ -3,7 +3,7 @@
 PyYAML's composed node tree carries start marks; we construct plain Python
 values from it ourselves so that every dotted path maps to a line and column,
 duplicate keys are reported (PyYAML silently keeps the last one), and
-``${VAR}`` / ``${VAR:-default}`` are expanded in string scalars.
+``${VAR}`` / ``${VAR:-default}`` are expanded in string scalars, into strings.
 
 Hostile input is bounded while it is read (:mod:`composer.loader.limits`: depth,
 values, numbers; :mod:`composer.loader.file`: the file's size); ``${VAR}`` is
@@ -39,7 +39,6 @@ from composer.loader.limits import (
     MERGE_TAG,
     NUMBER_TAGS,
     PLAIN_TAGS,
-    SCALAR_TAGS,
     SEQ_TAG,
     AnyPipelineLoader,
     LimitExceeded,
@@ -225,17 +224,13 @@ class _Builder:
             return [self.build(item, (*path, i)) for i, item in enumerate(node.value)]
         value = self._scalar(node, path)
         if isinstance(value, str) and "$" in value:
+            # Text, whatever it looks like and however the value is quoted: YAML
+            # reads the file, not the environment (no tags, lists or numbers arrive
+            # through a variable). Typed fields convert it as pydantic converts text.
             try:
-                expanded = expand_env(value, self.env)
+                return expand_env(value, self.env)
             except EnvProblem as exc:
                 self._problem(path, str(exc), node, replaces_value=True)
-                return value
-            # Plain (unquoted) style is None in PyYAML's nodes and "" in libyaml's.
-            if expanded != value and not getattr(node, "style", None):
-                # An unquoted scalar becomes what YAML would have read: 8 -> int.
-                value = _plain_scalar(expanded)
-            else:
-                value = expanded
         return value
 
     def _mapping(self, node: MappingNode, path: Path) -> dict[str, Any]:
@@ -314,27 +309,6 @@ class _Builder:
             shown = shown if len(shown) <= 40 else shown[:37] + "..."
             self._problem(path, f"{shown!r} is not a valid {_tag(node)}", node, replaces_value=True)
         return None
-
-
-def _plain_scalar(text: str) -> Any:
-    """What an unquoted YAML scalar with this text reads as (int, float, bool, null or str)."""
-    try:
-        loader = PipelineLoader(text)
-    except (yaml.YAMLError, UnicodeEncodeError):
-        return text
-    try:
-        node = loader.get_single_node()
-        if (
-            isinstance(node, ScalarNode)
-            and node.tag in SCALAR_TAGS
-            and not (node.tag in NUMBER_TAGS and len(node.value) > MAX_NUMBER_CHARS)
-        ):
-            return loader.construct_object(node, deep=True)
-    except (yaml.YAMLError, ValueError, LookupError, TypeError, ArithmeticError):
-        pass
-    finally:
-        loader.dispose()
-    return text
 
 
 def load_yaml(

@@ -1,4 +1,9 @@
-"""``${VAR}`` and ``${VAR:-default}`` in pipeline files: expanded from the environment."""
+"""``${VAR}`` and ``${VAR:-default}`` in pipeline files: expanded from the environment.
+
+What a reference expands to is text, never YAML: the loader keeps the expanded
+value a string, and typed fields convert it as pydantic does any string
+(``"8000"`` for an integer, ``"true"`` for a boolean).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,13 @@ import re
 from collections.abc import Mapping
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: Characters of a broken reference a message quotes (a value may be a whole file long).
+_SHOWN = 30
 
 
 class EnvProblem(Exception):
-    """A ``${VAR}`` that cannot be expanded: unset, or its value not UTF-8 text."""
+    """A ``${...}`` that cannot be expanded: unterminated or malformed, its variable
+    unset, or its value not UTF-8 text."""
 
 
 def expand_env(text: str, env: Mapping[str, str]) -> str:
@@ -17,43 +25,49 @@ def expand_env(text: str, env: Mapping[str, str]) -> str:
 
     A hand-written scan instead of a regular expression with a lazy default:
     that one backtracks quadratically on a long run of unclosed ``${A:-``.
-    Anything that is not a complete reference stays as written.
+    Every ``${`` begins a reference, so one that is not a complete
+    ``${NAME}`` or ``${NAME:-default}`` raises :class:`EnvProblem` rather than
+    staying in the value as text the user did not mean; the first such one
+    ends the scan, which keeps it linear. A ``$`` not followed by ``{`` is text.
     """
     out: list[str] = []
     pos = 0
-    closed = True  # once no "}" follows, no later "${" can close either
-    while True:
-        dollar = text.find("$", pos)
-        if dollar < 0:
-            break
+    while (dollar := text.find("$", pos)) >= 0:
         out.append(text[pos:dollar])
         pos = dollar + 1
         if text.startswith("$", pos):
             out.append("$")
             pos += 1
             continue
-        name = _NAME.match(text, pos + 1) if closed and text.startswith("{", pos) else None
-        if name is None:
+        if not text.startswith("{", pos):
             out.append("$")
             continue
-        after = name.end()
-        default: str | None = None
-        if text.startswith("}", after):
-            end = after
-        elif text.startswith(":-", after):
-            end = text.find("}", after + 2)
-            if end < 0:
-                closed = False
-                out.append("$")
-                continue
-            default = text[after + 2 : end]
-        else:
-            out.append("$")
-            continue
-        out.append(_lookup(name.group(), default, env))
+        end = text.find("}", pos)
+        if end < 0:
+            raise EnvProblem(
+                f'unterminated reference "{_shown(text[dollar:])}": no "}}" closes it '
+                "(write $$ for a literal $)"
+            )
+        name, colon_dash, default = text[pos + 1 : end].partition(":-")
+        if not _NAME.fullmatch(name):
+            raise EnvProblem(
+                f'"{_shown(text[dollar : end + 1])}" is not ${{NAME}} or ${{NAME:-default}} '
+                "(a NAME is letters, digits and _, not starting with a digit; write $$ for a "
+                "literal $)"
+            )
+        if "${" in default:
+            # The default ends at the first "}", so a nested reference would be cut in two.
+            raise EnvProblem(
+                f'"{_shown(text[dollar : end + 1])}": a default cannot hold another ${{...}}'
+            )
+        out.append(_lookup(name, default if colon_dash else None, env))
         pos = end + 1
     out.append(text[pos:])
     return "".join(out)
+
+
+def _shown(fragment: str) -> str:
+    return fragment if len(fragment) <= _SHOWN else fragment[: _SHOWN - 3] + "..."
 
 
 def _lookup(name: str, default: str | None, env: Mapping[str, str]) -> str:

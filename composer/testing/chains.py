@@ -112,7 +112,22 @@ def pipeline_chain(
     """The chain of ``pipeline`` (a pipeline file's data) in one vLLM process, without
     vLLM: one KV cache group of 4-token blocks. ``CALLS`` is cleared."""
     CALLS.clear()
-    resolved = load_pipeline({"version": 1, **pipeline}, registry=types or registry())
+    # A scripted answer may be any Python object (a set, an event), which a pipeline,
+    # being data, may not hold: validate without them, then hand them to the configs.
+    answers: dict[str, dict[str, Any]] = {}
+    nodes: dict[str, Any] = {}
+    for node_id, node in pipeline.get("nodes", {}).items():
+        if node.get("plugin") == "scripted" and "returns" in node.get("config", {}):
+            config = dict(node["config"])
+            answers[node_id] = config.pop("returns")
+            node = {**node, "config": config}
+        nodes[node_id] = node
+    resolved = load_pipeline(
+        {"version": 1, **pipeline, "nodes": nodes}, registry=types or registry()
+    )
+    for node in resolved.nodes:
+        if node.id in answers:
+            node.config.returns = answers[node.id]  # type: ignore[attr-defined]
     return Chain(resolved, role, kv_cache_config=KV_CACHE_CONFIG)  # type: ignore[arg-type]
 
 

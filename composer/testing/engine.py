@@ -20,11 +20,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+#: A prompt: text, or token ids as ``{"prompt_token_ids": [...]}`` (vLLM's TokensPrompt).
+Prompt = str | dict[str, list[int]]
+
 
 @dataclass
 class EngineSpec:
     model: str
-    rounds: list[list[str]]
+    rounds: Sequence[Sequence[Prompt]]
     kv_transfer_config: dict[str, Any] | None = None
     max_tokens: int = 8
     prefix_caching: bool = False
@@ -161,17 +164,17 @@ class SharedRuns:
     its own.
     """
 
-    def __init__(self, spec: EngineSpec, wanted: Sequence[list[list[str]]] = ()) -> None:
+    def __init__(self, spec: EngineSpec, wanted: Sequence[list[list[Prompt]]] = ()) -> None:
         if spec.reset_after is not None:
             raise ValueError("reset_after counts rounds of one list: not for shared runs")
         #: The settings; its rounds are ignored.
         self.spec = spec
         self._pending = [list(r) for r in wanted]
-        self._done: list[tuple[list[list[str]], EngineResult]] = []
+        self._done: list[tuple[list[list[Prompt]], EngineResult]] = []
         #: Engines started so far.
         self.engines = 0
 
-    def __call__(self, rounds: list[list[str]]) -> EngineResult:
+    def __call__(self, rounds: list[list[Prompt]]) -> EngineResult:
         for known, result in self._done:
             if known == rounds:
                 return result
@@ -258,6 +261,7 @@ def _child(spec_path: str, out_path: str) -> None:
     spec = EngineSpec(**json.loads(Path(spec_path).read_text()))
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     llm = LLM(
         model=spec.model,
@@ -273,7 +277,8 @@ def _child(spec_path: str, out_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
     rounds = []
     for index, prompts in enumerate(spec.rounds):
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        inputs = [p if isinstance(p, str) else TokensPrompt(**p) for p in prompts]  # type: ignore[typeddict-item]
+        outputs = llm.generate(inputs, params, use_tqdm=False)
         rounds.append(
             [
                 {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path as FsPath
@@ -14,6 +15,7 @@ from composer.discovery import Registry, call_plugin, discover
 from composer.errors import PipelineInvalid, Problem, Reporter, did_you_mean, one_of
 from composer.loader import (
     MAX_DEPTH,
+    MAX_NUMBER_CHARS,
     MAX_VALUES,
     FileProblem,
     Marks,
@@ -89,9 +91,11 @@ def validate_data(
     if not isinstance(data, dict):
         reporter.add((), f"a pipeline is a mapping with version and nodes, not {_kind(data)}")
         reporter.raise_if_any()
+    # Once, at the entry: everything after (pydantic, the graph, pipeline.source and
+    # vLLM's JSON config) may then take the data for plain data.
+    _check_data(data, reporter)
     if not reporter.marks.values:
-        # Data from Python rather than YAML: bound it as the loader bounds a file.
-        _check_plain_data(data, reporter)
+        # Python data: nothing after this would be located, or safe on a cycle.
         reporter.raise_if_any()
 
     try:
@@ -188,10 +192,17 @@ def _resolve(
     )
 
 
-def _check_plain_data(data: dict[str, Any], reporter: Reporter) -> None:
-    """Refuse cycles, nesting past :data:`MAX_DEPTH` and more than :data:`MAX_VALUES` values.
+def _check_data(data: dict[str, Any], reporter: Reporter) -> None:
+    """Refuse what is not plain data, cycles, nesting past :data:`MAX_DEPTH` and more
+    than :data:`MAX_VALUES` values.
 
-    Iterative, so that neither this walk nor a cycle reaches a RecursionError.
+    A pipeline is JSON-like data: mappings with string keys, lists, strings, finite
+    numbers, true/false and null. It travels to vLLM as JSON, where a set, bytes or an
+    object would be changed or fail in a serializer, and NaN would become null; so
+    anything else is refused here, at its dotted key, before any of that. A file's
+    data is bounded by the loader and can only hold .nan or .inf; Python data can
+    hold anything. Iterative, so that neither this walk nor a cycle reaches a
+    RecursionError.
     """
     count = 0
     on_path: set[int] = set()
@@ -201,6 +212,10 @@ def _check_plain_data(data: dict[str, Any], reporter: Reporter) -> None:
         path, value, entering = stack.pop()
         if not isinstance(value, dict | list | tuple):
             count += 1
+            problem = _not_data(value)
+            if problem:
+                reporter.add(path, problem)
+                reporter.settled.add(path)  # its own type check would only repeat it
             continue
         if not entering:
             on_path.discard(id(value))
@@ -219,7 +234,43 @@ def _check_plain_data(data: dict[str, Any], reporter: Reporter) -> None:
         stack.append((path, value, False))
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, child in items:
-            stack.append(((*path, key if isinstance(key, str | int) else repr(key)), child, True))
+            if isinstance(value, dict) and not isinstance(key, str):
+                reporter.add(path, f"mapping keys are strings, not {_describe(key)}")
+                continue
+            stack.append(((*path, key), child, True))
+
+
+#: Widest integer a pipeline holds, as a file's numbers (:data:`MAX_NUMBER_CHARS`).
+_MAX_INT = 10**MAX_NUMBER_CHARS
+
+
+def _not_data(value: Any) -> str | None:
+    """Why a value inside a pipeline is not plain data, or None when it is."""
+    if value is None or isinstance(value, str | bool):
+        return None
+    if isinstance(value, int):
+        if abs(value) < _MAX_INT:
+            return None
+        return (
+            f"integer of more than {MAX_NUMBER_CHARS} digits; at most {MAX_NUMBER_CHARS} are read"
+        )
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return None
+        return f"expected a finite number, got {float(value)!r}"
+    return f"expected a mapping, list, string, number, true/false or null, got {_describe(value)}"
+
+
+def _describe(value: Any) -> str:
+    """A key or value for a message: a plain scalar as written, anything else by its
+    type (an object's own repr may raise, or run for ever)."""
+    if (
+        value is None
+        or type(value) in (bool, float)
+        or (type(value) is int and abs(value) < _MAX_INT)
+    ):
+        return _show(value)
+    return f"an object of type {type(value).__qualname__}"
 
 
 # --------------------------------------------------------------------------- #
@@ -244,8 +295,9 @@ _EXPECTED = {
     "finite_number": "a finite number",
     "bool_type": "true or false",
     "bool_parsing": "true or false",
-    "byte_size": 'a size such as 8GiB, 512MB or a number of bytes',
+    "byte_size": "a size such as 8GiB, 512MB or a number of bytes",
     "byte_size_unit": "a size unit such as B, KB, MB, GB, KiB, MiB or GiB",
+    "byte_size_too_large": "a size of at most 1EiB (no machine holds more)",
 }
 
 
@@ -312,9 +364,7 @@ def _fields_at(model: type[BaseModel], loc: Path) -> list[str]:
         else:
             current = _model_in(current)
     if isinstance(current, type) and issubclass(current, BaseModel):
-        return [
-            f.alias or name for name, f in current.model_fields.items()
-        ]
+        return [f.alias or name for name, f in current.model_fields.items()]
     return []
 
 

@@ -54,9 +54,14 @@ def _aliases() -> dict[str, str]:
         maps += f"m{i}: &m{i} {{{', '.join(f'k{j}: *m{i - 1}' for j in range(10))}}}\n"
     out["laughs-maps"] = maps
     out["laughs-as-keys"] = _bomb(10, 9, key="k") + "keys: {? *a9 : 1}\n"
-    out["laughs-block"] = "a0: &a0\n" + "".join(f"  - lol{j}\n" for j in range(10)) + "".join(
-        f"a{i}: &a{i}\n" + "".join(f"  - *a{i - 1}\n" for _ in range(10)) for i in range(1, 9)
-    ) + "nodes: *a8\n"
+    out["laughs-block"] = (
+        "a0: &a0\n"
+        + "".join(f"  - lol{j}\n" for j in range(10))
+        + "".join(
+            f"a{i}: &a{i}\n" + "".join(f"  - *a{i - 1}\n" for _ in range(10)) for i in range(1, 9)
+        )
+        + "nodes: *a8\n"
+    )
     merge = "b0: &b0 {k0: 1}\n"
     for i in range(1, 60):
         merge += f"b{i}: &b{i}\n  <<: [*b{i - 1}, *b{i - 1}]\n  k{i}: {i}\n"
@@ -214,6 +219,27 @@ def _env() -> dict[str, str]:
     )
     out["default-braces"] = NODE + "      engine_id: ${UNSET_HOSTILE:-{{{{}\n      kv_port: x\n"
     out["long-default-20k"] = NODE + "      kv_port: ${UNSET_HOSTILE:-" + "9" * 20000 + "}\n"
+    # Alone in an otherwise valid file: a "${" that begins no reference was once kept as text.
+    broken = {
+        "unclosed-alone": "abc${UNSET_HOSTILE:-x",
+        "unclosed-long-alone": "${UNSET_HOSTILE:-" + "x" * 60_000,
+        "dollar-brace-alone": "${",
+        "empty-name": "${}",
+        "digit-name": "${1X}",
+        "shell-default": "${UNSET_HOSTILE-x}",
+        "nested-default": "${UNSET_HOSTILE:-${OTHER_HOSTILE}}",
+        "escaped-then-unclosed": "$$${UNSET_HOSTILE",
+    }
+    for name, text in broken.items():
+        out[name] = NODE + f"      engine_id: {text}\n"
+    # What a variable brings is text, never YAML: typed fields refuse these as text.
+    for name, text in {
+        "default-python-tag": "!!python/object/apply:os.system [echo pwned]",
+        "default-flow-list": "[8000]",
+        "default-alias": "*port",
+        "default-exponent": "8e3",
+    }.items():
+        out[name] = NODE + f"      kv_port: ${{UNSET_HOSTILE:-{text}}}\n"
     return out
 
 
@@ -241,6 +267,23 @@ def _strict() -> dict[str, str]:
     for field in ("max_local_cpu_size", "max_local_disk_size"):
         for v in (".inf", ".nan", "true"):
             out[f"lmcache-{field}-{v.strip('.')}"] = lm.format(f"mode: in_process, {field}: {v}")
+    # Sizes no machine holds (a typo, a unit gone wrong): refused before launch.
+    sized = "version: 1\nnodes:\n  cpu:\n    plugin: offload-cpu\n    config:\n      capacity: {}\n"
+    for name, v in {
+        "2EiB": "2EiB",
+        "1.5EiB": "1.5 EiB",
+        "16M-TiB": "16000000 TiB",
+        "23-nines": "9" * 23,
+        "2p60-plus-1": str(2**60 + 1),
+        "1e30-GiB": "1e30 GiB",
+        "env-default-2EiB": "${UNSET_HOSTILE:-2EiB}",
+    }.items():
+        out[f"capacity-{name}"] = sized.format(v)
+    # JSON has no infinity or NaN: where no type refuses them they would become null.
+    for v in (".nan", ".inf", "-.inf"):
+        out[f"extra-config-{v.strip('.').replace('.', '')}"] = (
+            NODE + f"      extra_config: {{x: [{v}]}}\n"
+        )
     out["lmcache-chunk-size-true"] = lm.format("chunk_size: true")
     out["lmcache-blend-thresholds-nan"] = lm.format("mode: in_process, blend_thresholds: [.nan]")
     out["lmcache-blend-layers-bool"] = lm.format("mode: in_process, blend_check_layers: [true]")

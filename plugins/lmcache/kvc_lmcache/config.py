@@ -103,6 +103,15 @@ class ServerConfig(BaseModel):
     startup_timeout: Number = Field(
         default=120.0, gt=0, description="Seconds to wait for a started server to be healthy."
     )
+    restarts: Int = Field(
+        default=5,
+        ge=0,
+        description=(
+            "Started server: when it dies, start it again where it was (same ports), at most "
+            "this many tries per outage, 1, 2, 4, ... s apart; 0: never (its store stays "
+            "away until vLLM restarts). A given server (url) is waited for, never started."
+        ),
+    )
     l2: list[L2Adapter] = Field(
         default_factory=list,
         description=(

@@ -32,11 +32,14 @@ from kvc_lmcache.server import (
     SharedServer,
     check_server,
     http_probe,
-    pid_probe,
+    running,
     tcp_probe,
 )
 
 CONNECTOR = "LMCacheMPConnector"
+#: Seconds before the second try to restart a started server that died; doubled
+#: for each later try (the first is at once).
+RESTART_BACKOFF_S = 1.0
 #: Watcher ticks (WATCH_INTERVAL each) between two reads of the server's L2 metrics.
 L2_SCRAPE_TICKS = 4
 
@@ -135,11 +138,19 @@ class LMCacheServerNode(NativeConnectorNode):
         self.server_alive = True
         #: Outages seen by this process.
         self.down_events = 0
+        #: Tries to restart the started server in this outage, and when the next is due.
+        self._restart_tries = 0
+        self._restart_at = 0.0
         # Written by the watcher thread while the chain reads them: gauges that
         # exist from the start only change value, never the dict's size.
         self.stats.gauges["server_alive"] = 1
         self.stats.gauges["server_outages"] = 0
+        self.stats.gauges["server_restarts"] = 0
         self._down_since = 0.0
+        #: time.monotonic() when the server last answered again after an outage,
+        #: and when the node resumed (LMCache re-registered with it) after that.
+        self.back_at: float | None = None
+        self.resumed_at: float | None = None
         self._lock = threading.Lock()
         self._shut_down = False
         #: The retrieves LMCache was asked for, counted into tokens_loaded once done.
@@ -156,10 +167,12 @@ class LMCacheServerNode(NativeConnectorNode):
     # -- liveness ---------------------------------------------------------------- #
 
     def _make_watcher(self) -> ServerWatcher:
-        if self.server.pid is not None:
-            # Started here or by the engine's other process: its pid is exact.
+        shared = self.shared
+        if shared is not None:
+            # Started by this engine: its pid is exact (read each time: a restart
+            # by the engine's other process changes it).
             return ServerWatcher(
-                pid_probe(self.server.pid),
+                lambda: running(shared.pid()),
                 on_change=self._server_changed,
                 on_tick=self._server_tick,
                 name=f"kvc-lmcache-watch-{self.node_id}",
@@ -182,7 +195,10 @@ class LMCacheServerNode(NativeConnectorNode):
     def _server_changed(self, alive: bool) -> None:
         if alive:
             # Back: LMCache's own heartbeat re-registers the KV caches and ends
-            # its degraded mode; _server_tick resumes once it has.
+            # its degraded mode, woken now instead of at its next interval;
+            # _server_tick resumes once it has.
+            self.back_at = time.monotonic()
+            _wake_heartbeats(self.connector)
             self.log.info("LMCache server answers again", url=self.server.url)
             return
         with self._lock:
@@ -193,16 +209,53 @@ class LMCacheServerNode(NativeConnectorNode):
             self.server_alive = False
             self.down_events += 1
             self._down_since = time.monotonic()
+            self._restart_tries = 0
+            self._restart_at = self._down_since
         self.stats.gauges["server_alive"] = 0
         self.stats.gauges["server_outages"] = self.down_events
+        owned = self.shared is not None
         self.log.warning(
-            "LMCache server is down: lookups answer 0, loads and saves fail "
-            "(on_error applies) until it is back",
+            "LMCache server is down: lookups miss, loads are recomputed, saves are skipped "
+            + ("until it is restarted" if owned else "until it answers again"),
             url=self.server.url,
             http=self.server.http_url or self.config.server.http_url,
             pid=self.server.pid,
             process=self.ctx.process,
-            owned=self.shared is not None,
+            owned=owned,
+        )
+
+    def _restart_due(self) -> None:
+        """Restart the started server if a try is due (on the watcher thread, which
+        lives as long as the node: the server dies with the thread that started it)."""
+        shared, limit = self.shared, self.config.server.restarts
+        now = time.monotonic()
+        if shared is None or self._restart_tries >= limit or now < self._restart_at:
+            return
+        self._restart_tries += 1
+        t0 = time.perf_counter()
+        try:
+            info, restarted = shared.restart()
+        except ServerError as exc:
+            last = self._restart_tries >= limit
+            self._restart_at = now + RESTART_BACKOFF_S * 2 ** (self._restart_tries - 1)
+            self.log.error(
+                "LMCache server restart failed"
+                + ("; no tries left: its store stays away until vLLM restarts" if last else ""),
+                tries=self._restart_tries,
+                limit=limit,
+                error=str(exc).splitlines()[0],
+            )
+            return
+        self.server = info
+        if restarted:  # (else the engine's other process restarted it first)
+            self.stats.gauges["server_restarts"] += 1
+        self.log.warning(
+            "LMCache server restarted" if restarted else "LMCache server restarted elsewhere",
+            url=info.url,
+            pid=info.pid,
+            tries=self._restart_tries,
+            seconds=round(time.perf_counter() - t0, 2),
+            process=self.ctx.process,
         )
 
     def _scrape_l2(self) -> None:
@@ -223,15 +276,18 @@ class LMCacheServerNode(NativeConnectorNode):
             # Requests LMCache sent since the last tick would each wait out
             # mq_timeout: end those waits now.
             _fail_pending(self.connector, self.server.url)
+            self._restart_due()
             return
         if not self.server_alive and _lmcache_healthy(self.connector):
             with self._lock:
                 self.server_alive = True
+                self.resumed_at = time.monotonic()
             self.stats.gauges["server_alive"] = 1
             self.log.warning(
                 "LMCache server is back: resuming",
                 url=self.server.url,
-                down_s=round(time.monotonic() - self._down_since, 2),
+                down_s=round(self.resumed_at - self._down_since, 2),
+                resume_s=round(self.resumed_at - (self.back_at or self._down_since), 2),
                 process=self.ctx.process,
             )
 
@@ -239,20 +295,7 @@ class LMCacheServerNode(NativeConnectorNode):
         where = self.server.url
         if self.server.pid is not None:
             where += f" (pid {self.server.pid}, started by this engine)"
-        return ServerGone(
-            f"lmcache: the LMCache server at {where} is down; {hook} skipped it "
-            "(the node's on_error applies)"
-        )
-
-    def _bound_requests(self, direction: str) -> bool:
-        """Does this step's metadata ask LMCache to move KV in ``direction``?"""
-        try:
-            metadata = self.connector._get_connector_metadata()
-        except AssertionError:
-            return False
-        return any(
-            getattr(r, "direction", None) == direction for r in getattr(metadata, "requests", ())
-        )
+        return ServerGone(f"lmcache: the LMCache server at {where} is down; {hook} skipped it")
 
     def direct_hooks(self) -> dict[str, Any]:
         hooks = super().direct_hooks()
@@ -266,12 +309,17 @@ class LMCacheServerNode(NativeConnectorNode):
     @hookimpl
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         if self.server_alive:
-            return self.connector.get_num_new_matched_tokens(request.raw, num_computed_tokens)
+            try:
+                return self.connector.get_num_new_matched_tokens(request.raw, num_computed_tokens)
+            except Exception as exc:
+                if self.server_alive:
+                    raise
+                raise self._gone("the lookup") from exc
         # LMCache is in its degraded mode (no server I/O): it still creates the
         # request's tracker, which update_state_after_alloc requires. Even a
-        # hit it remembers from before the outage is not claimed.
+        # hit it remembers from before the outage is not claimed: a miss.
         self.connector.get_num_new_matched_tokens(request.raw, num_computed_tokens)
-        return 0, False
+        raise self._gone("the lookup")
 
     def _start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """The node's ``start_load_kv`` (NativeConnectorNode's hookimpl, made direct by
@@ -288,10 +336,10 @@ class LMCacheServerNode(NativeConnectorNode):
                 raise self._gone("start_load_kv") from exc
             return
         # Degraded LMCache drops the retrieves and reports them finished and
-        # failed (its blocks are recomputed); the error applies on_error.
+        # failed (its blocks are recomputed). Raised with or without a retrieve:
+        # every store call in an outage says so, the first that returns ends it.
         self.connector.start_load_kv(forward_context, **kwargs)
-        if self._bound_requests("RETRIEVE"):
-            raise self._gone("start_load_kv")
+        raise self._gone("start_load_kv")
 
     @hookimpl
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
@@ -319,8 +367,7 @@ class LMCacheServerNode(NativeConnectorNode):
                 raise self._gone("wait_for_save") from exc
             return
         self.connector.wait_for_save()
-        if self._bound_requests("STORE"):
-            raise self._gone("wait_for_save")
+        raise self._gone("wait_for_save")
 
     def release_server(self) -> None:
         if self.shared is not None:
@@ -440,6 +487,19 @@ def _degrade(connector: Any) -> None:
         if callable(start):
             with contextlib.suppress(Exception):
                 start()
+
+
+def _wake_heartbeats(connector: Any) -> None:
+    """Run LMCache's heartbeats now (``PeriodicThread.wake``, safe from any thread):
+    the server answers again, so the next request need not wait out their interval."""
+    for adapter in _adapters(connector):
+        threads = list((getattr(adapter, "_heartbeats", None) or {}).values())
+        threads.append(getattr(adapter, "_heartbeat", None))
+        for thread in threads:
+            wake = getattr(thread, "wake", None)
+            if callable(wake):
+                with contextlib.suppress(Exception):
+                    wake()
 
 
 def _lmcache_healthy(connector: Any) -> bool:

@@ -6,6 +6,8 @@ EngineCore after that), and both must talk to the *same* server. So a started
 server is shared through a small state file keyed by the engine id and node
 id, under an ``flock``: the first process to arrive starts it, later ones
 attach, and each records itself as a user. The last user to leave stops it.
+A started server that dies is started again where it was (:meth:`SharedServer.restart`,
+by whichever of the engine's processes notices first; the state file names the new pid).
 As safety nets the server dies with the process that started it
 (``PR_SET_PDEATHSIG``) and a ``weakref.finalize`` (run at exit) releases it.
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composer import Unavailable
 from composer.servers import LOOPBACK, free_port
 
 PR_SET_PDEATHSIG = 1
@@ -46,8 +49,9 @@ class ServerError(RuntimeError):
     """The LMCache server could not be started, reached, or does not fit the engine."""
 
 
-class ServerGone(ServerError):
-    """The LMCache server died (or stopped answering) while the engine runs."""
+class ServerGone(ServerError, Unavailable):
+    """The LMCache server died (or stopped answering) while the engine runs: the
+    node's store is away (no fault; the chain counts it and keeps the node on)."""
 
 
 @dataclass(frozen=True)
@@ -294,6 +298,35 @@ class SharedServer:
         if self._finalizer is not None:
             self._finalizer()
 
+    def pid(self) -> int | None:
+        """The server's pid now (a restart by the engine's other process changes it)."""
+        info = self._read()
+        return info.pid if info is not None else None
+
+    def restart(self) -> tuple[ServerInfo, bool]:
+        """Start the server again on its ports, unless the engine's other process
+        already has: the live server's info, and whether this call started it.
+        Raises :class:`ServerError` if it does not come up (the caller tries again later).
+
+        Call it from a thread that lives as long as the server should:
+        ``PR_SET_PDEATHSIG`` stops the server when the thread that started it ends.
+        """
+        with _locked(self.lock_file):
+            info = self._read()
+            if info is None:
+                raise ServerError("the server was released: nothing to restart")
+            if _alive(info.pid) and info.http_url and healthy(info.http_url):
+                return info, False
+            if _is_server(info.pid, info.port):
+                stop_pid(info.pid)  # type: ignore[arg-type]  # ours, but no longer healthy
+            new = start_server(
+                self.settings, self.log_file, info.host, port=info.port, http_port=info.http_port
+            )
+            new.users = info.users
+            self._write(new)
+        self.info = new
+        return new, True
+
     def _read(self) -> ServerInfo | None:
         try:
             return ServerInfo(**json.loads(self.state_file.read_text()))
@@ -376,23 +409,19 @@ WATCH_INTERVAL = 0.5
 PROBE_TIMEOUT = 1.0
 
 
-def pid_probe(pid: int) -> Callable[[], bool]:
+def running(pid: int | None) -> bool:
     """Liveness of a server this engine started: its process runs (exact, no network).
 
     The engine's other process (not the server's parent) sees a killed server
     as a zombie until its parent reaps it: that counts as dead too.
     """
-
-    def probe() -> bool:
-        if not _alive(pid):
-            return False
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return True  # no procfs: signal 0 is all there is
-        return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-
-    return probe
+    if not _alive(pid):
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: signal 0 is all there is
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 def http_probe(http_url: str, timeout: float = PROBE_TIMEOUT) -> Callable[[], bool]:

@@ -12,10 +12,15 @@ in order, before the lmcache node looks the request up:
 * ``wait_valkey_dead``: wait for that timer's kill to have happened and the
   process to be gone (its port free);
 * ``restart_valkey``: start ``valkey-server`` again on its port (empty);
+* ``wait_l2_connected``: hold the scheduler until the lmcache server's RESP
+  adapter says it is connected again (its ``/status``): the Valkey outage's end;
 * ``clear_l1``: empty the lmcache server's L1 (``POST /cache/clear``), so the
   next lookups can only hit in its L2 tiers;
 * ``corrupt_fs``: damage every chunk file under ``fs_path``: every other one
   truncated to half its length, the others with 64 bytes in the middle flipped;
+* ``fs_gone``: move the directory ``fs_path`` away and put a file in its place,
+  so every open under it fails (a volume gone or remounted; as root,
+  ``chmod`` would not stop a write); ``fs_back`` puts the directory back;
 * ``settle``: hold the scheduler ``settle_s`` seconds.
 
 It records per request the seconds from its first lookup to
@@ -44,8 +49,11 @@ Action = Literal[
     "kill_valkey_in_flight",
     "wait_valkey_dead",
     "restart_valkey",
+    "wait_l2_connected",
     "clear_l1",
     "corrupt_fs",
+    "fs_gone",
+    "fs_back",
     "settle",
 ]
 
@@ -108,6 +116,18 @@ class FleetFaults(LatencyProbe):
                 path.write_bytes(bytes(data))
                 self.corrupted["flipped"] += 1
 
+    def _fs_gone(self) -> None:
+        assert self.config.fs_path is not None
+        path = Path(self.config.fs_path)
+        path.rename(path.with_name(path.name + ".away"))
+        path.write_text("not a directory\n")
+
+    def _fs_back(self) -> None:
+        assert self.config.fs_path is not None
+        path = Path(self.config.fs_path)
+        path.unlink()
+        path.with_name(path.name + ".away").rename(path)
+
     def _restart_valkey(self) -> None:
         from composer.servers.valkey import ValkeyServer, valkey_server_binary
 
@@ -122,6 +142,17 @@ class FleetFaults(LatencyProbe):
         self.valkey_pid = server.pid
         self.restarted_pids.append(server.pid)
         self.write_report()  # the test stops it, also if the engine dies later
+
+    def _wait_l2_connected(self, timeout: float = 30.0) -> None:
+        http_url = self.target.server.http_url
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"{http_url}/status", timeout=5) as response:  # noqa: S310
+                adapters = json.loads(response.read())["storage_manager"]["l2_adapters"]
+            if all(a.get("connected", True) for a in adapters):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"the RESP adapter did not reconnect within {timeout} s")
 
     def _clear_l1(self) -> None:
         http_url = self.target.server.http_url
@@ -146,10 +177,16 @@ class FleetFaults(LatencyProbe):
             self._timer.join(timeout=30)
         elif action == "restart_valkey":
             self._restart_valkey()
+        elif action == "wait_l2_connected":
+            self._wait_l2_connected()
         elif action == "clear_l1":
             self._clear_l1()
         elif action == "corrupt_fs":
             self._corrupt_fs()
+        elif action == "fs_gone":
+            self._fs_gone()
+        elif action == "fs_back":
+            self._fs_back()
         elif action == "settle":
             time.sleep(self.config.settle_s)
         self.done.append((ordinal, action, time.monotonic()))

@@ -1,4 +1,4 @@
-"""A test plugin that SIGKILLs the LMCache server from inside the engine.
+"""Test plugins that SIGKILL the LMCache server from inside the engine.
 
 Registered in vLLM's processes through ``$KV_COMPOSER_PLUGIN_MODULES``. The
 ``lmcache-killer`` node comes first in ``load_order`` and ``needs`` the lmcache
@@ -10,6 +10,14 @@ flight). In every process it records, per request, the seconds from its first
 lookup to ``request_finished``, and at shutdown writes what the lmcache node
 reported (its liveness flag and gauges, outages seen, and every ``errors``
 count the chain took from its stats) to ``<report>.<process>.json``.
+
+The ``lmcache-chaos`` node kills the node's own (started) server again and
+again under load: at the first lookup of each request ordinal in ``kill_at``,
+before the lmcache node's lookups of that step go out. At each ordinal in
+``resume_by`` it holds the scheduler until the node has resumed (the node
+restarts its server by itself), so the outages end where the test expects.
+It records each outage's times as the node saw them, and vLLM's free KV
+blocks at every new request.
 """
 
 from __future__ import annotations
@@ -94,8 +102,67 @@ class Killer(LatencyProbe):
             "down_events": self.target.down_events,
             "gauge_server_alive": stats.gauges.get("server_alive"),
             "errors": self.total("errors"),
+            "unavailable": self.total("unavailable"),
             "server_outages": stats.gauges.get("server_outages"),
             "disabled": stats.disabled,
+        }
+
+
+class ChaosConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    report: str
+    kill_at: list[int]
+    resume_by: list[int]
+    resume_timeout_s: float = 120.0
+
+
+#: The lmcache node of each chain half in this process (an in-process engine has both).
+TARGETS: list[Any] = []
+
+
+class Chaos(LatencyProbe):
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        TARGETS.append(self.target)
+        self.outages: list[dict[str, Any]] = []
+        self.free_blocks: list[int] = []
+        self.pool: Any = None
+
+    @hookimpl
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self.pool = kv_cache_manager.block_pool
+
+    @hookimpl
+    def get_num_new_matched_tokens(self, request: Any) -> tuple[int, bool]:
+        ordinal = self.first_lookup(request)
+        if ordinal is None:
+            return 0, False
+        if self.pool is not None:
+            self.free_blocks.append(self.pool.get_num_free_blocks())
+        if ordinal in self.config.kill_at:
+            pid = self.target.shared.pid()
+            os.kill(pid, signal.SIGKILL)
+            self.outages.append({"killed_pid": pid, "killed_at": time.monotonic()})
+        if ordinal in self.config.resume_by:
+            # Both chain halves' nodes: the worker's saves, the scheduler's lookups.
+            deadline = time.monotonic() + self.config.resume_timeout_s
+            while not all(t.server_alive for t in TARGETS) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            outage = self.outages[-1]
+            outage["back_at"] = min(t.back_at or 0 for t in TARGETS)
+            resumed = [t.resumed_at for t in TARGETS if t.server_alive]
+            outage["resumed_at"] = max(resumed) if len(resumed) == len(TARGETS) else None
+            outage["restarted_pid"] = self.target.server.pid
+            outage["halves"] = len(TARGETS)
+        return 0, False
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "outages": self.outages,
+            "free_blocks": self.free_blocks,
+            "gauges": dict(self.target.stats.gauges),
+            "server_alive": self.target.server_alive,
+            "disabled": self.target.stats.disabled,
         }
 
 
@@ -106,6 +173,15 @@ def register_plugin_types(register: Any) -> None:
             name="lmcache-killer",
             node=Killer,
             config=KillerConfig,
+            default_role="load",
+            roles=frozenset({"load"}),
+        )
+    )
+    register(
+        PluginType(
+            name="lmcache-chaos",
+            node=Chaos,
+            config=ChaosConfig,
             default_role="load",
             roles=frozenset({"load"}),
         )

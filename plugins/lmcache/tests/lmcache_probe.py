@@ -18,27 +18,32 @@ from typing import Any
 from composer import Plugin, hookimpl
 
 
+def _count(value: Any) -> int:
+    """A counter, or a per-hook one (``unavailable``) summed."""
+    return sum(value.values()) if isinstance(value, dict) else int(value)
+
+
 class LatencyProbe(Plugin):
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         (self.target,) = ctx.needs.values()
         self.seen: dict[str, float] = {}
         self.latency: dict[str, float] = {}
-        self._taken = {"errors": 0, "tokens_loaded": 0}
+        self._taken = {"errors": 0, "tokens_loaded": 0, "unavailable": 0}
         stats = self.target.stats
         take = stats.take
 
         def counting_take() -> dict[str, Any]:
             snapshot: dict[str, Any] = take()
             for name in self._taken:
-                self._taken[name] += int(snapshot.get(name, 0))
+                self._taken[name] += _count(snapshot.get(name, 0))
             return snapshot
 
         stats.take = counting_take
 
     def total(self, counter: str) -> int:
         """The lmcache node's ``counter`` since the start (the chain resets it at each report)."""
-        return self._taken[counter] + int(getattr(self.target.stats, counter))
+        return self._taken[counter] + _count(getattr(self.target.stats, counter))
 
     def first_lookup(self, request: Any) -> int | None:
         """The request's ordinal (1-based) at its first lookup; None at later ones."""

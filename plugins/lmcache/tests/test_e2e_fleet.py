@@ -15,6 +15,9 @@ plain engine's.
   only the dead Valkey could serve it: it is recomputed. Valkey is started
   again (empty) before round 3 (R, computed and saved to it); round 4 repeats
   R with B's L1 emptied again: served from Valkey, vLLM never restarted.
+  Rounds 5-8 do it all again (S computed while Valkey dies, R not served,
+  T saved to the restarted Valkey and served from it): an outage and a
+  return, twice, each return's reconnect timed.
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ N = 3
 P = make_prompts(N, words=120, seed=61)  # computed by A only
 Q = make_prompts(N, words=120, seed=62)  # computed by B while Valkey is killed
 R = make_prompts(N, words=120, seed=63)  # computed by B after Valkey is back
+S = make_prompts(N, words=120, seed=64)  # computed by B while Valkey is killed again
+T = make_prompts(N, words=120, seed=65)  # computed by B after Valkey is back again
 A_ROUNDS = [P, P]
-B_ROUNDS = [P, Q, P, R, R]
+B_ROUNDS = [P, Q, P, R, R, S, R, T, T]
 #: The reference: B's rounds without a connector (the shared ``plain_llama`` engine).
 PLAIN_LLAMA_ROUNDS = B_ROUNDS
 #: Request ordinal (1-based) -> what the fleet-faults node does first.
@@ -53,9 +58,15 @@ B_ACTIONS = {
     # SIGKILLed from a timer while round 1's requests are looked up, computed and saved.
     str(1 * N + 1): ["kill_valkey_in_flight"],
     str(2 * N + 1): ["wait_valkey_dead", "clear_l1"],
-    str(3 * N + 1): ["restart_valkey", "settle"],
+    str(3 * N + 1): ["restart_valkey", "wait_l2_connected", "settle"],
     str(4 * N + 1): ["clear_l1"],
+    # And again.
+    str(5 * N + 1): ["kill_valkey_in_flight"],
+    str(6 * N + 1): ["wait_valkey_dead", "clear_l1"],
+    str(7 * N + 1): ["restart_valkey", "wait_l2_connected", "settle"],
+    str(8 * N + 1): ["clear_l1"],
 }
+OUTAGE_ROUNDS = (1, 5)
 
 
 def _lmcache(valkey_server: ValkeyServer) -> dict[str, Any]:
@@ -215,17 +226,30 @@ def test_b_serves_from_valkey_what_only_a_computed(runs: dict[str, Any]) -> None
 def test_valkey_was_killed_in_flight_and_restarted_by_the_faults_node(
     runs: dict[str, Any],
 ) -> None:
-    actions = [a for _, a, _ in runs["b/report"]["done"]]
-    assert actions.count("kill_valkey_in_flight") == 1
-    assert "restart_valkey" in actions and actions.count("clear_l1") == 2
+    done = runs["b/report"]["done"]
+    actions = [a for _, a, _ in done]
+    assert actions.count("kill_valkey_in_flight") == 2
+    assert actions.count("restart_valkey") == 2 and actions.count("clear_l1") == 4
     assert runs["valkey_killed"]
-    assert len(runs["b/report"]["restarted_pids"]) == 1
+    assert len(set(runs["b/report"]["restarted_pids"])) == 2
+    # Time to resume: from the restarted Valkey answering PING to the lmcache
+    # server's RESP adapter connected to it again.
+    at = {(ordinal, action): t for ordinal, action, t in done}
+    resumed = [
+        at[(ordinal, "wait_l2_connected")] - at[(ordinal, "restart_valkey")]
+        for ordinal, action, _ in done
+        if action == "restart_valkey"
+    ]
+    assert len(resumed) == 2 and all(s >= 0 for s in resumed)
+    print("\nValkey behind LMCache, reconnected (s): " + ", ".join(f"{s:.2f}" for s in resumed))
 
 
-def test_nothing_is_served_from_a_dead_valkey(runs: dict[str, Any]) -> None:
-    # Round 2 repeats round 0's prompts with B's L1 emptied: only Valkey held them.
-    assert _served(runs["b"], 2) == [None] * N
-    assert [r.cached_tokens for r in runs["b"].rounds[2]] == [0] * N
+@pytest.mark.parametrize("outage", OUTAGE_ROUNDS)
+def test_nothing_is_served_from_a_dead_valkey(runs: dict[str, Any], outage: int) -> None:
+    # The round after the kill repeats earlier prompts with B's L1 emptied: only
+    # Valkey held them.
+    assert _served(runs["b"], outage + 1) == [None] * N
+    assert [r.cached_tokens for r in runs["b"].rounds[outage + 1]] == [0] * N
 
 
 def test_the_node_counts_the_l2_errors(runs: dict[str, Any]) -> None:
@@ -237,8 +261,8 @@ def test_the_node_counts_the_l2_errors(runs: dict[str, Any]) -> None:
         # part of round 1 met the kill; round 3's saves reached the restarted one.
         assert gauges["l2_errors"] > 0, gauges
         assert 0 < gauges["l2_stored_chunks"] <= gauges["l2_store_chunks"], gauges
-        # Rounds 0 and 4 were served from Valkey.
-        assert gauges["l2_hit_tokens"] >= 2 * BLOCK * N, gauges
+        # Rounds 0, 4 and 8 were served from Valkey.
+        assert gauges["l2_hit_tokens"] >= 3 * BLOCK * N, gauges
 
 
 def test_the_node_counts_the_tokens_it_loaded(runs: dict[str, Any]) -> None:
@@ -250,12 +274,15 @@ def test_the_node_counts_the_tokens_it_loaded(runs: dict[str, Any]) -> None:
         for r in rnd
         if (r.kv_transfer_params or {}).get("kv_composer", {}).get("served_by") == "lmcache"
     ]
-    assert len(served) == 2 * N  # rounds 0 and 4
+    assert len(served) == 3 * N  # rounds 0, 4 and 8
     assert runs["b/worker"]["totals"]["tokens_loaded"] == sum(served)
     assert runs["b/report"]["totals"]["tokens_loaded"] == 0  # loads happen in the worker
 
 
-def test_hits_resume_once_valkey_is_back_without_restarting_vllm(runs: dict[str, Any]) -> None:
-    assert _served(runs["b"], 3) == [None] * N
-    assert _served(runs["b"], 4) == ["lmcache"] * N
+@pytest.mark.parametrize("outage", OUTAGE_ROUNDS)
+def test_hits_resume_once_valkey_is_back_without_restarting_vllm(
+    runs: dict[str, Any], outage: int
+) -> None:
+    assert _served(runs["b"], outage + 2) == [None] * N
+    assert _served(runs["b"], outage + 3) == ["lmcache"] * N
     assert runs["keys_after_b"] > 0

@@ -8,6 +8,11 @@
   one truncated, the rest with bytes flipped. Round 1 repeats P again: AES-GCM
   rejects the flipped chunks and the short reads fail, so everything is
   recomputed, with the tokens of a plain engine.
+* Then the disk goes away and comes back, twice (the directory replaced by a
+  file, then put back, with L1 emptied before each round): Q is computed
+  while it is away (its saves fail, logged by LMCache; the server and the node
+  stay up), computed again once it is back (nothing was stored, nothing
+  queued) and saved, then served from disk; the same for R.
 """
 
 from __future__ import annotations
@@ -34,8 +39,13 @@ HERE = Path(__file__).parent
 BLOCK = 32
 N = 3
 P = make_prompts(N, words=120, seed=71)
-#: The reference: P twice without a connector (the shared ``plain_llama`` engine).
-PLAIN_LLAMA_ROUNDS = [P, P]
+Q = make_prompts(N, words=120, seed=72)
+R = make_prompts(N, words=120, seed=73)
+READER_ROUNDS = [P, P, Q, Q, Q, R, R, R]
+#: Rounds computed while the disk was away.
+AWAY_ROUNDS = (2, 5)
+#: The reference: the reader's rounds without a connector (the shared ``plain_llama`` engine).
+PLAIN_LLAMA_ROUNDS = READER_ROUNDS
 
 
 def _kv(disk: Path, key: Path, faults: dict[str, Any] | None) -> dict[str, Any]:
@@ -94,10 +104,15 @@ def runs(
     out["files_after_writer"] = sorted(p.name for p in disk.rglob("*") if p.is_file())
     faults = {
         "report": str(report),
-        "actions": {str(N + 1): ["clear_l1", "corrupt_fs"]},
+        "actions": {
+            str(N + 1): ["clear_l1", "corrupt_fs"],
+            **{str(r * N + 1): ["clear_l1", "fs_gone"] for r in AWAY_ROUNDS},
+            **{str((r + 1) * N + 1): ["clear_l1", "fs_back"] for r in AWAY_ROUNDS},
+            **{str((r + 2) * N + 1): ["clear_l1"] for r in AWAY_ROUNDS},
+        },
         "fs_path": str(disk),
     }
-    out["reader"] = run([P, P], _kv(disk, key, faults))
+    out["reader"] = run(READER_ROUNDS, _kv(disk, key, faults))
     out["reader/report"] = json.loads(Path(f"{report}.scheduler.json").read_text())
     yield out
 
@@ -111,7 +126,7 @@ def _served(result: EngineResult, r: int) -> list[str | None]:
 
 def test_tokens_equal_a_plain_engine(runs: dict[str, Any]) -> None:
     assert runs["writer"].tokens(0) == runs["plain"].tokens(0)
-    for r in range(2):
+    for r in range(len(READER_ROUNDS)):
         assert runs["reader"].tokens(r) == runs["plain"].tokens(r), f"reader round {r}"
 
 
@@ -135,3 +150,16 @@ def test_damaged_chunks_are_recomputed_never_served(runs: dict[str, Any]) -> Non
     assert _served(runs["reader"], 1) == [None] * N
     assert [r.cached_tokens for r in runs["reader"].rounds[1]] == [0] * N
     assert runs["reader/report"]["gauges"]["l2_adapters"] == 1
+
+
+@pytest.mark.parametrize("away", AWAY_ROUNDS)
+def test_a_disk_that_goes_away_and_comes_back_serves_again(runs: dict[str, Any], away: int) -> None:
+    reader = runs["reader"]
+    # Away: computed, its saves failed. Back: computed again (nothing was stored
+    # or queued while away), and saved. Then served from disk, L1 emptied.
+    assert _served(reader, away) == [None] * N
+    assert _served(reader, away + 1) == [None] * N
+    assert _served(reader, away + 2) == ["lmcache"] * N
+    assert reader.clean_exit
+    gauges = runs["reader/report"]["gauges"]
+    assert gauges["l2_failed"] > 0, gauges  # the stores that met the missing directory

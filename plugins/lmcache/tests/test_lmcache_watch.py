@@ -27,7 +27,7 @@ from kvc_lmcache.server import (
     ServerWatcher,
     _alive,
     http_probe,
-    pid_probe,
+    running,
     start_server,
     stop_pid,
     tcp_probe,
@@ -57,7 +57,7 @@ def _probes(info: ServerInfo) -> dict[str, tuple[Callable[[], bool], int]]:
     """Every probe kind, with the failures in a row the node needs to call it down."""
     assert info.pid is not None and info.http_url is not None
     return {
-        "pid": (pid_probe(info.pid), 1),
+        "pid": (lambda: running(info.pid), 1),
         "http": (http_probe(info.http_url), 2),
         "tcp": (tcp_probe(info.host, info.port), 2),
     }
@@ -127,7 +127,7 @@ def test_the_watcher_thread_reports_a_killed_server(server: ServerInfo) -> None:
     assert server.pid is not None
     down = threading.Event()
     watcher = ServerWatcher(
-        pid_probe(server.pid), on_change=lambda alive: None if alive else down.set()
+        lambda: running(server.pid), on_change=lambda alive: None if alive else down.set()
     ).start()
     try:
         _kill(server)

@@ -20,6 +20,7 @@ from composer import CanonicalKVCaches, NodeContext, Plugin, hookimpl
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.datapath import HostPool, RegionPlan
 from kvc_offload_cpu.layout import BlockLayout, layout_from_kv_cache_config
+from kvc_offload_cpu.memory import check_pool_fits
 from kvc_offload_cpu.metadata import OffloadMetadata, OffloadWorkerMeta, Transfer
 
 GiB = float(1 << 30)
@@ -117,6 +118,7 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
             self.block_size = kv_caches.groups[0].block_size if kv_caches.groups else 0
         device = plans[0].region.device if plans else torch.device("cpu")
         pin = device.type == "cuda" and torch.cuda.is_available()
+        check_pool_fits(self.node_id, int(self.config.capacity), num_slots * slot_bytes)
         self.pool = HostPool(plans, num_slots, pin=pin)
         self._slot_gen = [0] * num_slots
         if self.config.save_mode == "async" or self.config.load_mode == "async":

@@ -1,16 +1,23 @@
-"""A `lmcache server` SIGKILLed under a running engine (real vLLM, real servers).
+"""A `lmcache server` that goes away under a running engine (real vLLM, real servers).
 
-The ``lmcache-killer`` test node (``kvc_lmcache_faults.py``) kills the server
+The ``lmcache-killer`` test node (``kvc_lmcache_faults.py``) SIGKILLs a server
 from inside EngineCore when round 2's first request arrives: between rounds
 (then holding the scheduler 2 s, so the kill is known before round 2 is
 scheduled), or just before the lmcache node's lookups of round 2 go out (they
 are sent to a dead server and their acks awaited), or between rounds with a
 server started again where it was. Rounds repeat the same prompts, so round 2
-would be served by LMCache. Per policy, every request must complete with the
-tokens of a run without a connector (same thread binding), none may wait
-anywhere near ``mq_timeout``, the node must report the outage (and resume
-when the server is back), and the engine must shut down by itself; with
-``on_error: fail`` the engine fails, naming the server.
+would be served by LMCache. A dead store is no fault (the node raises
+``Unavailable``): under every ``on_error`` policy every request completes with
+the tokens of a run without a connector (same thread binding), none waits
+anywhere near ``mq_timeout``, the node stays on, reports the outage, resumes
+when the server is back, and the engine shuts down by itself.
+
+The chaos engine (``lmcache-chaos``) replays a slice of the Mooncake
+conversation trace, six requests in flight per round, and kills the node's own
+server three times as a round's lookups go out; the node restarts it each
+time. Tokens equal a plain engine's, no request stalls, every KV block comes
+back, and after each return the repeated prompts are served again; the test
+prints each outage's restart and resume times.
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not 
 import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 from kvc_lmcache.server import (
-    ServerInfo,
     ServerSettings,
     _alive,
     _is_server,
@@ -33,9 +39,9 @@ from kvc_lmcache.server import (
 )
 
 from composer import kv_transfer_config, load_pipeline
+from composer.bench import replay
 from composer.discovery import discover
 from composer.testing.engine import (
-    EngineFailed,
     EngineResult,
     EngineSpec,
     SharedRuns,
@@ -43,6 +49,7 @@ from composer.testing.engine import (
     run_engine,
 )
 from composer.testing.tiny_model import build_tiny_model, make_prompts
+from composer.trace import read_trace
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +57,37 @@ HERE = Path(__file__).parent
 BLOCK = 32
 PROMPTS = make_prompts(3, words=120, seed=43)
 MQ_TIMEOUT = 30.0
-#: The reference: three rounds of PROMPTS without a connector (the shared ``plain_llama``).
+TRACE = HERE.parents[2] / "tests" / "data" / "traces" / "mooncake-conversation_trace-500.jsonl"
+
+
+def _trace_slice(n: int) -> list[Any]:
+    """The first ``n`` requests of the trace that fit, as token-id prompts (a trace
+    block of 512 tokens scaled to one vLLM block of 32)."""
+    prompts, _ = replay.make_prompts(
+        read_trace(TRACE, limit=3 * n),
+        scale=16,
+        vocab_size=replay.vocab_size_of(str(build_tiny_model())) or 0,
+        max_model_len=1024,
+    )
+    return [{"prompt_token_ids": p.token_ids} for p in prompts[:n]]
+
+
+SLICE = _trace_slice(12)
+#: Two rounds of six requests each, all in flight together.
+A, B = SLICE[:6], SLICE[6:]
+#: After the last outage, one request and then another: by the second's lookup
+#: every block lent before the first must be back (the first's own may still
+#: be held for its save: saves finish asynchronously, reported in a later step).
+SENTINELS = [[PROMPTS[0]], [PROMPTS[1]]]
+OUTAGES = 3
+#: A, B (saved), A, B (served), then per outage: A with the server killed as its
+#: lookups go out (all misses, saves skipped), B (the restarted, empty server:
+#: computed and saved), A (computed and saved), B (served again).
+CHAOS_ROUNDS = [A, B, A, B, *[A, B, A, B] * OUTAGES, *SENTINELS]
+KILL_ROUNDS = [4 + 4 * i for i in range(OUTAGES)]
+#: The plain reference of each chaos round: the same batch, without a connector.
+CHAOS_PLAIN = [A, B, *SENTINELS]
+#: The references: three rounds of PROMPTS, and the chaos batches (the shared ``plain_llama``).
 PLAIN_LLAMA_ROUNDS = [PROMPTS] * 3
 BETWEEN: dict[str, Any] = {"at_request": len(PROMPTS) + 1, "settle_s": 2.0}
 #: Killed as round 2's lookups go out: LMCache sends them to a dead server and
@@ -60,7 +97,13 @@ IN_FLIGHT: dict[str, Any] = {"at_request": len(PROMPTS) + 1}
 RESTART: dict[str, Any] = {**BETWEEN, "settle_s": 5.0, "restart_chunk_size": BLOCK}
 
 
-def _kv(report: Path, killer: dict[str, Any], on_error: str, server: dict[str, Any]) -> Any:
+def _kv(
+    report: Path,
+    killer: dict[str, Any],
+    on_error: str,
+    server: dict[str, Any],
+    plugin: str = "lmcache-killer",
+) -> Any:
     import kvc_lmcache_faults
 
     pipeline = {
@@ -68,7 +111,7 @@ def _kv(report: Path, killer: dict[str, Any], on_error: str, server: dict[str, A
         "annotate_outputs": True,
         "nodes": {
             "killer": {
-                "plugin": "lmcache-killer",
+                "plugin": plugin,
                 "needs": ["lmcache"],
                 "config": {"report": str(report), **killer},
             },
@@ -97,10 +140,10 @@ def runs(
     env = {"KVC_LMCACHE_STATE_DIR": str(state), **plugin_env(HERE, "kvc_lmcache_faults")}
     out: dict[str, Any] = {"state": state, "servers": []}
 
-    def run(name: str, rounds: int, kv: Any) -> EngineResult:
+    def run(name: str, rounds: int | list[list[Any]], kv: Any) -> EngineResult:
         spec = EngineSpec(
             model=model,
-            rounds=[PROMPTS] * rounds,
+            rounds=[PROMPTS] * rounds if isinstance(rounds, int) else rounds,
             kv_transfer_config=kv,
             env=env,
             max_tokens=8,
@@ -124,9 +167,10 @@ def runs(
 
     try:
         out["plain"] = plain_llama(PLAIN_LLAMA_ROUNDS)
+        out["chaos-plain"] = plain_llama(CHAOS_PLAIN)
         cases = {
             "recompute-between": (BETWEEN, "recompute", given, 3),
-            "disable-between": (BETWEEN, "disable", given, 3),
+            "fail-between": (BETWEEN, "fail", given, 3),
             "recompute-in-flight": (IN_FLIGHT, "recompute", owned, 2),
             "recompute-restarted": (RESTART, "recompute", given, 3),
         }
@@ -136,18 +180,19 @@ def runs(
             if name == "recompute-restarted":
                 # LMCache's heartbeat brings it back (re-registering the KV caches).
                 config["heartbeat_interval"] = 2.0
+            if name == "recompute-in-flight":
+                config["restarts"] = 0  # stays down: the chaos engine restarts
             out[name] = run(name, rounds, _kv(path, {**killer, "pid": pid}, on_error, config))
-            out[f"{name}/report"] = {
-                role: json.loads(Path(f"{path}.{role}.json").read_text())
-                for role in ("scheduler", "worker")
-            }
+            out[f"{name}/report"] = _reports(path)
         restarted = out["recompute-restarted/report"]["scheduler"]["restarted_pid"]
         out["restarted_pid"] = restarted
         out["restarted_port"] = out["servers"][-1].port
-        with pytest.raises(EngineFailed) as failed:
-            config, pid = given()
-            run("fail", 2, _kv(report("fail"), {**BETWEEN, "pid": pid}, "fail", config))
-        out["fail"] = str(failed.value)
+        path = report("chaos")
+        chaos = {"kill_at": [6 * r + 1 for r in KILL_ROUNDS]}
+        chaos["resume_by"] = [6 * (r + 1) + 1 for r in KILL_ROUNDS]
+        kv = _kv(path, chaos, "recompute", {"heartbeat_interval": 2.0}, plugin="lmcache-chaos")
+        out["chaos"] = run("chaos", CHAOS_ROUNDS, kv)
+        out["chaos/report"] = _reports(path)
         yield out
     finally:
         for info in out["servers"]:
@@ -158,7 +203,14 @@ def runs(
             stop_pid(restarted)
 
 
-STAYS_DOWN = ["recompute-between", "disable-between", "recompute-in-flight"]
+def _reports(path: Path) -> dict[str, Any]:
+    return {
+        role: json.loads(Path(f"{path}.{role}.json").read_text())
+        for role in ("scheduler", "worker")
+    }
+
+
+STAYS_DOWN = ["recompute-between", "fail-between", "recompute-in-flight"]
 SURVIVING = [*STAYS_DOWN, "recompute-restarted"]
 
 
@@ -192,7 +244,7 @@ def test_no_request_waits_out_the_message_queue_timeout(runs: dict[str, Any], na
 def test_round_one_is_saved_and_round_two_is_not_served_by_a_dead_server(
     runs: dict[str, Any],
 ) -> None:
-    for name in ("recompute-between", "disable-between"):
+    for name in ("recompute-between", "fail-between"):
         result = runs[name]
         assert _served(result, 0) == [None] * len(PROMPTS)
         for r in (1, 2):
@@ -212,14 +264,16 @@ def test_the_node_reports_the_dead_server(runs: dict[str, Any], name: str, role:
     assert 0 <= report["down_since"] - killed_at < MQ_TIMEOUT / 2, report
 
 
-@pytest.mark.parametrize("name", ["recompute-between", "disable-between"])
-def test_a_save_to_the_dead_server_applies_on_error(runs: dict[str, Any], name: str) -> None:
-    report = runs[f"{name}/report"]
-    # Round 2 saves what it computed: wait_for_save raises ServerGone and the
-    # chain counts it. A lost save is nothing vLLM's recompute undoes, so under
-    # recompute too the node is switched off, in both processes.
-    assert report["worker"]["errors"] == 1, "one error, then the node is off"
-    assert report["worker"]["disabled"] and report["scheduler"]["disabled"]
+@pytest.mark.parametrize("name", STAYS_DOWN)
+def test_a_dead_server_is_no_fault_under_any_policy(runs: dict[str, Any], name: str) -> None:
+    for role, report in runs[f"{name}/report"].items():
+        # Lookups miss, loads are recomputed, saves are skipped: counted as the
+        # store away, never as errors, and the node stays on (also under fail).
+        assert report["errors"] == 0, (role, report)
+        assert report["unavailable"] > 0 and report["disabled"] is False, (role, report)
+    lines = [line for line in runs[name].log.splitlines() if "node's store is away" in line]
+    assert len(lines) == 2, "one warning per process and chain half"
+    assert "node's store is back" not in runs[name].log
 
 
 @pytest.mark.parametrize("name", STAYS_DOWN)
@@ -244,6 +298,8 @@ def test_a_server_back_where_it_was_is_used_again(runs: dict[str, Any], role: st
     # before round 2 and was never switched off.
     assert report["server_alive"] is True and report["gauge_server_alive"] == 1, report
     assert report["errors"] == 0 and report["disabled"] is False, report
+    # The killer held the scheduler until the node resumed: no call met the outage.
+    assert report["unavailable"] == 0 and "node's store is away" not in result.log
     # The restarted server is empty: round 2 computes and saves to it, round 3
     # is served from it.
     assert _served(result, 1) == [None] * len(PROMPTS)
@@ -259,13 +315,87 @@ def test_no_server_or_state_is_left_behind(runs: dict[str, Any]) -> None:
     # Started inside EngineCore: gone with it (PR_SET_PDEATHSIG).
     assert runs["restarted_pid"] is not None
     assert not _is_server(runs["restarted_pid"], runs["restarted_port"])
+    # The chaos engine's own server, started again three times: the last one
+    # stopped with the engine, the killed ones gone.
+    for outage in runs["chaos/report"]["scheduler"]["outages"]:
+        for pid in (outage["killed_pid"], outage["restarted_pid"]):
+            assert not _alive(pid), outage
     state: Path = runs["state"]
     assert list(state.glob("*.log")), "the in-flight case started no server"
     assert not list(state.glob("*.json")), "an owned server's state outlived its engine"
 
 
-def test_on_error_fail_fails_the_engine_naming_the_server(runs: dict[str, Any]) -> None:
-    message = runs["fail"]
-    info: ServerInfo = runs["servers"][-1]
-    assert f"LMCache server at {info.url} is down" in message, message[-3000:]
-    assert "ServerGone" in message
+# -- chaos: the node's own server killed three times under load --------------- #
+
+
+def _fraction(result: EngineResult, r: int) -> float:
+    """Prompt tokens the lmcache node served in round ``r``, over its prompt tokens."""
+    served = sum(x.cached_tokens for x in result.rounds[r])
+    return served / sum(x.prompt_tokens for x in result.rounds[r])
+
+
+def test_chaos_tokens_equal_a_plain_engine_in_every_round(runs: dict[str, Any]) -> None:
+    plain = runs["chaos-plain"]
+    for r, prompts in enumerate(CHAOS_ROUNDS):
+        reference = plain.tokens(CHAOS_PLAIN.index(prompts))
+        assert runs["chaos"].tokens(r) == reference, f"round {r}"
+
+
+def test_chaos_no_request_is_lost_or_stalled(runs: dict[str, Any]) -> None:
+    result, report = runs["chaos"], runs["chaos/report"]["scheduler"]
+    assert [len(r) for r in result.rounds] == [len(p) for p in CHAOS_ROUNDS]
+    latency = report["latency"]
+    assert len(latency) == sum(len(p) for p in CHAOS_ROUNDS)
+    assert max(latency.values()) < MQ_TIMEOUT / 2, latency
+    assert result.clean_exit
+
+
+def test_chaos_every_kv_block_comes_back(runs: dict[str, Any]) -> None:
+    # vLLM's free blocks, sampled at each request's first lookup.
+    free = runs["chaos/report"]["scheduler"]["free_blocks"]
+    first_sentinel = runs["chaos"].rounds[-2][0]
+    its_own = -(-(first_sentinel.prompt_tokens + 8) // BLOCK)
+    at_round = [free[i] for i in range(0, len(free) - 2, len(A))]
+    assert free[0] - its_own <= free[-1] <= free[0], (
+        f"{free[0] - free[-1]} KV blocks not back (at most {its_own} may still be held "
+        f"for the first sentinel's save); free at each round's start: {at_round}"
+    )
+
+
+def test_chaos_the_node_restarts_its_server_and_resumes_each_time(runs: dict[str, Any]) -> None:
+    report = runs["chaos/report"]["scheduler"]
+    outages = report["outages"]
+    print(f"\nLMCache server outages: {outages}")
+    assert len(outages) == OUTAGES
+    pids = [o["killed_pid"] for o in outages] + [outages[-1]["restarted_pid"]]
+    assert len(set(pids)) == OUTAGES + 1, "a new server process after each kill"
+    for o in outages:
+        assert o["resumed_at"] is not None, o
+        assert o["killed_at"] < o["back_at"] <= o["resumed_at"], o
+    # Restarted by whichever chain half's watcher noticed first (the other finds it back).
+    reports = runs["chaos/report"].values()
+    assert sum(r["gauges"]["server_restarts"] for r in reports) == OUTAGES
+    assert report["server_alive"] is True and report["disabled"] is False
+    for role, r in runs["chaos/report"].items():
+        assert r["totals"]["errors"] == 0 and r["totals"]["unavailable"] > 0, (role, r)
+    # Each outage logged where it starts and where it ends, in each chain half.
+    log = runs["chaos"].log
+    assert log.count("node's store is away") == log.count("node's store is back") >= OUTAGES
+    print(
+        "\nLMCache server outages (s): "
+        + "; ".join(
+            f"restarted {o['back_at'] - o['killed_at']:.2f}, resumed "
+            f"{o['resumed_at'] - o['back_at']:.2f} later"
+            for o in outages
+        )
+    )
+
+
+def test_chaos_the_served_fraction_recovers_after_each_outage(runs: dict[str, Any]) -> None:
+    result = runs["chaos"]
+    before = _fraction(result, 3)  # B, repeated before any outage
+    assert before > 0.5
+    for kill in KILL_ROUNDS:
+        assert _served(result, kill) == [None] * len(A), "a dead server serves nothing"
+        # The restarted server is empty: B is computed and saved again, then served.
+        assert _fraction(result, kill + 3) == before, kill

@@ -1,0 +1,91 @@
+"""A capacity larger than the memory left is an error at node start, not an OOM kill."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+from kvc_offload_cpu import memory as memory_module
+from kvc_offload_cpu.config import OffloadCPUConfig
+from kvc_offload_cpu.worker import WorkerHalf
+from offload_cpu_fakes import SLOT, canonical, kv_cache_config
+from pydantic import ByteSize
+
+from composer.plugin import NodeContext
+
+GiB = 1024**3
+
+
+def _start_worker(capacity: int) -> WorkerHalf:
+    """The worker half of a node "cpu" of ``capacity``, its pool allocated."""
+    config = OffloadCPUConfig(capacity=ByteSize(capacity))
+    worker = WorkerHalf(
+        NodeContext("cpu", config, "both", "worker", kv_cache_config=kv_cache_config(8))
+    )
+    caches, _ = canonical(8)
+    worker.register_kv_caches(caches)
+    return worker
+
+
+def test_a_capacity_past_this_machines_memory_fails_at_start_naming_node_and_sizes() -> None:
+    capacity = 2**59  # valid (at most 1 EiB), and more than any machine here holds
+    _, total = memory_module.memory()
+    with pytest.raises(ValueError) as info:
+        _start_worker(capacity)
+    message = str(info.value)
+    assert message.startswith('offload-cpu node "cpu": capacity 512.0PiB (')
+    assert f"({ByteSize(total).human_readable(decimal=False)} in all)" in message
+    assert "lower capacity" in message
+
+
+@pytest.mark.parametrize(
+    ("available", "fits"),
+    [(4 * SLOT, True), (4 * SLOT + 1, True), (4 * SLOT - 1, False), (0, False)],
+)
+def test_the_pool_must_fit_in_the_memory_available_now(
+    monkeypatch: pytest.MonkeyPatch, available: int, fits: bool
+) -> None:
+    monkeypatch.setattr(memory_module, "memory", lambda: (available, 64 * GiB))
+    if fits:
+        assert _start_worker(4 * SLOT).pool is not None
+        return
+    with pytest.raises(
+        ValueError, match=r"of memory available on this machine \(64\.0GiB in all\)"
+    ):
+        _start_worker(4 * SLOT)
+
+
+def _limits(tmp_path: Path, v2: str | None, v1: str | None) -> tuple[Path, Path]:
+    paths = (tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes")
+    for path, text in zip(paths, (v2, v1), strict=True):
+        if text is not None:
+            path.write_text(text + "\n")
+    return paths
+
+
+@pytest.mark.parametrize(
+    ("v2", "v1", "limit"),
+    [
+        (None, None, None),  # no cgroup memory controller
+        ("max", None, None),  # cgroup v2, no limit
+        (str(GiB), None, GiB),  # cgroup v2 container
+        (None, str(2 * GiB), 2 * GiB),  # cgroup v1 container
+        (None, str(2**63 - 4096), 2**63 - 4096),  # cgroup v1 root: "no limit" as a number
+        (str(GiB), str(2 * GiB), GiB),  # v2 is asked first
+    ],
+)
+def test_a_containers_memory_limit_bounds_the_memory(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    v2: str | None,
+    v1: str | None,
+    limit: int | None,
+) -> None:
+    monkeypatch.setattr(memory_module, "CGROUP_LIMITS", _limits(tmp_path, v2, v1))
+    assert memory_module._container_limit() == limit
+    machine = psutil.virtual_memory()
+    available, total = memory_module.memory()
+    assert total == min(machine.total, limit or machine.total)
+    # Free memory moves between the two reads: what matters is that neither passes the limit.
+    assert available <= total
