@@ -335,6 +335,8 @@ def test_every_node_gets_prometheus_series_with_node_and_plugin_labels() -> None
     first.extra.add("evictions", 5)
     first.gauges["pool_use"] = 0.25
     first.add_time("start_load_kv", 0.5)
+    first.unavailable["wait_for_save"] = 2
+    later.unavailable.update(wait_for_save=1, get_num_new_matched_tokens=4)
     later.gauges["pool_use"] = 0.75
     later.disabled = True
     for stats in (first, later):
@@ -353,5 +355,8 @@ def test_every_node_gets_prometheus_series_with_node_and_plugin_labels() -> None
     assert value("vllm:kv_composer_events_total", ex, event="evictions") == 5
     assert value("vllm:kv_composer_gauge", ex, gauge="pool_use") == 0.75  # the latest
     assert value("vllm:kv_composer_hook_seconds_total", ex, hook="start_load_kv") == 0.5
+    assert value("vllm:kv_composer_unavailable_total", ex, hook="wait_for_save") == 3
+    lookups = value("vllm:kv_composer_unavailable_total", ex, hook="get_num_new_matched_tokens")
+    assert lookups == 4
     assert value("vllm:kv_composer_disabled", ex) == 1
     assert value("vllm:kv_composer_lookups_total", "NixlConnector") == 0  # untouched

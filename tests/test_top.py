@@ -128,3 +128,17 @@ def test_kvc_top_reports_an_unreachable_server_with_exit_2() -> None:
     )
     assert proc.returncode == 2
     assert "cannot scrape http://127.0.0.1:9" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_state_says_disabled_store_away_or_on() -> None:
+    labels = 'engine="0",model_name="m",node="cpu",plugin="offload-cpu"'
+    states = {
+        "on": "",
+        "store away": f'{scrape.PREFIX}gauge{{{labels},gauge="store_away"}} 1\n',
+        "disabled": f"{scrape.PREFIX}disabled{{{labels}}} 1\n"
+        f'{scrape.PREFIX}gauge{{{labels},gauge="store_away"}} 1\n',
+    }
+    for state, extra in states.items():
+        samples = scrape.parse(RECORDED.read_text() + extra)
+        cells = _cpu_cells(_text(top.render(top.Snapshot(0.0, samples), None, "recorded")))
+        assert cells[10] == state

@@ -50,6 +50,14 @@ def _rate(now: Snapshot, before: Snapshot | None, node: str, key: str) -> str:
     return f"{_size(max(delta, 0.0) / (now.at - before.at))}/s"
 
 
+def _state(view: scrape.NodeView) -> Text:
+    if view.disabled:
+        return Text("disabled", style="bold red")
+    if view.gauges.get("store_away"):
+        return Text("store away", style="yellow")  # on, its lookups miss until it is back
+    return Text("on", style="green")
+
+
 def _percent(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
@@ -92,7 +100,7 @@ def render(now: Snapshot, before: Snapshot | None = None, source: str = "") -> G
             _rate(now, before, node, "bytes_saved"),
             f"{100 * pool:.1f}%" if pool is not None else "-",
             Text(f"{errors:,.0f}", style="red" if errors else ""),
-            Text("disabled", style="bold red") if view.disabled else Text("on", style="green"),
+            _state(view),
         )
     queries = scrape.total(now.samples, "vllm:prefix_cache_queries_total")
     hits = scrape.total(now.samples, "vllm:prefix_cache_hits_total")
