@@ -54,6 +54,9 @@ class Everything(Scripted):
             raise RuntimeError(f"boom in {hook}")
         if hook == "shutdown":
             SHUTDOWNS.append(self.node_id)
+        if hook == "take_events" and self.node_id in SHUTDOWNS:
+            # A tier's last word: everything it held is gone.
+            return [SimpleNamespace(ownership=None, kind="removed")]
         if hook == "get_num_new_matched_tokens":
             return self.config.hit, self.config.load_async
         if hook in ("request_finished", "request_finished_all_groups"):
@@ -234,6 +237,16 @@ def test_scheduler_switch_off_reaches_the_worker_releasing_holds_and_failing_asy
     # r1 is still held by "good"; "bad" let go of it.
     assert results.finished_sending == set()
     assert worker.ledger.held() == 1
+
+
+def test_a_switched_off_nodes_last_events_are_published_with_the_next_step() -> None:
+    sched = _chain("scheduler", "disable", "request_finished")
+    assert list(sched.take_events()) == []
+    sched.request_finished(_request("r1"), [10])
+    assert sched.disabled == {"bad"} and SHUTDOWNS == ["bad"]
+    events = list(sched.take_events())
+    assert [(e.ownership, e.kind) for e in events] == [("bad", "removed")]
+    assert list(sched.take_events()) == [], "published once"
 
 
 def test_worker_switch_off_reaches_the_scheduler() -> None:

@@ -7,7 +7,7 @@ declared here, which ``Chain.__init__`` sets.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from composer.chain.calls import Call, CallLists
@@ -34,6 +34,8 @@ class ChainBase:
     disabled: set[str]
     #: Nodes whose store is away (they raised Unavailable), until a store call returns.
     outages: dict[str, Outage]
+    #: Events of nodes switched off since the last ``take_events`` (scheduler side).
+    parting_events: list[Any]
     lists: CallLists
     #: Hook -> (node id, callable), in dispatch order: ``lists.calls``.
     calls: dict[str, list[tuple[str, Call]]]
@@ -97,6 +99,8 @@ class ChainBase:
         def fault(self, node_id: str, hook: str, exc: BaseException) -> bool: ...
 
         def store_back(self, node_id: str) -> None: ...
+
+        def owned_events(self, node_id: str, events: Iterable[Any]) -> Iterable[Any]: ...
 
         def switch_off(self, node_id: str, reason: str, **where: Any) -> None: ...
 

@@ -77,6 +77,7 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
         self._create_nodes(vllm_config, kv_cache_config)
         self.disabled = set()
         self.outages = {}
+        self.parting_events = []
         self.chosen, self.served, self.pending_loads = {}, {}, {}
         self.new_holds, self.new_async_loads, self.new_group_loads = {}, {}, {}
         self.block_size = _block_size(kv_cache_config)

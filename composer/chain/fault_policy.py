@@ -133,6 +133,7 @@ class FaultPolicy(ChainBase):
         if blocks:
             stats.extra.add("blocks_recomputed", blocks)
         self._stop(node_id)
+        self._take_parting_events(node_id)
         self.log.warning(
             "node switched off",
             reason=reason,
@@ -142,6 +143,19 @@ class FaultPolicy(ChainBase):
             **{"node": node_id, **where},
         )
         self.rebind()
+
+    def _take_parting_events(self, node_id: str) -> None:
+        """What the stopped node still has to say (a tier's ``BlockRemoved`` for
+        everything it held): published with the next step's events, since its
+        ``take_events`` leaves the call list now."""
+        for name, fn in self.calls.get("take_events", ()):
+            if name == node_id:
+                try:
+                    self.parting_events.extend(self.owned_events(node_id, fn()))
+                except Exception as exc:
+                    self.log.error(
+                        "switched-off node's last events are lost", node=node_id, error=repr(exc)
+                    )
 
     def _stop(self, node_id: str) -> None:
         # Its shutdown stops its transfers: nothing of it writes into vLLM's blocks

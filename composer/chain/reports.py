@@ -72,14 +72,22 @@ class Reports(ChainBase):
         return merged
 
     def take_events(self) -> Iterable[Any]:
-        """The nodes' new KV cache events, one node after the other."""
+        """The nodes' new KV cache events, one node after the other (first the last
+        events of nodes switched off since the previous step)."""
+        if self.parting_events:
+            parting, self.parting_events = self.parting_events, []
+            yield from parting
         for node_id, fn in self.calls["take_events"]:
             try:
-                for event in fn():
-                    # vLLM's stored/removed events name the offloading tier
-                    # that made them in ``ownership``: the node, unless set.
-                    if getattr(event, "ownership", "") is None:
-                        event.ownership = node_id
-                    yield event
+                yield from self.owned_events(node_id, fn())
             except Exception as exc:
                 self.fault(node_id, "take_events", exc)
+
+    @staticmethod
+    def owned_events(node_id: str, events: Iterable[Any]) -> Iterable[Any]:
+        for event in events:
+            # vLLM's stored/removed events name the offloading tier that made
+            # them in ``ownership``: the node, unless set.
+            if getattr(event, "ownership", "") is None:
+                event.ownership = node_id
+            yield event

@@ -53,6 +53,9 @@ class EngineSpec:
     #: off (vLLM's default, and what ``kvc serve`` runs) where that crossing or
     #: timings matter.
     in_process: bool = False
+    #: Publish vLLM's KV cache events over ZMQ here (``--kv-events-config``
+    #: ``{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ...}``).
+    kv_events_endpoint: str | None = None
 
 
 @dataclass
@@ -263,8 +266,16 @@ def _child(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    kv_events = None
+    if spec.kv_events_endpoint:
+        from vllm.config import KVEventsConfig
+
+        kv_events = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=spec.kv_events_endpoint
+        )
     llm = LLM(
         model=spec.model,
+        kv_events_config=kv_events,
         block_size=spec.block_size,
         max_model_len=spec.max_model_len,
         enable_prefix_caching=spec.prefix_caching,

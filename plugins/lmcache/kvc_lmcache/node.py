@@ -24,6 +24,7 @@ from kvc_lmcache.config import TCP_URL, LMCacheConfig
 from kvc_lmcache.l2 import adapter_args
 from kvc_lmcache.loads import LoadCounter
 from kvc_lmcache.server import (
+    PROBE_TIMEOUT,
     ServerError,
     ServerGone,
     ServerInfo,
@@ -31,6 +32,7 @@ from kvc_lmcache.server import (
     ServerWatcher,
     SharedServer,
     check_server,
+    get_json,
     http_probe,
     running,
     tcp_probe,
@@ -40,6 +42,9 @@ CONNECTOR = "LMCacheMPConnector"
 #: Seconds before the second try to restart a started server that died; doubled
 #: for each later try (the first is at once).
 RESTART_BACKOFF_S = 1.0
+#: Seconds the watcher waits, once the server answers again, for LMCache's woken
+#: heartbeat to re-register (then the next tick checks again).
+RESUME_WAIT_S = 0.5
 #: Watcher ticks (WATCH_INTERVAL each) between two reads of the server's L2 metrics.
 L2_SCRAPE_TICKS = 4
 
@@ -200,6 +205,10 @@ class LMCacheServerNode(NativeConnectorNode):
             self.back_at = time.monotonic()
             _wake_heartbeats(self.connector)
             self.log.info("LMCache server answers again", url=self.server.url)
+            # Resume as soon as the woken heartbeat has re-registered, not a tick later.
+            deadline = self.back_at + RESUME_WAIT_S
+            while not self._resume_if_healthy() and time.monotonic() < deadline:
+                time.sleep(0.01)
             return
         with self._lock:
             # LMCache's own degraded mode first, then the flag: a hook that sees
@@ -274,22 +283,63 @@ class LMCacheServerNode(NativeConnectorNode):
             self._scrape_l2()
         if not alive:
             # Requests LMCache sent since the last tick would each wait out
-            # mq_timeout: end those waits now.
-            _fail_pending(self.connector, self.server.url)
+            # mq_timeout: end those waits now. Only while LMCache is degraded:
+            # a healthy adapter reads a failed future's result and raises.
+            if not _lmcache_healthy(self.connector):
+                _fail_pending(self.connector, self.server.url)
             self._restart_due()
             return
-        if not self.server_alive and _lmcache_healthy(self.connector):
-            with self._lock:
-                self.server_alive = True
-                self.resumed_at = time.monotonic()
-            self.stats.gauges["server_alive"] = 1
-            self.log.warning(
-                "LMCache server is back: resuming",
-                url=self.server.url,
-                down_s=round(self.resumed_at - self._down_since, 2),
-                resume_s=round(self.resumed_at - (self.back_at or self._down_since), 2),
-                process=self.ctx.process,
-            )
+        shared = self.shared
+        if shared is not None and self.server_alive:
+            pid = shared.pid()
+            if pid is not None and pid != self.server.pid:
+                # Restarted by the engine's other process between two probes:
+                # LMCache must register with the new server, which only its
+                # heartbeat's way back from degraded mode does.
+                self.log.warning("LMCache server was restarted", pid=pid, was=self.server.pid)
+                self.server = dataclasses.replace(self.server, pid=pid)
+                self._server_changed(False)
+                self._server_changed(True)
+                return
+        self._resume_if_healthy()
+
+    def _resume_if_healthy(self) -> bool:
+        """Resume once LMCache is out of its degraded mode; True if the node is on."""
+        if self.server_alive:
+            return True
+        if not _lmcache_healthy(self.connector):
+            return False
+        if self.ctx.process == "scheduler" and not self._worker_registered():
+            # A restarted server answers lookups only once the engine's worker
+            # half has registered its KV caches again; asked earlier, a lookup
+            # waits out mq_timeout. (The worker half is healthy only once it has.)
+            return False
+        with self._lock:
+            self.server_alive = True
+            self.resumed_at = time.monotonic()
+        self.stats.gauges["server_alive"] = 1
+        self.log.warning(
+            "LMCache server is back: resuming",
+            url=self.server.url,
+            down_s=round(self.resumed_at - self._down_since, 2),
+            resume_s=round(self.resumed_at - (self.back_at or self._down_since), 2),
+            process=self.ctx.process,
+        )
+        return True
+
+    def _worker_registered(self) -> bool:
+        """Whether the server lists a registered worker (its ``/status``); True when
+        the server has no HTTP frontend to ask."""
+        http_url = self.server.http_url or self.config.server.http_url
+        if not http_url:
+            return True
+        try:
+            status = get_json(f"{http_url.rstrip('/')}/status", timeout=PROBE_TIMEOUT)
+        except (OSError, ValueError):
+            return False
+        return bool(
+            status.get("registered_gpu_ids") or status.get("registered_non_cuda_instance_ids")
+        )
 
     def _gone(self, hook: str) -> ServerGone:
         where = self.server.url

@@ -37,8 +37,9 @@ from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
 
 from composer.servers import ping
 
-#: Seconds between two reconnection attempts while the store is unreachable.
-RETRY_S = 1.0
+#: Seconds between two reconnection attempts while the store is unreachable: a
+#: PING each, so a store back is used again within about this long.
+RETRY_S = 0.25
 #: Error texts of LMCache's native client that mean the connection is gone.
 CONNECTION_ERRORS = ("socket", "connection", "connect", "closed", "broken")
 

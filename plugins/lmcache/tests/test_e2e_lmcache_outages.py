@@ -395,6 +395,18 @@ def test_chaos_the_served_fraction_recovers_after_each_outage(runs: dict[str, An
     result = runs["chaos"]
     before = _fraction(result, 3)  # B, repeated before any outage
     assert before > 0.5
+    # What an outage costs: requests served less than before any outage (rounds
+    # 2 and 3 served A and B), from the kill until B is served again.
+    baseline = {0: result.rounds[2], 1: result.rounds[3]}
+    cost = [
+        sum(
+            x.cached_tokens < baseline[(r - kill) % 2][i].cached_tokens
+            for r in range(kill, kill + 4)
+            for i, x in enumerate(result.rounds[r])
+        )
+        for kill in KILL_ROUNDS
+    ]
+    print(f"\nrequests computed that the tier had served before, per outage: {cost}")
     for kill in KILL_ROUNDS:
         assert _served(result, kill) == [None] * len(A), "a dead server serves nothing"
         # The restarted server is empty: B is computed and saved again, then served.

@@ -49,16 +49,18 @@ def native(vk: ValkeyServer) -> Any:
     return LMCacheRedisClient(vk.host, vk.port, 2, "", "")
 
 
-def test_lmcaches_own_client_does_not_reconnect(tmp_path: Path) -> None:
+def test_lmcaches_own_client_loses_operations_after_a_restart(tmp_path: Path) -> None:
+    """Why the wrapper exists: LMCache's client keeps its sockets, so after its
+    Valkey restarts an operation goes to a dead one and fails (later ones fail
+    too, on each worker's dead socket; seen here once to succeed on a worker
+    that had reconnected: nothing the wrapper relies on)."""
     data = bytearray(b"x" * 4096)
     with valkey_server(tmp_path) as vk:
         client = native(vk)
         assert set_one(client, "a", data)
         vk.kill()
         vk.start()
-        # Every attempt after the restart fails on the dead sockets.
-        assert [set_one(client, f"b{i}", data) for i in range(3)] == [False] * 3
-        assert valkey.Valkey(host=vk.host, port=vk.port).dbsize() == 0
+        assert set_one(client, "b0", data) is False
         client.close()
 
 

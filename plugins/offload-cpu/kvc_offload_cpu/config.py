@@ -61,6 +61,17 @@ class OffloadCPUConfig(BaseModel):
             "hits. Full-attention groups keep every block."
         ),
     )
+    events: bool = Field(
+        default=True,
+        description=(
+            "Publish vLLM KV cache events for the tier: BlockStored when a block is saved, "
+            "BlockRemoved when it is evicted, dropped, reset or the node shuts down, "
+            'medium "CPU", vLLM\'s own block hashes and payload (as its OffloadingConnector '
+            "gives its CPU tier), so a router indexing vLLM's events sees the tier. Only while "
+            "vLLM publishes events (--kv-events-config with enable_kv_cache_events); "
+            "otherwise nothing is built. false: never."
+        ),
+    )
     checksums: bool = Field(
         default=False,
         description=(

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 
 class Entry:
-    __slots__ = ("key", "slot", "gen", "ready", "pins", "dropped")
+    __slots__ = ("key", "slot", "gen", "ready", "pins", "dropped", "event")
 
     def __init__(self, key: bytes, slot: int, gen: int) -> None:
         self.key = key
@@ -24,6 +26,8 @@ class Entry:
         self.pins = 0
         #: Removed from the index while pinned; the slot is freed at the last unpin.
         self.dropped = False
+        #: The scheduler's KV cache event state for this block (None: none).
+        self.event: Any = None
 
     def __repr__(self) -> str:
         state = "ready" if self.ready else "saving"
@@ -45,6 +49,8 @@ class BlockIndex:
         self._gen: list[int] = [0] * num_slots
         self._by_slot: list[Entry | None] = [None] * num_slots
         self.evictions = 0
+        #: Called with every entry that leaves the index (evicted, dropped, reset).
+        self.on_remove: Callable[[Entry], None] | None = None
 
     # -- queries ------------------------------------------------------------ #
 
@@ -57,6 +63,10 @@ class BlockIndex:
     @property
     def used_slots(self) -> int:
         return self.num_slots - len(self._free)
+
+    def entries(self) -> list[Entry]:
+        """Every indexed entry (ready or being saved)."""
+        return list(self._entries.values())
 
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
@@ -113,6 +123,8 @@ class BlockIndex:
             del self._entries[entry.key]
             self._lru.pop(entry.key, None)
             entry.dropped = True
+            if self.on_remove is not None:
+                self.on_remove(entry)
         else:
             self._remove(entry)
             self._by_slot[entry.slot] = None
@@ -140,3 +152,5 @@ class BlockIndex:
     def _remove(self, entry: Entry) -> None:
         del self._entries[entry.key]
         self._lru.pop(entry.key, None)
+        if self.on_remove is not None:
+            self.on_remove(entry)

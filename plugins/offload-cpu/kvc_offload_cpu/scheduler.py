@@ -10,6 +10,8 @@ which slots to load into which blocks and which blocks to save into which
 slots; the workers confirm through
 :class:`~kvc_offload_cpu.metadata.OffloadWorkerMeta`. A block being saved is no
 hit until every worker confirmed it; a slot with a pending load is pinned.
+When vLLM publishes KV cache events, so does the tier (``take_events``: see
+:mod:`kvc_offload_cpu.events`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from composer import NodeContext, Plugin, hookimpl
 from kvc_offload_cpu.config import OffloadCPUConfig
+from kvc_offload_cpu.events import TierEvents, vllm_events_enabled
 from kvc_offload_cpu.index import BlockIndex, Entry
 from kvc_offload_cpu.keys import RequestKeys
 from kvc_offload_cpu.layout import GroupLayout, layout_from_kv_cache_config
@@ -103,6 +106,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         self._pending_loads: list[Transfer] = []
         self._pending_hold: list[str] = []
         self._evictions_seen = 0
+        self.events = self._make_events(ctx)
         log.info(
             "offload-cpu scheduler",
             slots=self.num_slots,
@@ -110,7 +114,31 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
             block_size=self.block_size,
             groups=",".join(layout.group_kinds),
             vllm_hashes=self.hash_ratio is not None,
+            kv_events=self.events is not None,
         )
+
+    def _make_events(self, ctx: NodeContext) -> TierEvents | None:
+        """The tier's KV cache events, when asked for and vLLM publishes them."""
+        vllm_publishes = vllm_events_enabled(ctx.vllm_config)
+        if not self.config.events or vllm_publishes is False:
+            return None  # nothing is built, and take_events is not even called
+        if not self.saves or self.disabled_reason:
+            return None  # the tier never holds a block
+        if self.hash_ratio is None:
+            self.log.warning(
+                "offload-cpu publishes no KV cache events: vLLM's hash block size "
+                "does not divide the block size",
+                block_size=self.block_size,
+            )
+            return None
+        events = TierEvents(ctx.kv_cache_config, self.block_size, self.hash_ratio)
+        self.index.on_remove = self._removed
+        return events
+
+    def direct_hooks(self) -> dict[str, Any]:
+        # Events off: the chain leaves the node out of these altogether (they would
+        # do nothing), so the tier costs nothing per step for them.
+        return {} if self.events is not None else {"take_events": None, "shutdown": None}
 
     # -- keys and groups ------------------------------------------------------ #
 
@@ -306,6 +334,8 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
                     transfer = Transfer(view.request_id)
                     meta.saves.append(transfer)
                 transfer.add(entry.slot, entry.gen, ids[k], g, k)
+                if self.events is not None:  # vLLM's payload, while the request is here
+                    entry.event = self.events.block_stored(view, g, k)
                 sg = (entry.slot, entry.gen)
                 self._saving[sg] = _PendingSave(entry, st)
                 st.inflight.add(sg)
@@ -324,6 +354,8 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
             if pending.confirmations >= self.num_workers:
                 del self._saving[sg]
                 self.index.mark_ready(pending.entry)
+                if self.events is not None and pending.entry.ready:
+                    self._stored(pending.entry)
                 self._save_resolved(pending, sg)
         for sg in worker_meta.save_failed:
             pending = self._saving.pop(sg, None)
@@ -360,9 +392,52 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
 
     @hookimpl
     def reset_cache(self) -> bool:
-        dropped = self.index.reset()
+        dropped = self.index.reset()  # each dropped block's BlockRemoved is queued
         self.log.info("offload-cpu reset", dropped=dropped)
         return True
+
+    # -- KV cache events ------------------------------------------------------- #
+
+    def _stored(self, entry: Entry) -> None:
+        """A block every worker saved: announce it (its payload was captured at planning)."""
+        assert self.events is not None
+        stored = entry.event
+        if stored is None:  # vLLM had no hash for it: not announced
+            if not self.events.warned:
+                self.events.warned = True
+                self.log.warning("offload-cpu: a block without vLLM's block hash is not published")
+            return
+        entry.event = self.events.announce(stored)
+
+    def _removed(self, entry: Entry) -> None:
+        """``BlockIndex.on_remove``: an announced block left the tier."""
+        if entry.ready and isinstance(entry.event, tuple):
+            assert self.events is not None
+            self.events.remove(entry.event)
+        entry.event = None
+
+    @hookimpl
+    def take_events(self) -> list[Any]:
+        """vLLM's ``BlockStored``/``BlockRemoved`` (medium CPU) since the last step."""
+        events = self.events
+        if events is None:
+            return []
+        if events.stored:
+            self.stats.extra.add("events_stored", events.stored)
+            events.stored = 0
+        if events.removed:
+            self.stats.extra.add("events_removed", events.removed)
+            events.removed = 0
+        return events.take()
+
+    @hookimpl
+    def shutdown(self) -> None:
+        """The tier empties: every block it announced is removed (published if the
+        chain still takes this node's events)."""
+        if self.events is None:
+            return
+        for entry in self.index.entries():
+            self._removed(entry)
 
     def _update_gauges(self) -> None:
         new = self.index.evictions - self._evictions_seen

@@ -1,8 +1,14 @@
-"""A test-only plugin loaded into vLLM's processes via $KV_COMPOSER_PLUGIN_MODULES.
+"""Test-only plugins loaded into vLLM's processes via $KV_COMPOSER_PLUGIN_MODULES.
 
 ``offload-cpu-corruptor`` needs an ``offload-cpu`` node and, on the worker,
 flips one byte of every ``every``-th slot that node has finished saving (host
 memory gone bad). It records how many loads the node then refused into a JSON file.
+
+``offload-cpu-holdings`` needs an ``offload-cpu`` node and, in the scheduler,
+records each request's vLLM block hashes at its first lookup; at the first
+lookup of request ``dump_at`` it writes what the tier holds (the hashes it
+announced) and, for every request recorded, how many leading blocks the tier
+would serve: the truth a router's index built from the events must match.
 """
 
 from __future__ import annotations
@@ -75,6 +81,50 @@ class Corruptor(Plugin[CorruptorConfig]):
             json.dump(self.report, f)
 
 
+class HoldingsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    target: str
+    report: str
+    dump_at: int
+
+
+class Holdings(Plugin[HoldingsConfig]):
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.requests: list[Any] = []
+
+    @hookimpl
+    def get_num_new_matched_tokens(self, request: Any) -> tuple[int, bool]:
+        import time
+
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        if any(r.request_id == request.request_id for r in self.requests):
+            return 0, False
+        self.requests.append(request)
+        if len(self.requests) != self.config.dump_at:
+            return 0, False
+        tier = self.ctx.needs[self.config.target]
+        held = [e.event[0] for e in tier.index.entries() if e.ready and isinstance(e.event, tuple)]
+        report = {
+            "at": time.time(),
+            "held": held,
+            "block_size": tier.block_size,
+            "prompts": [
+                {
+                    "tokens": r.num_tokens,
+                    "hashes": [maybe_convert_block_hash(h) for h in r.block_hashes],
+                    # The tier's own answer, asked as vLLM would (nothing computed yet).
+                    "blocks": tier.get_num_new_matched_tokens(r, 0)[0] // tier.block_size,
+                }
+                for r in self.requests[: self.config.dump_at - 1]
+            ],
+        }
+        with open(self.config.report, "w") as f:
+            json.dump(report, f)
+        return 0, False
+
+
 @hookimpl
 def register_plugin_types(register: Any) -> None:
     register(
@@ -84,6 +134,17 @@ def register_plugin_types(register: Any) -> None:
             config=CorruptorConfig,
             description="test only: corrupts an offload-cpu node's host pool",
             # Touches no KV cache group itself: vLLM's hybrid manager stays on.
+            capabilities=Capabilities(hma=True),
+        )
+    )
+    register(
+        PluginType(
+            name="offload-cpu-holdings",
+            scheduler=Holdings,
+            config=HoldingsConfig,
+            description="test only: what an offload-cpu node holds, for the events test",
+            default_role="load",
+            roles=frozenset({"load"}),
             capabilities=Capabilities(hma=True),
         )
     )

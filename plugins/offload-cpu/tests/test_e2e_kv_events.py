@@ -1,0 +1,199 @@
+"""What a router sees of the CPU tier: vLLM's own KV event publisher, a real subscriber.
+
+One engine (real vLLM, in one process) publishes its KV cache events over ZMQ
+(``--kv-events-config``); the test subscribes with a ZMQ SUB socket and decodes
+with vLLM's own ``KVEventBatch``, as a router does. The engine replays 12
+requests of the Mooncake conversation trace twice through an ``offload-cpu``
+tier of 128 blocks, smaller than the slice (so it evicts), then two requests
+shorter than a block (nothing stored: the tier is quiet). At the second one's
+lookup the ``offload-cpu-holdings`` node writes what the tier holds and how
+many leading blocks of each prompt it would serve. From the events alone (those
+published before that moment) the test rebuilds the tier's index: it must equal
+what the tier holds, block for block, and answer "how many leading blocks of
+this prompt, in which medium" as the tier does, for every prompt of the slice.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
+import zmq
+
+from composer import kv_transfer_config, load_pipeline
+from composer.bench import replay
+from composer.discovery import discover
+from composer.servers import LOOPBACK, free_port
+from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine
+from composer.testing.tiny_model import build_tiny_model
+from composer.trace import read_trace
+
+pytestmark = pytest.mark.e2e
+
+HERE = Path(__file__).parent
+TRACE = HERE.parents[2] / "tests" / "data" / "traces" / "mooncake-conversation_trace-500.jsonl"
+BLOCK = 32
+#: 128 blocks of the tiny Llama's 16 KiB: the slice needs about twice that.
+CAPACITY = "2MiB"
+
+
+def _slice(model: str, n: int) -> list[Any]:
+    prompts, _ = replay.make_prompts(
+        read_trace(TRACE, limit=3 * n),
+        scale=16,
+        vocab_size=replay.vocab_size_of(model) or 0,
+        max_model_len=1024,
+    )
+    return [{"prompt_token_ids": p.token_ids} for p in prompts[:n]]
+
+
+class Subscriber:
+    """vLLM's KV event stream, as a router receives it (vLLM's own decoder), on a thread."""
+
+    def __init__(self, endpoint: str) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.batches: list[Any] = []
+        self.socket = zmq.Context.instance().socket(zmq.SUB)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.setsockopt(zmq.RCVTIMEO, 200)
+        # vLLM's publisher binds only a wildcard or ipc endpoint and connects to
+        # any other: the subscriber binds loopback, the engine connects to it.
+        self.socket.bind(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                _topic, _seq, payload = self.socket.recv_multipart()
+            except zmq.Again:
+                continue
+            self.batches.append(self.decoder.decode(payload))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.socket.close(linger=0)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    import offload_cpu_e2e_plugins as e2e_plugins
+
+    model = str(build_tiny_model())
+    sliced = _slice(model, 12)
+    rounds: list[list[Any]] = [sliced[:6], sliced[6:], sliced[:6], sliced[6:]]
+    quiet = [["tiny"], ["quiet"]]  # shorter than a block: nothing to store
+    report = tmp_path_factory.mktemp("kv-events") / "holdings.json"
+    pipeline = {
+        "version": 1,
+        "nodes": {
+            "probe": {
+                "plugin": "offload-cpu-holdings",
+                "needs": ["cpu"],
+                "config": {"target": "cpu", "report": str(report), "dump_at": len(sliced) * 2 + 2},
+            },
+            "cpu": {"plugin": "offload-cpu", "config": {"capacity": CAPACITY}},
+        },
+    }
+    kv = kv_transfer_config(load_pipeline(pipeline, registry=discover(extra=[e2e_plugins])))
+    port = free_port(LOOPBACK)
+    subscriber = Subscriber(f"tcp://{LOOPBACK}:{port}")
+    try:
+        result: EngineResult = run_engine(
+            EngineSpec(
+                model=model,
+                rounds=[*rounds, *quiet],
+                kv_transfer_config=kv,
+                env=plugin_env(HERE, "offload_cpu_e2e_plugins"),
+                enforce_eager=True,
+                in_process=True,
+                kv_events_endpoint=f"tcp://{LOOPBACK}:{port}",
+            )
+        )
+    finally:
+        subscriber.stop()
+    yield {
+        "result": result,
+        "batches": subscriber.batches,
+        "holdings": json.loads(report.read_text()),
+        "prompts": len(sliced),
+    }
+
+
+def _index(batches: list[Any], until: float) -> tuple[set[Any], dict[str, int]]:
+    """A router's index of the CPU tier, from the events published before ``until``."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    held: set[Any] = set()
+    counts = {"stored": 0, "removed": 0}
+    for batch in batches:
+        if batch.ts >= until:
+            continue
+        for event in batch.events:
+            if getattr(event, "medium", None) != "CPU":
+                continue
+            if isinstance(event, BlockStored):
+                held.update(event.block_hashes)
+                counts["stored"] += len(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                held.difference_update(event.block_hashes)
+                counts["removed"] += len(event.block_hashes)
+    return held, counts
+
+
+def test_the_index_rebuilt_from_events_is_what_the_tier_holds(run: dict[str, Any]) -> None:
+    holdings = run["holdings"]
+    index, counts = _index(run["batches"], holdings["at"])
+    log = [line for line in run["result"].log.splitlines() if "event" in line.lower()]
+    assert counts["removed"] > 0, (
+        f"the slice was to overflow the tier: no eviction was published "
+        f"({len(run['batches'])} batches received); engine log: {log[-10:]}"
+    )
+    assert index == set(holdings["held"]), (
+        f"{len(index - set(holdings['held']))} blocks only in the events, "
+        f"{len(set(holdings['held']) - index)} only in the tier"
+    )
+
+
+def test_a_router_answers_each_prompts_leading_blocks_as_the_tier_does(run: dict[str, Any]) -> None:
+    holdings = run["holdings"]
+    index, _ = _index(run["batches"], holdings["at"])
+    prompts = holdings["prompts"]
+    assert len(prompts) == 2 * run["prompts"] + 1  # the slice twice, then a quiet one
+    served = 0
+    for i, prompt in enumerate(prompts):
+        leading = 0
+        for block_hash in prompt["hashes"]:
+            if block_hash not in index:
+                break
+            leading += 1
+        # The tier serves whole blocks and leaves at least one token to compute.
+        assert prompt["blocks"] == min(leading, (prompt["tokens"] - 1) // BLOCK), i
+        served += prompt["blocks"]
+    assert served > 0
+
+
+def test_every_tier_event_is_self_describing(run: dict[str, Any]) -> None:
+    from vllm.distributed.kv_events import BlockStored
+
+    stored = [
+        e
+        for b in run["batches"]
+        for e in b.events
+        if isinstance(e, BlockStored) and e.medium == "CPU"
+    ]
+    assert stored
+    for event in stored:
+        assert event.ownership == "cpu" and event.block_size == BLOCK
+        assert len(event.token_ids) == BLOCK * len(event.block_hashes)
+        assert event.group_idx == 0 and event.kv_cache_spec_kind is not None
