@@ -689,3 +689,20 @@ def test_a_terminal_that_cannot_show_a_name_gets_an_escape_not_a_crash(
         'caf\\xe9.yaml:4:13: nodes.n.plugin: unknown plugin "\\u4e2d"'
     )
     assert b"Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--kv-events-config", '{"enable_kv_cache_events": true}'], ["--kv-events-config={}"]],
+)
+def test_serve_refuses_kv_events_without_a_fleet_wide_hash_seed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str]
+) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    example = str(Path(__file__).parents[1] / "examples" / "cpu-offload.yaml")
+    code, _, err = run(capsys, "serve", example, "--", "m", *args)
+    assert code == 2 and "set PYTHONHASHSEED to the same value for every engine" in err
+    from composer.cli.serve import kv_events_problem
+
+    assert kv_events_problem(args, {"PYTHONHASHSEED": "0"}) == ""
+    assert kv_events_problem(["m", "--port", "8000"], {}) == ""

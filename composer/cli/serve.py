@@ -37,6 +37,10 @@ def serve(file: str, vllm_args: list[str], *, valkey: bool = False) -> int:
     joined), and its exit status is the command's. With ``valkey``, a local
     ``valkey-server`` is started first; the kernel stops it when the server ends.
     """
+    problem = kv_events_problem(vllm_args, os.environ)
+    if problem:
+        print(f"kvc serve: {problem}", file=sys.stderr)
+        return 2
     store = None
     if valkey:
         try:
@@ -54,6 +58,21 @@ def serve(file: str, vllm_args: list[str], *, valkey: bool = False) -> int:
     print("+ " + " ".join(command), file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execv(command[0], command)
+
+
+def kv_events_problem(vllm_args: list[str], env: dict[str, str] | os._Environ[str]) -> str:
+    """Why these ``vllm serve`` arguments would publish KV events a fleet cannot use
+    ("" if none): vLLM seeds its block hashes from ``PYTHONHASHSEED`` (random when
+    unset), so two engines, or an engine and a router, would hash one prompt apart."""
+    events = any(a.split("=")[0] in ("--kv-events-config", "--kv_events_config") for a in vllm_args)
+    if not events or env.get("PYTHONHASHSEED") is not None:
+        return ""
+    return (
+        "--kv-events-config publishes block hashes, which vLLM seeds from PYTHONHASHSEED "
+        "(random when it is unset): set PYTHONHASHSEED to the same value for every engine "
+        "of the fleet (e.g. PYTHONHASHSEED=0), so that a router's index and each engine "
+        "hash a prompt alike"
+    )
 
 
 def _start_valkey() -> ValkeyServer:
