@@ -693,9 +693,12 @@ def test_a_terminal_that_cannot_show_a_name_gets_an_escape_not_a_crash(
 
 @pytest.mark.parametrize(
     "args",
-    [["--kv-events-config", '{"enable_kv_cache_events": true}'], ["--kv-events-config={}"]],
+    [
+        ["--kv-events-config", "{}", "--prefix-caching-hash-algo", "xxhash"],
+        ["--kv_events_config={}", "--prefix-caching-hash-algo=xxhash_cbor"],
+    ],
 )
-def test_serve_refuses_kv_events_without_a_fleet_wide_hash_seed(
+def test_serve_refuses_kv_events_hashed_with_a_random_seed(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str]
 ) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
@@ -705,4 +708,6 @@ def test_serve_refuses_kv_events_without_a_fleet_wide_hash_seed(
     from composer.cli.serve import kv_events_problem
 
     assert kv_events_problem(args, {"PYTHONHASHSEED": "0"}) == ""
-    assert kv_events_problem(["m", "--port", "8000"], {}) == ""
+    # sha256 (vLLM's default) has a fixed seed; no events, nothing to match.
+    assert kv_events_problem(["m", "--kv-events-config", "{}"], {}) == ""
+    assert kv_events_problem(["m", "--prefix-caching-hash-algo", "xxhash"], {}) == ""

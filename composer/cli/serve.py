@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from composer.errors import PipelineInvalid
@@ -60,18 +61,27 @@ def serve(file: str, vllm_args: list[str], *, valkey: bool = False) -> int:
     os.execv(command[0], command)
 
 
-def kv_events_problem(vllm_args: list[str], env: dict[str, str] | os._Environ[str]) -> str:
+def kv_events_problem(vllm_args: list[str], env: Mapping[str, str]) -> str:
     """Why these ``vllm serve`` arguments would publish KV events a fleet cannot use
-    ("" if none): vLLM seeds its block hashes from ``PYTHONHASHSEED`` (random when
-    unset), so two engines, or an engine and a router, would hash one prompt apart."""
-    events = any(a.split("=")[0] in ("--kv-events-config", "--kv_events_config") for a in vllm_args)
-    if not events or env.get("PYTHONHASHSEED") is not None:
+    ("" if none). With a non-cryptographic prefix-caching hash (``xxhash``,
+    ``xxhash_cbor``) and no ``PYTHONHASHSEED``, vLLM seeds its block hashes with
+    random bytes per process, so two engines, or an engine and a router, would
+    hash one prompt apart (sha256, the default, has a fixed seed)."""
+    events, algo = False, "sha256"
+    for i, arg in enumerate(vllm_args):
+        name, _, value = arg.partition("=")
+        name = name.replace("_", "-")
+        if name == "--kv-events-config":
+            events = True
+        elif name == "--prefix-caching-hash-algo":
+            algo = value or (vllm_args[i + 1] if i + 1 < len(vllm_args) else "")
+    if not events or not algo.startswith("xxhash") or env.get("PYTHONHASHSEED") is not None:
         return ""
     return (
-        "--kv-events-config publishes block hashes, which vLLM seeds from PYTHONHASHSEED "
-        "(random when it is unset): set PYTHONHASHSEED to the same value for every engine "
-        "of the fleet (e.g. PYTHONHASHSEED=0), so that a router's index and each engine "
-        "hash a prompt alike"
+        f"--kv-events-config with --prefix-caching-hash-algo {algo} publishes block hashes "
+        "that vLLM seeds with random bytes per process when PYTHONHASHSEED is unset: set "
+        "PYTHONHASHSEED to the same value for every engine of the fleet (e.g. "
+        "PYTHONHASHSEED=0), so that a router's index and each engine hash a prompt alike"
     )
 
 
