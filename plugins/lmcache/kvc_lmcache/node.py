@@ -28,6 +28,7 @@ from kvc_lmcache.server import (
     ServerError,
     ServerGone,
     ServerInfo,
+    ServerLeft,
     ServerSettings,
     ServerWatcher,
     SharedServer,
@@ -234,8 +235,8 @@ class LMCacheServerNode(NativeConnectorNode):
         )
 
     def _restart_due(self) -> None:
-        """Restart the started server if a try is due (on the watcher thread, which
-        lives as long as the node: the server dies with the thread that started it)."""
+        """Restart the started server if a try is due (on the watcher thread; the
+        server itself is started from a thread that lives as long as the process)."""
         shared, limit = self.shared, self.config.server.restarts
         now = time.monotonic()
         if shared is None or self._restart_tries >= limit or now < self._restart_at:
@@ -244,6 +245,10 @@ class LMCacheServerNode(NativeConnectorNode):
         t0 = time.perf_counter()
         try:
             info, restarted = shared.restart()
+        except ServerLeft as exc:
+            self._restart_tries = limit  # for good: the engine is stopping
+            self.log.info("LMCache server not restarted", reason=str(exc))
+            return
         except ServerError as exc:
             last = self._restart_tries >= limit
             self._restart_at = now + RESTART_BACKOFF_S * 2 ** (self._restart_tries - 1)

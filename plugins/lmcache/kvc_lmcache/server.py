@@ -35,6 +35,7 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,10 @@ PR_SET_PDEATHSIG = 1
 
 class ServerError(RuntimeError):
     """The LMCache server could not be started, reached, or does not fit the engine."""
+
+
+class ServerLeft(ServerError):
+    """A started server is not restarted: its starter left (the engine is stopping)."""
 
 
 class ServerGone(ServerError, Unavailable):
@@ -77,6 +82,8 @@ class ServerInfo:
     pid: int | None = None
     log_file: str | None = None
     users: list[str] = field(default_factory=list)
+    #: The user (``SharedServer.token``) that started it: the server dies with its process.
+    starter: str | None = None
 
     @property
     def url(self) -> str:
@@ -285,6 +292,7 @@ class SharedServer:
                 if info is not None and _is_server(info.pid, info.port):
                     stop_pid(info.pid)  # type: ignore[arg-type]  # ours, but no longer healthy
                 info = start_server(self.settings, self.log_file)
+                info.starter = self.token
                 self.started = True
             info.users.append(self.token)
             self._write(info)
@@ -306,23 +314,31 @@ class SharedServer:
     def restart(self) -> tuple[ServerInfo, bool]:
         """Start the server again on its ports, unless the engine's other process
         already has: the live server's info, and whether this call started it.
-        Raises :class:`ServerError` if it does not come up (the caller tries again later).
-
-        Call it from a thread that lives as long as the server should:
-        ``PR_SET_PDEATHSIG`` stops the server when the thread that started it ends.
+        Raises :class:`ServerError` if it does not come up (the caller tries again
+        later), or :class:`ServerLeft` if it died because the process that started
+        it left (its engine is shutting down: nothing to restart for).
         """
         with _locked(self.lock_file):
             info = self._read()
             if info is None:
-                raise ServerError("the server was released: nothing to restart")
+                raise ServerLeft("the server was released: nothing to restart")
             if _alive(info.pid) and info.http_url and healthy(info.http_url):
                 return info, False
+            if info.starter is not None and info.starter not in info.users:
+                raise ServerLeft("the process that started it has left: the engine is stopping")
             if _is_server(info.pid, info.port):
                 stop_pid(info.pid)  # type: ignore[arg-type]  # ours, but no longer healthy
-            new = start_server(
-                self.settings, self.log_file, info.host, port=info.port, http_port=info.http_port
-            )
-            new.users = info.users
+            # Started from a thread that lives as long as this process (PR_SET_PDEATHSIG
+            # stops the server when the thread that started it ends), not the caller's.
+            new = _STARTER.submit(
+                start_server,
+                self.settings,
+                self.log_file,
+                info.host,
+                port=info.port,
+                http_port=info.http_port,
+            ).result()
+            new.users, new.starter = info.users, self.token
             self._write(new)
         self.info = new
         return new, True
@@ -337,6 +353,10 @@ class SharedServer:
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(info.__dict__))
         tmp.replace(self.state_file)
+
+
+#: The one thread that starts servers again (see ``SharedServer.restart``).
+_STARTER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-lmcache-starter")
 
 
 def _release(lock_file: Path, state_file: Path, token: str) -> None:

@@ -116,7 +116,8 @@ class ChaosConfig(BaseModel):
     resume_timeout_s: float = 120.0
 
 
-#: The lmcache node of each chain half in this process (an in-process engine has both).
+#: The lmcache node of each chain half in this process (an in-process engine has both;
+#: in a served one the scheduler half resumes only once the worker has registered).
 TARGETS: list[Any] = []
 
 

@@ -12,12 +12,13 @@ the tokens of a run without a connector (same thread binding), none waits
 anywhere near ``mq_timeout``, the node stays on, reports the outage, resumes
 when the server is back, and the engine shuts down by itself.
 
-The chaos engine (``lmcache-chaos``) replays a slice of the Mooncake
-conversation trace, six requests in flight per round, and kills the node's own
-server three times as a round's lookups go out; the node restarts it each
-time. Tokens equal a plain engine's, no request stalls, every KV block comes
-back, and after each return the repeated prompts are served again; the test
-prints each outage's restart and resume times.
+The chaos engine (``lmcache-chaos``; vLLM's scheduler and worker in their own
+processes, as served) replays a slice of the Mooncake conversation trace, six
+requests in flight per round, and kills the node's own server three times as
+a round's lookups go out; the node restarts it each time. Tokens equal a plain
+engine's, no request stalls, every KV block comes back, and after each return
+the repeated prompts are served again; the test prints each outage's restart
+and resume times.
 """
 
 from __future__ import annotations
@@ -140,7 +141,9 @@ def runs(
     env = {"KVC_LMCACHE_STATE_DIR": str(state), **plugin_env(HERE, "kvc_lmcache_faults")}
     out: dict[str, Any] = {"state": state, "servers": []}
 
-    def run(name: str, rounds: int | list[list[Any]], kv: Any) -> EngineResult:
+    def run(
+        name: str, rounds: int | list[list[Any]], kv: Any, in_process: bool = True
+    ) -> EngineResult:
         spec = EngineSpec(
             model=model,
             rounds=[PROMPTS] * rounds if isinstance(rounds, int) else rounds,
@@ -148,7 +151,7 @@ def runs(
             env=env,
             max_tokens=8,
             enforce_eager=True,
-            in_process=True,
+            in_process=in_process,
         )
         return run_engine(spec)
 
@@ -191,7 +194,10 @@ def runs(
         chaos = {"kill_at": [6 * r + 1 for r in KILL_ROUNDS]}
         chaos["resume_by"] = [6 * (r + 1) + 1 for r in KILL_ROUNDS]
         kv = _kv(path, chaos, "recompute", {"heartbeat_interval": 2.0}, plugin="lmcache-chaos")
-        out["chaos"] = run("chaos", CHAOS_ROUNDS, kv)
+        # As served: scheduler and worker in their own processes, each with its
+        # lmcache node, its watcher and its LMCache adapter (its plain reference
+        # runs in one process, with the same two OpenMP threads).
+        out["chaos"] = run("chaos", CHAOS_ROUNDS, kv, in_process=False)
         out["chaos/report"] = _reports(path)
         yield out
     finally:
