@@ -128,6 +128,7 @@ class Chaos(LatencyProbe):
         self.outages: list[dict[str, Any]] = []
         self.free_blocks: list[int] = []
         self.pool: Any = None
+        self.alive_at_last_lookup: bool | None = None
 
     @hookimpl
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -140,6 +141,9 @@ class Chaos(LatencyProbe):
             return 0, False
         if self.pool is not None:
             self.free_blocks.append(self.pool.get_num_free_blocks())
+        # At the engine's shutdown the server may die with the process that
+        # started it (and is not restarted then): record it as the last request saw it.
+        self.alive_at_last_lookup = self.target.server_alive
         if ordinal in self.config.kill_at:
             pid = self.target.shared.pid()
             os.kill(pid, signal.SIGKILL)
@@ -162,7 +166,7 @@ class Chaos(LatencyProbe):
             "outages": self.outages,
             "free_blocks": self.free_blocks,
             "gauges": dict(self.target.stats.gauges),
-            "server_alive": self.target.server_alive,
+            "alive_at_last_lookup": self.alive_at_last_lookup,
             "disabled": self.target.stats.disabled,
         }
 

@@ -381,7 +381,7 @@ def test_chaos_the_node_restarts_its_server_and_resumes_each_time(runs: dict[str
     # Restarted by whichever chain half's watcher noticed first (the other finds it back).
     reports = runs["chaos/report"].values()
     assert sum(r["gauges"]["server_restarts"] for r in reports) == OUTAGES
-    assert report["server_alive"] is True and report["disabled"] is False
+    assert report["alive_at_last_lookup"] is True and report["disabled"] is False
     for role, r in runs["chaos/report"].items():
         assert r["totals"]["errors"] == 0 and r["totals"]["unavailable"] > 0, (role, r)
     # Each outage logged where it starts and where it ends, in each chain half.

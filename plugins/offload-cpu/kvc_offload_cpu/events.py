@@ -47,7 +47,7 @@ class TierEvents:
         self._medium = MEDIUM_CPU
         #: vLLM's hash as its events carry it (a 64-bit int unless
         #: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0, then the bytes).
-        self._external: Callable[[bytes], Any] = maybe_convert_block_hash  # type: ignore[assignment]
+        self._external: Callable[[Any], Any] = maybe_convert_block_hash
         self.block_size = block_size
         #: ``block_size // hash_block_size``: block ``k``'s hash is ``block_hashes[(k+1)*r - 1]``.
         self.hash_ratio = hash_ratio

@@ -137,8 +137,15 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
 
     def direct_hooks(self) -> dict[str, Any]:
         # Events off: the chain leaves the node out of these altogether (they would
-        # do nothing), so the tier costs nothing per step for them.
-        return {} if self.events is not None else {"take_events": None, "shutdown": None}
+        # do nothing), so the tier costs nothing per step for them; a subclass's
+        # own take_events or shutdown stays.
+        if self.events is not None:
+            return {}
+        return {
+            hook: None
+            for hook in ("take_events", "shutdown")
+            if getattr(type(self), hook) is getattr(SchedulerHalf, hook)
+        }
 
     # -- keys and groups ------------------------------------------------------ #
 
