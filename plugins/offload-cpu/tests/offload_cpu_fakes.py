@@ -78,6 +78,30 @@ def kv_cache_config(num_blocks: int) -> Any:
     )
 
 
+#: The hybrid tests' two layers: a windowed one, then a full-attention one.
+HYBRID_LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def hybrid_kv_cache_config(windowed: Any, full: Any, num_blocks: int) -> Any:
+    """vLLM's ``KVCacheConfig`` of a windowed group and a full-attention group, one
+    layer each, overlaying one allocation per layer (a block id is one group's block)."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    page = windowed.page_size_bytes
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=num_blocks * page, layers=[name], layer_stride=0, block_stride=page)
+            for name in HYBRID_LAYERS
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=[HYBRID_LAYERS[0]], kv_cache_spec=windowed),
+            KVCacheGroupSpec(layer_names=[HYBRID_LAYERS[1]], kv_cache_spec=full),
+        ],
+        hash_block_size=windowed.block_size,
+    )
+
+
 def canonical(
     num_blocks: int, layout: str = "block"
 ) -> tuple[CanonicalKVCaches, dict[str, torch.Tensor]]:

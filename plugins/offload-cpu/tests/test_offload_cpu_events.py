@@ -22,12 +22,14 @@ from kvc_offload_cpu.scheduler import SchedulerHalf
 from kvc_offload_cpu.worker import WorkerHalf
 from offload_cpu_fakes import (
     BLOCK,
+    HYBRID_LAYERS,
     SLOT,
     Engine,
     FakeSchedulerOutput,
     NewReq,
     Running,
     corrupt,
+    hybrid_kv_cache_config,
     kv_cache_config,
     prompt,
 )
@@ -46,8 +48,6 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
@@ -328,8 +328,7 @@ def test_through_the_chain_the_node_owns_its_events_and_counts_them() -> None:
 
 # -- two KV cache groups (vLLM's hybrid manager) ---------------------------------- #
 
-WINDOW, NUM_BLOCKS = 64, 32
-LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+WINDOW, NUM_BLOCKS, LAYERS = 64, 32, HYBRID_LAYERS
 
 
 def hybrid_config() -> KVCacheConfig:
@@ -337,19 +336,8 @@ def hybrid_config() -> KVCacheConfig:
         block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16
     )
     window = SlidingWindowSpec(**common, sliding_window=WINDOW)
-    page = window.page_size_bytes
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[
-            KVCacheTensor(size=NUM_BLOCKS * page, layers=[name], layer_stride=0, block_stride=page)
-            for name in LAYERS
-        ],
-        kv_cache_groups=[
-            KVCacheGroupSpec(layer_names=[LAYERS[0]], kv_cache_spec=window),
-            KVCacheGroupSpec(layer_names=[LAYERS[1]], kv_cache_spec=FullAttentionSpec(**common)),
-        ],
-        hash_block_size=BLOCK,
-    )
+    kvc: KVCacheConfig = hybrid_kv_cache_config(window, FullAttentionSpec(**common), NUM_BLOCKS)
+    return kvc
 
 
 def test_hybrid_events_carry_the_group_as_vllm_does() -> None:

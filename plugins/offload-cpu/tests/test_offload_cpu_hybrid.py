@@ -20,13 +20,17 @@ from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.layout import layout_from_kv_cache_config
 from kvc_offload_cpu.scheduler import SchedulerHalf
 from kvc_offload_cpu.worker import WorkerHalf
-from offload_cpu_fakes import FakeRequest, FakeSchedulerOutput, NewReq
+from offload_cpu_fakes import (
+    HYBRID_LAYERS,
+    FakeRequest,
+    FakeSchedulerOutput,
+    NewReq,
+    hybrid_kv_cache_config,
+)
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
     SlidingWindowSpec,
 )
 
@@ -35,7 +39,7 @@ from composer.plugin import NodeContext
 from composer.views import RequestView, StepView
 
 BLOCK, KV_HEADS, HEAD, WINDOW, NUM_BLOCKS = 32, 2, 32, 64, 64
-LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+LAYERS = HYBRID_LAYERS
 COMMON: dict[str, Any] = dict(
     block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.bfloat16
 )
@@ -46,20 +50,8 @@ WINDOWED = {
 
 
 def kv_cache_config(windowed: Any) -> KVCacheConfig:
-    page = windowed.page_size_bytes
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        # Both groups overlay one allocation: a block id is one group's block.
-        kv_cache_tensors=[
-            KVCacheTensor(size=NUM_BLOCKS * page, layers=[name], layer_stride=0, block_stride=page)
-            for name in LAYERS
-        ],
-        kv_cache_groups=[
-            KVCacheGroupSpec(layer_names=[LAYERS[0]], kv_cache_spec=windowed),
-            KVCacheGroupSpec(layer_names=[LAYERS[1]], kv_cache_spec=FullAttentionSpec(**COMMON)),
-        ],
-        hash_block_size=BLOCK,
-    )
+    kvc: KVCacheConfig = hybrid_kv_cache_config(windowed, FullAttentionSpec(**COMMON), NUM_BLOCKS)
+    return kvc
 
 
 class Hybrid:
