@@ -13,6 +13,7 @@ from typing import Any
 from composer.chain.base import ChainBase
 from composer.chain.calls import Call, takes_kwargs
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata
+from composer.hookspecs import STORE_CALLS
 
 
 class WorkerSide(ChainBase):
@@ -83,7 +84,7 @@ class WorkerSide(ChainBase):
             except Exception as exc:
                 self.fault(node_id, hook, exc)
                 continue
-            if node_id in self.outages and hook == "start_load_kv":
+            if node_id in self.outages and hook in STORE_CALLS:
                 self.store_back(node_id)
 
     # -- per step, before the forward ----------------------------------------- #

@@ -237,3 +237,29 @@ def _model(spec: TinyModelSpec, vocab: int, bos: int, eos: int) -> Any:
 def make_prompts(n: int, words: int = 60, seed: int = 1) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
+
+
+#: The repository's slice of Mooncake's conversation trace (``tests/data/traces``).
+TRACE_SLICE = (
+    Path(__file__).parents[2]
+    / "tests"
+    / "data"
+    / "traces"
+    / "mooncake-conversation_trace-500.jsonl"
+)
+
+
+def trace_prompts(n: int, model: str, max_model_len: int = 1024) -> list[dict[str, list[int]]]:
+    """The first ``n`` requests of :data:`TRACE_SLICE` that fit ``max_model_len``, as
+    token-id prompts in ``model``'s vocabulary (a trace block of 512 tokens scaled
+    to 32, one vLLM block of the tests)."""
+    from composer.bench import replay
+    from composer.trace import read_trace
+
+    prompts, _ = replay.make_prompts(
+        read_trace(TRACE_SLICE, limit=3 * n),
+        scale=16,
+        vocab_size=replay.vocab_size_of(model) or 0,
+        max_model_len=max_model_len,
+    )
+    return [{"prompt_token_ids": p.token_ids} for p in prompts[:n]]

@@ -40,7 +40,6 @@ from kvc_lmcache.server import (
 )
 
 from composer import kv_transfer_config, load_pipeline
-from composer.bench import replay
 from composer.discovery import discover
 from composer.testing.engine import (
     EngineResult,
@@ -49,8 +48,7 @@ from composer.testing.engine import (
     plugin_env,
     run_engine,
 )
-from composer.testing.tiny_model import build_tiny_model, make_prompts
-from composer.trace import read_trace
+from composer.testing.tiny_model import build_tiny_model, make_prompts, trace_prompts
 
 pytestmark = pytest.mark.e2e
 
@@ -58,22 +56,8 @@ HERE = Path(__file__).parent
 BLOCK = 32
 PROMPTS = make_prompts(3, words=120, seed=43)
 MQ_TIMEOUT = 30.0
-TRACE = HERE.parents[2] / "tests" / "data" / "traces" / "mooncake-conversation_trace-500.jsonl"
-
-
-def _trace_slice(n: int) -> list[Any]:
-    """The first ``n`` requests of the trace that fit, as token-id prompts (a trace
-    block of 512 tokens scaled to one vLLM block of 32)."""
-    prompts, _ = replay.make_prompts(
-        read_trace(TRACE, limit=3 * n),
-        scale=16,
-        vocab_size=replay.vocab_size_of(str(build_tiny_model())) or 0,
-        max_model_len=1024,
-    )
-    return [{"prompt_token_ids": p.token_ids} for p in prompts[:n]]
-
-
-SLICE = _trace_slice(12)
+#: 12 requests of the Mooncake conversation trace.
+SLICE = trace_prompts(12, str(build_tiny_model()))
 #: Two rounds of six requests each, all in flight together.
 A, B = SLICE[:6], SLICE[6:]
 #: After the last outage, one request and then another: by the second's lookup

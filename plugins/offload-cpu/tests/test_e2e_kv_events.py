@@ -27,30 +27,17 @@ import vllm  # noqa: F401  (installed by `make test`: missing must fail, not ski
 import zmq
 
 from composer import kv_transfer_config, load_pipeline
-from composer.bench import replay
 from composer.discovery import discover
 from composer.servers import LOOPBACK, free_port
 from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine
-from composer.testing.tiny_model import build_tiny_model
-from composer.trace import read_trace
+from composer.testing.tiny_model import build_tiny_model, trace_prompts
 
 pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).parent
-TRACE = HERE.parents[2] / "tests" / "data" / "traces" / "mooncake-conversation_trace-500.jsonl"
 BLOCK = 32
 #: 128 blocks of the tiny Llama's 16 KiB: the slice needs about twice that.
 CAPACITY = "2MiB"
-
-
-def _slice(model: str, n: int) -> list[Any]:
-    prompts, _ = replay.make_prompts(
-        read_trace(TRACE, limit=3 * n),
-        scale=16,
-        vocab_size=replay.vocab_size_of(model) or 0,
-        max_model_len=1024,
-    )
-    return [{"prompt_token_ids": p.token_ids} for p in prompts[:n]]
 
 
 class Subscriber:
@@ -90,7 +77,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     import offload_cpu_e2e_plugins as e2e_plugins
 
     model = str(build_tiny_model())
-    sliced = _slice(model, 12)
+    sliced = trace_prompts(12, model)
     rounds: list[list[Any]] = [sliced[:6], sliced[6:], sliced[:6], sliced[6:]]
     quiet = [["tiny"], ["quiet"]]  # shorter than a block: nothing to store
     report = tmp_path_factory.mktemp("kv-events") / "holdings.json"
