@@ -11,10 +11,12 @@ at start-up instead of a worker waiting out ``mq_timeout``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from composer import NodeContext, Plugin, VllmConnectorConfig, hookimpl
@@ -48,6 +50,12 @@ RESTART_BACKOFF_S = 1.0
 RESUME_WAIT_S = 0.5
 #: Watcher ticks (WATCH_INTERVAL each) between two reads of the server's L2 metrics.
 L2_SCRAPE_TICKS = 4
+#: Seconds the watcher waits, once the server runs again, for its own restart
+#: call to return (it writes the new pid just before).
+RESTART_SETTLE_S = 1.0
+#: Restarts run here, not on the watcher thread: its ticks go on ending every
+#: wait on the dead server while a new one starts (seconds).
+_RESTARTS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-lmcache-restart")
 
 
 def block_size_of(vllm_config: Any) -> int | None:
@@ -144,9 +152,12 @@ class LMCacheServerNode(NativeConnectorNode):
         self.server_alive = True
         #: Outages seen by this process.
         self.down_events = 0
-        #: Tries to restart the started server in this outage, and when the next is due.
+        #: Tries to restart the started server in this outage, when the next is
+        #: due, and the one under way.
         self._restart_tries = 0
         self._restart_at = 0.0
+        self._restarting: Future[tuple[ServerInfo, bool]] | None = None
+        self._restart_t0 = 0.0
         # Written by the watcher thread while the chain reads them: gauges that
         # exist from the start only change value, never the dict's size.
         self.stats.gauges["server_alive"] = 1
@@ -200,6 +211,15 @@ class LMCacheServerNode(NativeConnectorNode):
 
     def _server_changed(self, alive: bool) -> None:
         if alive:
+            restarting = self._restarting
+            if restarting is not None:
+                concurrent.futures.wait([restarting], timeout=RESTART_SETTLE_S)
+                self._restart_settled()
+            # Requests sent during the outage went to the dead server (or were
+            # lost with its connection): none will be answered. End their waits
+            # before LMCache talks to the new one.
+            if not _lmcache_healthy(self.connector):
+                _fail_pending(self.connector, self.server.url)
             # Back: LMCache's own heartbeat re-registers the KV caches and ends
             # its degraded mode, woken now instead of at its next interval;
             # _server_tick resumes once it has.
@@ -235,23 +255,38 @@ class LMCacheServerNode(NativeConnectorNode):
         )
 
     def _restart_due(self) -> None:
-        """Restart the started server if a try is due (on the watcher thread; the
-        server itself is started from a thread that lives as long as the process)."""
+        """Start a restart of the started server if a try is due, or settle the one
+        under way (on the watcher thread; the restart itself runs on ``_RESTARTS``,
+        and the server is started from a thread that lives as long as the process)."""
         shared, limit = self.shared, self.config.server.restarts
-        now = time.monotonic()
-        if shared is None or self._restart_tries >= limit or now < self._restart_at:
+        if shared is None:
+            return
+        if self._restarting is not None:
+            self._restart_settled()
+            return
+        if self._restart_tries >= limit or time.monotonic() < self._restart_at:
             return
         self._restart_tries += 1
-        t0 = time.perf_counter()
+        self._restart_t0 = time.perf_counter()
+        self._restarting = _RESTARTS.submit(shared.restart)
+
+    def _restart_settled(self) -> None:
+        """Take the result of a restart that has returned; nothing if none has."""
+        future, limit = self._restarting, self.config.server.restarts
+        if future is None or not future.done():
+            return
+        self._restarting = None
+        seconds = round(time.perf_counter() - self._restart_t0, 2)
         try:
-            info, restarted = shared.restart()
+            info, restarted = future.result()
         except ServerLeft as exc:
             self._restart_tries = limit  # for good: the engine is stopping
             self.log.info("LMCache server not restarted", reason=str(exc))
             return
         except ServerError as exc:
             last = self._restart_tries >= limit
-            self._restart_at = now + RESTART_BACKOFF_S * 2 ** (self._restart_tries - 1)
+            backoff = RESTART_BACKOFF_S * 2 ** (self._restart_tries - 1)
+            self._restart_at = time.monotonic() + backoff
             self.log.error(
                 "LMCache server restart failed"
                 + ("; no tries left: its store stays away until vLLM restarts" if last else ""),
@@ -268,7 +303,7 @@ class LMCacheServerNode(NativeConnectorNode):
             url=info.url,
             pid=info.pid,
             tries=self._restart_tries,
-            seconds=round(time.perf_counter() - t0, 2),
+            seconds=seconds,
             process=self.ctx.process,
         )
 
@@ -287,13 +322,16 @@ class LMCacheServerNode(NativeConnectorNode):
         if alive and self._ticks % L2_SCRAPE_TICKS == 0:
             self._scrape_l2()
         if not alive:
-            # Requests LMCache sent since the last tick would each wait out
-            # mq_timeout: end those waits now. Only while LMCache is degraded:
-            # a healthy adapter reads a failed future's result and raises.
+            # Requests LMCache sent since the last tick (a store it began before
+            # it was degraded sends its second half after) would each wait out
+            # mq_timeout: end those waits now, every tick of the outage, also
+            # while a restart is under way. Only while LMCache is degraded: a
+            # healthy adapter reads a failed future's result and raises.
             if not _lmcache_healthy(self.connector):
                 _fail_pending(self.connector, self.server.url)
             self._restart_due()
             return
+        self._restart_settled()
         shared = self.shared
         if shared is not None and self.server_alive:
             pid = shared.pid()

@@ -17,7 +17,11 @@ before the lmcache node's lookups of that step go out. At each ordinal in
 ``resume_by`` it holds the scheduler until the node has resumed (the node
 restarts its server by itself), so the outages end where the test expects.
 It records each outage's times as the node saw them, and vLLM's free KV
-blocks at every new request.
+blocks at every new request. In every process, once the node has noticed an
+outage, it sends LMCache's client one more request (a ping), as a store begun
+before LMCache was degraded sends its commit afterwards, and records how its
+wait ended: the node must end it while the server is still away, not leave it
+to ``mq_timeout`` or to whichever server answers next.
 """
 
 from __future__ import annotations
@@ -129,6 +133,39 @@ class Chaos(LatencyProbe):
         self.free_blocks: list[int] = []
         self.pool: Any = None
         self.alive_at_last_lookup: bool | None = None
+        #: Per outage: how the late request's wait ended.
+        self.late_waits: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._send_late_requests, daemon=True).start()
+
+    def _send_late_requests(self) -> None:
+        target = self.target
+        # One per kill (at the engine's shutdown the server may die too: not one of them).
+        while not self._stop.wait(0.01) and len(self.late_waits) < len(self.config.kill_at):
+            if target.server_alive or target.down_events <= len(self.late_waits):
+                continue
+            connector = target.connector
+            adapter = getattr(connector, "worker_adapter", None) or connector.scheduler_adapter
+            client = getattr(adapter, "req_client", None) or next(
+                iter(adapter.req_clients.values())
+            )
+            sent_at = time.monotonic()
+            future = client.ping(None)
+            ended = future.wait(timeout=target.config.server.mq_timeout)
+            self.late_waits.append(
+                {
+                    "seconds": time.monotonic() - sent_at,
+                    "ended": ended,
+                    "error": str(future.exception_) if future.exception_ else None,
+                    "node_resumed": target.server_alive,
+                }
+            )
+            self.write_report()
+
+    @hookimpl
+    def shutdown(self) -> None:
+        self._stop.set()
+        super().shutdown()
 
     @hookimpl
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -167,6 +204,7 @@ class Chaos(LatencyProbe):
             "free_blocks": self.free_blocks,
             "gauges": dict(self.target.stats.gauges),
             "alive_at_last_lookup": self.alive_at_last_lookup,
+            "late_waits": self.late_waits,
             "disabled": self.target.stats.disabled,
         }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -29,6 +30,8 @@ class LatencyProbe(Plugin):
         (self.target,) = ctx.needs.values()
         self.seen: dict[str, float] = {}
         self.latency: dict[str, float] = {}
+        #: A report may be written from a thread of the probe's own as well.
+        self._write_lock = threading.Lock()
         self._taken = {"errors": 0, "tokens_loaded": 0, "unavailable": 0}
         stats = self.target.stats
         take = stats.take
@@ -69,7 +72,8 @@ class LatencyProbe(Plugin):
 
     def write_report(self) -> None:
         path = f"{self.config.report}.{self.ctx.process}.json"
-        with open(f"{path}.tmp", "w") as f:
-            totals = {name: self.total(name) for name in self._taken}
-            json.dump({**self.report(), "latency": self.latency, "totals": totals}, f)
-        os.replace(f"{path}.tmp", path)  # a reader never sees half a report
+        totals = {name: self.total(name) for name in self._taken}
+        with self._write_lock:
+            with open(f"{path}.tmp", "w") as f:
+                json.dump({**self.report(), "latency": dict(self.latency), "totals": totals}, f)
+            os.replace(f"{path}.tmp", path)  # a reader never sees half a report
