@@ -13,6 +13,8 @@ traces through here.
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,22 @@ def read_trace(path: str | Path, *, limit: int | None = None) -> list[TraceReque
     return requests
 
 
+def write_trace(path: str | Path, requests: Sequence[TraceRequest]) -> None:
+    """``requests`` as a Mooncake-format JSONL trace (what :func:`read_trace` reads)."""
+    lines = (
+        json.dumps(
+            {
+                "timestamp": r.timestamp_ms,
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.hash_ids),
+            }
+        )
+        for r in requests
+    )
+    Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
 def _parse_line(text: str, file: str, number: int) -> TraceRequest:
     try:
         obj = json.loads(text)
@@ -103,6 +121,27 @@ def _parse_line(text: str, file: str, number: int) -> TraceRequest:
             file, number, f"timestamp: expected a number >= 0, got {json.dumps(stamp)}"
         )
     return TraceRequest(input_length, output_length, tuple(ids), float(stamp))
+
+
+#: Leading trace blocks that name a request's conversation (:func:`conversation`).
+CONVERSATION_BLOCKS = 3
+
+
+def conversation(req: TraceRequest, blocks: int = CONVERSATION_BLOCKS) -> str:
+    """The request's conversation, as far as a trace shows one: its first ``blocks``
+    hash ids (a later turn of a chat repeats the earlier turns, so it starts with
+    the same blocks; requests too short for them are their own conversation).
+    Mooncake's traces carry no session ids; a client would send its own."""
+    return "-".join(map(str, req.hash_ids[:blocks]))
+
+
+def multi_turn(trace: Sequence[TraceRequest]) -> list[TraceRequest]:
+    """The requests of ``trace`` whose conversation has another request in it (in
+    trace order): a slice where turns come back, as a fleet's router must place them."""
+    counts = Counter(conversation(r) for r in trace)
+    return [
+        r for r in trace if len(r.hash_ids) >= CONVERSATION_BLOCKS and counts[conversation(r)] > 1
+    ]
 
 
 class KeyMaker:

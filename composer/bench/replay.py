@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from composer.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from composer.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, conversation
 
 #: Token ids below this are left out of generated prompts (special tokens of small vocabularies).
 FIRST_TOKEN_ID = 2
@@ -51,6 +51,9 @@ class Prompt:
     max_tokens: int
     #: Seconds after the start of the run (trace arrival time, not yet sped up).
     arrival_s: float
+    #: The request's conversation (:func:`composer.trace.conversation`), sent as
+    #: ``x-session-id``: what a router's session affinity keys on.
+    session: str = ""
 
 
 def trace_block_tokens(scale: int) -> int:
@@ -98,7 +101,7 @@ class PromptMaker:
         out = max(1, self.scaled(req.output_length))
         if max_output_tokens is not None:
             out = min(out, max_output_tokens)
-        return Prompt(index, ids, out, req.timestamp_ms / 1000.0)
+        return Prompt(index, ids, out, req.timestamp_ms / 1000.0, conversation(req))
 
 
 def make_prompts(
@@ -166,11 +169,11 @@ def send(base_url: str, model: str, prompt: Prompt, timeout: float = 600) -> Rec
     conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
     start = time.perf_counter()
     try:
+        headers = {"Content-Type": "application/json"}
+        if prompt.session:
+            headers["x-session-id"] = prompt.session
         conn.request(
-            "POST",
-            url.path.rstrip("/") + "/v1/completions",
-            body=json.dumps(body),
-            headers={"Content-Type": "application/json"},
+            "POST", url.path.rstrip("/") + "/v1/completions", body=json.dumps(body), headers=headers
         )
         resp = conn.getresponse()
         if resp.status != 200:

@@ -43,6 +43,16 @@ class RunResult:
     connector_tokens: float = 0.0
     #: Prompt tokens each KV Composer node loaded during the run, by node id.
     node_tokens: dict[str, float] = field(default_factory=dict)
+    #: A fleet's run: the requests each engine finished, busiest engine first.
+    engine_requests: list[float] = field(default_factory=list)
+
+    @property
+    def imbalance(self) -> float | None:
+        """The busiest engine's requests over the mean (1.0: even); None for one server."""
+        if len(self.engine_requests) < 2 or not sum(self.engine_requests):
+            return None
+        mean = sum(self.engine_requests) / len(self.engine_requests)
+        return max(self.engine_requests) / mean
 
     @property
     def ok(self) -> list[Record]:
@@ -73,6 +83,8 @@ class RunResult:
             if self.wall_s
             else 0.0,
             "prompt_tokens": self.prompt_tokens,
+            "requests_by_engine": self.engine_requests,
+            "imbalance": self.imbalance,
             "served": {
                 "vllm prefix cache": self.fraction(self.prefix_cache_tokens),
                 "connector": self.fraction(self.connector_tokens),
@@ -89,20 +101,28 @@ def _ms(value: float | None) -> str:
 
 
 def markdown_table(results: Sequence[RunResult]) -> str:
+    fleet = any(r.engine_requests for r in results)
     lines = [
         "| config | requests | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms "
-        "| e2e p90 ms | e2e p99 ms | req/s | output tok/s | preemptions | prompt tokens served |",
-        "| --- " + "| ---: " * 11 + "| --- |",
+        "| e2e p90 ms | e2e p99 ms | req/s | output tok/s | preemptions "
+        + ("| requests by engine (busiest first) | imbalance " if fleet else "")
+        + "| prompt tokens served |",
+        "| --- " + "| ---: " * 11 + ("| ---: | ---: " if fleet else "") + "| --- |",
     ]
     for result in results:
         s = result.summary()
         served = ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["served"].items() if v) or "0%"
+        engines = ""
+        if fleet:
+            by_engine = "/".join(f"{n:.0f}" for n in result.engine_requests)
+            imbalance = "-" if result.imbalance is None else f"{result.imbalance:.2f}"
+            engines = f"| {by_engine} | {imbalance} "
         lines.append(
             f"| {s['config']} | {s['requests']} | {s['errors']} | {_ms(s['ttft_s']['p50'])} "
             f"| {_ms(s['ttft_s']['p90'])} | {_ms(s['ttft_s']['p99'])} "
             f"| {_ms(s['e2e_s']['p50'])} | {_ms(s['e2e_s']['p90'])} | {_ms(s['e2e_s']['p99'])} "
             f"| {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} "
-            f"| {s['preemptions']} | {served} |"
+            f"| {s['preemptions']} {engines}| {served} |"
         )
     return "\n".join(lines)
 
@@ -148,6 +168,7 @@ def pool(a: RunResult, b: RunResult) -> RunResult:
         connector_tokens=a.connector_tokens + b.connector_tokens,
         preemptions=a.preemptions + b.preemptions,
         node_tokens=nodes,
+        engine_requests=[x + y for x, y in zip(a.engine_requests, b.engine_requests, strict=True)],
     )
 
 

@@ -31,8 +31,10 @@ from composer.bench.servers import Config, ServerSpec, server
 from composer.trace import TraceRequest
 
 
-def _counters(samples: list[scrape.Sample]) -> dict[str, float]:
+def engine_counters(samples: list[scrape.Sample]) -> dict[str, float]:
+    """What a run reads from one engine's ``/metrics``, before and after."""
     out = {
+        "requests": scrape.total(samples, "vllm:request_success_total"),
         "prompt": scrape.total(samples, "vllm:prompt_tokens_total"),
         "prefix": scrape.total(samples, "vllm:prefix_cache_hits_total"),
         "preemptions": scrape.total(samples, "vllm:num_preemptions_total"),
@@ -59,7 +61,7 @@ def measure(
 ) -> RunResult:
     """Replay ``prompts`` against a running server and read its counters around it."""
     model = served_model(base_url)
-    before = _counters(scrape.fetch(base_url))
+    before = engine_counters(scrape.fetch(base_url))
     with _progress(name, len(prompts), progress) as advance:
         records, wall = replay(
             base_url,
@@ -71,7 +73,7 @@ def measure(
         )
     # Counters arrive with the engine's step outputs; the last step's may trail the response.
     time.sleep(settle_s)
-    after = _counters(scrape.fetch(base_url))
+    after = engine_counters(scrape.fetch(base_url))
     delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
     nodes = {k.removeprefix("node:"): v for k, v in delta.items() if k.startswith("node:")}
     return RunResult(
@@ -127,32 +129,26 @@ class BenchSpec:
     #: Run the configurations this many times, in alternating order (ABCD, DCBA, ...),
     #: pooling each configuration's requests: a drifting machine load then favours none.
     rounds: int = 1
+    #: Engines behind vLLM's router (``kvc bench --fleet``; 0: one server per configuration).
+    fleet: int = 0
+    #: The router's policies a fleet is run with (:data:`composer.bench.fleet.POLICIES`).
+    policies: Sequence[str] = ()
 
 
 def run(spec: BenchSpec) -> list[RunResult]:
     """Every configuration (or the server at ``url``), one after the other."""
     if spec.url is None and spec.server is None:
         raise BenchError("kvc bench needs --model (to start servers) or --url")
-    vocab = spec.vocab_size
-    if vocab is None and spec.server is not None:
-        vocab = vocab_size_of(spec.server.model)
-    if vocab is None:
-        raise BenchError("--vocab-size is needed: the model's vocabulary size is not known")
-    max_len = spec.server.max_model_len if spec.server is not None else None
-    prompts, skipped = make_prompts(
-        spec.trace,
-        scale=spec.scale,
-        vocab_size=vocab,
-        max_output_tokens=spec.max_output_tokens,
-        max_model_len=max_len,
-    )
-    if not prompts:
-        raise BenchError("no request of the trace fits --max-model-len")
+    if spec.fleet:
+        from composer.bench.fleet import run_fleet
+
+        return run_fleet(spec)
+    prompts, skipped = bench_prompts(spec)
     spec.workdir.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = {
         "concurrency": spec.concurrency,
         "speedup": spec.speedup,
-        "skipped": len(skipped),
+        "skipped": skipped,
         "progress": spec.progress,
     }
     if spec.url is not None:
@@ -171,3 +167,23 @@ def run(spec: BenchSpec) -> list[RunResult]:
                 pool(pooled[config.name], result) if config.name in pooled else result
             )
     return [pooled[c.name] for c in spec.configs]
+
+
+def bench_prompts(spec: BenchSpec) -> tuple[list[Prompt], int]:
+    """The trace's prompts, and how many of its requests do not fit --max-model-len."""
+    vocab = spec.vocab_size
+    if vocab is None and spec.server is not None:
+        vocab = vocab_size_of(spec.server.model)
+    if vocab is None:
+        raise BenchError("--vocab-size is needed: the model's vocabulary size is not known")
+    max_len = spec.server.max_model_len if spec.server is not None else None
+    prompts, skipped = make_prompts(
+        spec.trace,
+        scale=spec.scale,
+        vocab_size=vocab,
+        max_output_tokens=spec.max_output_tokens,
+        max_model_len=max_len,
+    )
+    if not prompts:
+        raise BenchError("no request of the trace fits --max-model-len")
+    return prompts, len(skipped)

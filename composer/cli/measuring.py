@@ -40,7 +40,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             "trace_name": os.path.basename(args.trace),
             "exact": args.exact,
         }
-        if args.sweep is None:
+        if args.fleet:
+            text = _simulate_fleet(args, pipeline, trace, kwargs)
+        elif args.router:
+            raise sim.SimulateError("--router places requests on a fleet: give --fleet N too")
+        elif args.sweep is None:
             text = _simulate_once(args, pipeline, trace, kwargs)
         else:
             text = _simulate_sweep(args, pipeline, trace, kwargs)
@@ -93,6 +97,26 @@ def _simulate_once(
 
     result = simulate(pipeline, trace, **kwargs)
     return dump(result.as_dict()) if args.json else format_result(result)
+
+
+def _simulate_fleet(
+    args: argparse.Namespace,
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    kwargs: dict[str, Any],
+) -> str:
+    from composer.simulate import SimulateError
+    from composer.simulate.fleet import ROUTERS, format_fleet, simulate_fleet
+
+    if args.sweep is not None:
+        raise SimulateError("--sweep and --fleet: one at a time")
+    fleet_kwargs = {k: kwargs[k] for k in ("bytes_per_block", "block_size", "trace_block_tokens",
+                                           "vllm_cache_blocks", "groups") if k in kwargs}
+    results = [
+        simulate_fleet(pipeline, trace, engines=args.fleet, router=router, **fleet_kwargs)
+        for router in (args.router or ROUTERS)
+    ]
+    return dump([r.as_dict() for r in results]) if args.json else format_fleet(results)
 
 
 def _simulate_sweep(
@@ -152,6 +176,8 @@ def _bench_spec(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> Benc
         raise BenchError("kvc bench needs exactly one of --model and --url")
     if args.url is not None and args.config:
         raise BenchError("--config starts servers: give --model, not --url")
+    if args.policy and not args.fleet:
+        raise BenchError("--policy chooses the router's policy: give --fleet N too")
     configs = [Config.parse(c) for c in (args.config or ["none", "prefix"])]
     if args.pipeline_prefix_cache == "off":
         configs = [
@@ -181,4 +207,6 @@ def _bench_spec(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> Benc
         workdir=Path(args.output),
         progress=not args.no_progress,
         rounds=args.rounds,
+        fleet=args.fleet,
+        policies=args.policy or (),
     )

@@ -213,6 +213,16 @@ def _add_simulate_size_options(p: argparse.ArgumentParser) -> None:
         help="tokens one trace hash id stands for (default 512, the trace's own); fewer "
         "rescales every length by the same factor, like a scaled replay",
     )
+    p.add_argument(
+        "--fleet", type=int, default=0, metavar="N",
+        help="N engines running the pipeline behind a router (see --router): requests and "
+        "prompt tokens served per engine and router, as kvc bench --fleet measures them",
+    )
+    p.add_argument(
+        "--router", action="append", metavar="POLICY",
+        help="with --fleet: round_robin, consistent_hash, cache_aware, kv_aware-vllm or "
+        "kv_aware-tiers, modelled on vllm-router (repeat for several; default: all five)",
+    )
 
 
 def add_bench(sub: Subparsers) -> None:
@@ -264,6 +274,18 @@ def add_bench(sub: Subparsers) -> None:
         "--rounds", type=int, default=1, metavar="N",
         help="run the configurations N times in alternating order (ABC, CBA, ...) and pool "
         "each one's requests, so that a machine's drifting load favours none (default 1)",
+    )
+    p.add_argument(
+        "--fleet", type=int, default=0, metavar="N",
+        help="start N engines running the one --config pipeline, each with vLLM's KV event "
+        "publisher, behind vLLM's router (vllm-router), and replay the trace once per --policy; "
+        "the table has a row per policy",
+    )
+    p.add_argument(
+        "--policy", action="append", metavar="POLICY",
+        help="with --fleet: round_robin, consistent_hash, cache_aware, kv_aware-vllm (the "
+        "router credits only vLLM's own events) or kv_aware-tiers (the tiers' events too); "
+        "repeat for several (default: all five)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")

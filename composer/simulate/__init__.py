@@ -375,13 +375,26 @@ class _Replay:
         res.capacity_blocks = model.capacity_blocks * self.group
         res.capacity_bytes = model.capacity_blocks * unit_bytes
 
-    def request(self, req: TraceRequest) -> None:
-        keymaker, unit = self.keymaker, self.unit
+    def units(self, req: TraceRequest) -> tuple[int, list[bytes], int]:
+        """The request's prompt tokens, its units' keys, and how many may be served."""
+        keymaker = self.keymaker
         prompt = keymaker.prompt_tokens(req)
         total = prompt + keymaker.scale(req.output_length)
         # KV exists for every token but the last sampled one.
         keys = keymaker.keys(req, max(prompt, total - 1))
-        limit = (prompt - 1) // unit
+        return prompt, keys, (prompt - 1) // self.unit
+
+    def holds(self, keys: Sequence[bytes], limit: int) -> tuple[int, int]:
+        """Leading units vLLM's prefix cache holds, and how many more a node holds after
+        them (the longest of the lookup nodes): what a router that reads this engine's
+        KV events sees. Changes nothing."""
+        start = self.vllm.lookup(keys, 0, limit) if self.vllm_blocks else 0
+        more = max((m.lookup(keys, start, limit) for m, _ in self.lookup_nodes), default=0)
+        return start, more
+
+    def request(self, req: TraceRequest) -> None:
+        prompt, keys, limit = self.units(req)
+        unit = self.unit
         self.prompt_total += prompt
         start = self._vllm_hit(keys, limit)
         served = start + self._load(keys, start, limit)

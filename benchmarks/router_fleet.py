@@ -1,0 +1,134 @@
+"""A fleet behind vLLM's router (``kvc bench --fleet``'s code), each policy side by side,
+and ``kvc simulate --fleet``'s prediction of each.
+
+Two ``kvc serve`` engines (the tiny model, one core each, vLLM's own KV cache
+``KVC_BENCH_VLLM_BLOCKS`` blocks, too small for the slice) run
+``examples/fleet-cpu-events.yaml`` (an offload-cpu tier publishing its KV
+events) behind vllm-router. The slice: the conversations of the first
+``KVC_BENCH_FLEET_REQUESTS`` requests of the Mooncake conversation trace that
+come back (:func:`composer.trace.multi_turn`), the requests that fit
+``--max-model-len``, lengths scaled by 16. Every policy replays the same
+requests on emptied engines, in alternating order over ``KVC_BENCH_ROUNDS``
+rounds; each request names its conversation in ``x-session-id``.
+
+Run once with one request at a time (the simulator's setting: its prediction
+is printed beside each measured fraction, with the error in percentage
+points) and once with ``KVC_BENCH_CONCURRENCY`` in flight (the router's load
+balancing at work; no prediction). Writes ``kvc-bench-fleet/``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from composer import load_pipeline
+from composer.bench import report as bench_report
+from composer.bench import run as bench_run
+from composer.bench.fleet import POLICIES
+from composer.bench.replay import make_prompts, vocab_size_of
+from composer.bench.servers import Config, ServerSpec
+from composer.model.size import model_shape
+from composer.simulate.fleet import simulate_fleet
+from composer.testing.tiny_model import build_tiny_model
+from composer.trace import multi_turn, read_trace, write_trace
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+SHARED = ROOT.parent / "shared/traces/mooncake-conversation_trace.jsonl"
+TRACE = os.environ.get(
+    "KVC_BENCH_TRACE",
+    str(
+        SHARED
+        if SHARED.exists()
+        else ROOT / "tests/data/traces/mooncake-conversation_trace-500.jsonl"
+    ),
+)
+REQUESTS = int(os.environ.get("KVC_BENCH_FLEET_REQUESTS", "1200"))
+ENGINES = int(os.environ.get("KVC_BENCH_FLEET_ENGINES", "2"))
+CONCURRENCY = int(os.environ.get("KVC_BENCH_CONCURRENCY", "4"))
+ROUNDS = int(os.environ.get("KVC_BENCH_ROUNDS", "2"))
+VLLM_BLOCKS = int(os.environ.get("KVC_BENCH_VLLM_BLOCKS", "80"))
+PIPELINE = ROOT / "examples/fleet-cpu-events.yaml"
+SCALE, BLOCK, MAX_LEN, OUTPUT = 16, 32, 2048, 4
+WORKDIR = Path("kvc-bench-fleet")
+
+
+def fleet_slice(model: str, path: Path) -> Path:
+    """The slice's requests that fit, written as a trace both the bench and the
+    simulator read."""
+    trace = multi_turn(read_trace(TRACE, limit=REQUESTS))
+    vocab = vocab_size_of(model) or 0
+    _, skipped = make_prompts(
+        trace, scale=SCALE, vocab_size=vocab, max_output_tokens=OUTPUT, max_model_len=MAX_LEN
+    )
+    left_out = set(skipped)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_trace(path, [r for i, r in enumerate(trace) if i not in left_out])
+    return path
+
+
+def main() -> int:
+    model = str(build_tiny_model())
+    trace_path = fleet_slice(model, WORKDIR / "slice.jsonl")
+    trace = read_trace(trace_path)
+    pipeline = load_pipeline(PIPELINE)
+    shape = model_shape(model, BLOCK, pipeline)
+    predicted = {
+        policy: simulate_fleet(
+            pipeline,
+            trace,
+            engines=ENGINES,
+            router=policy,
+            bytes_per_block=shape.bytes_per_block,
+            block_size=BLOCK,
+            trace_block_tokens=512 // SCALE,
+            vllm_cache_blocks=VLLM_BLOCKS,
+            groups=shape.groups,
+        )
+        for policy in POLICIES
+    }
+    print(f"slice: {len(trace)} requests ({trace_path}); {ENGINES} engines; {ROUNDS} rounds")
+    code = 0
+    for concurrency in (1, CONCURRENCY):
+        spec = bench_run.BenchSpec(
+            trace=trace,
+            configs=[Config.parse(str(PIPELINE))],
+            server=ServerSpec(
+                model=model,
+                block_size=BLOCK,
+                max_model_len=MAX_LEN,
+                num_blocks=VLLM_BLOCKS,
+                extra_args=["--enforce-eager"],
+            ),
+            scale=SCALE,
+            concurrency=concurrency,
+            max_output_tokens=OUTPUT,
+            workdir=WORKDIR / f"concurrency-{concurrency}",
+            progress=False,
+            rounds=ROUNDS,
+            fleet=ENGINES,
+        )
+        results = bench_run.run(spec)
+        bench_report.write_report(results, spec.workdir, plot=False)
+        print(f"\n### {concurrency} request(s) in flight\n")
+        print(bench_report.markdown_table(results))
+        if concurrency == 1:
+            print("\nserved fraction, measured vs kvc simulate --fleet (percentage points):")
+            for result in results:
+                measured = result.fraction(result.prefix_cache_tokens + result.connector_tokens)
+                sim = predicted[result.config]
+                error = 100 * (measured - sim.fraction_served)
+                by_engine = "/".join(f"{n:.0f}" for n in result.engine_requests)
+                sim_by_engine = "/".join(f"{n * ROUNDS}" for n in sim.engine_requests)
+                print(
+                    f"  {result.config}: measured {100 * measured:.1f}%, predicted "
+                    f"{100 * sim.fraction_served:.1f}% ({error:+.1f} pp); requests by engine "
+                    f"{by_engine} (predicted {sim_by_engine})"
+                )
+        code |= int(any(r.errors for r in results))
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""vLLM's own router (``vllm-router``) in front of running engines: loopback, free ports,
+ready-checked, always stopped.
+
+``kvc bench --fleet`` routes through it. The binary comes from the
+``vllm-router`` wheel (the ``fleet`` extra). Facts this module relies on,
+measured with vllm-router 0.1.17:
+
+* it listens only once a worker answers ``/health``, and then on
+  ``--worker-startup-check-interval`` (30 s by default, 1 here); its
+  ``/readiness`` counts the healthy workers (``healthy_workers``);
+* its Prometheus endpoint is its own port (``--prometheus-port``): ``/metrics``
+  on the routing port is passed through to a worker;
+* ``kv_aware`` subscribes (ZMQ SUB, connecting) to each engine's KV event
+  publisher, given as ``--kv-event-source WORKER_URL=tcp://HOST:PORT``: only
+  ``tcp://`` with a host, no wildcard, no ``ipc://``; it matches prompts by the
+  token ids the ``BlockStored`` events carry (vLLM's hashes only chain them),
+  at ``--kv-event-block-size`` tokens a block. A subscriber misses what was
+  published before it connected (ZMQ PUB/SUB): ``--kv-event-replay-source``
+  names the engine's replay socket, where the router asks for those batches;
+* SIGTERM stops it gracefully within about a second.
+
+Nothing here imports torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from composer.servers.loopback import LOOPBACK, free_port
+
+
+class RouterError(RuntimeError):
+    """No vllm-router binary, or it did not start and see every worker in time."""
+
+
+@dataclass(frozen=True)
+class Router:
+    #: Where requests go.
+    url: str
+    #: The router's own Prometheus endpoint.
+    metrics_url: str
+    pid: int
+
+
+def router_binary() -> str:
+    """``vllm-router`` beside this Python (its venv), else on PATH."""
+    beside = Path(sys.executable).with_name("vllm-router")
+    if os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("vllm-router")
+    if found:
+        return found
+    raise RouterError("no vllm-router: pip install vllm-router (the `fleet` extra)")
+
+
+def router_argv(
+    workers: Sequence[str],
+    policy_args: Sequence[str],
+    port: int,
+    metrics_port: int,
+    kv_event_sources: Mapping[str, tuple[str, str]] | None = None,
+    block_size: int = 16,
+) -> list[str]:
+    argv = [
+        router_binary(),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--prometheus-host",
+        LOOPBACK,
+        "--prometheus-port",
+        str(metrics_port),
+        "--worker-urls",
+        *workers,
+        "--worker-startup-check-interval",
+        "1",
+        *policy_args,
+    ]
+    if kv_event_sources:
+        for worker, (endpoint, replay) in kv_event_sources.items():
+            argv += ["--kv-event-source", f"{worker}={endpoint}"]
+            argv += ["--kv-event-replay-source", f"{worker}={replay}"]
+        # An identity the router requires with static sources; it loads nothing.
+        argv += ["--kv-event-block-size", str(block_size), "--kv-event-model", "kvc-fleet"]
+    return argv
+
+
+@contextlib.contextmanager
+def vllm_router(
+    workers: Sequence[str],
+    policy_args: Sequence[str],
+    log_path: Path,
+    *,
+    kv_event_sources: Mapping[str, tuple[str, str]] | None = None,
+    block_size: int = 16,
+    startup_timeout: float = 60.0,
+) -> Iterator[Router]:
+    """The router over ``workers`` (running, healthy engines), ready when every one
+    counts as healthy; always stopped, also when the body fails.
+    ``kv_event_sources``: each worker's KV event endpoint and replay endpoint."""
+    port, metrics_port = free_port(), free_port()
+    while metrics_port == port:
+        metrics_port = free_port()
+    argv = router_argv(workers, policy_args, port, metrics_port, kv_event_sources, block_size)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        router = Router(
+            f"http://{LOOPBACK}:{port}", f"http://{LOOPBACK}:{metrics_port}/metrics", proc.pid
+        )
+        try:
+            _wait_ready(router, proc, len(workers), log_path, startup_timeout)
+            yield router
+        finally:
+            _stop(proc)
+
+
+def readiness(url: str, timeout: float = 2.0) -> dict[str, object] | None:
+    """The router's ``/readiness`` answer, or None while it does not answer."""
+    try:
+        with urllib.request.urlopen(f"{url}/readiness", timeout=timeout) as response:
+            answer = json.loads(response.read())
+    except (OSError, ValueError):
+        return None
+    return answer if isinstance(answer, dict) else None
+
+
+def _wait_ready(
+    router: Router, proc: subprocess.Popen[bytes], workers: int, log_path: Path, timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RouterError(f"vllm-router exited with {proc.returncode}; log tail:\n{tail}")
+        answer = readiness(router.url)
+        if answer is not None and answer.get("healthy_workers") == workers:
+            return
+        if time.monotonic() > deadline:
+            _stop(proc)
+            raise RouterError(
+                f"vllm-router not ready with {workers} healthy workers after {timeout:.0f} s "
+                f"(last /readiness: {answer}); see {log_path}"
+            )
+        time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait)

@@ -1,0 +1,183 @@
+"""A fleet of two `kvc serve` engines behind vLLM's router (vllm-router), real processes.
+
+Both engines run ``examples/fleet-cpu-events.yaml`` (an offload-cpu tier that
+publishes its KV events through vLLM's ZMQ publisher), one CPU core each,
+started once for the module; every run empties their caches first.
+
+* **The tier's events steer the router.** Each engine is given a prompt of its
+  own (sent to it directly), then enough other prompts that vLLM's own cache
+  no longer holds it: only the engine's CPU tier does. Through the router,
+  each prompt's next turn goes to the engine whose tier holds it and is served
+  by that tier under ``kv_aware-tiers``; under ``kv_aware-vllm`` (the router
+  credits vLLM's own events only) the router sees no cached block anywhere and
+  both turns go to one engine, so one of them is computed again.
+* **A trace slice through every policy** (the Mooncake conversations that come
+  back, one request at a time): every request answered, and the prompt tokens
+  served (vLLM's prefix cache and the tier, both engines) as
+  ``kvc simulate --fleet`` predicts them, within 1 percentage point.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from composer import load_pipeline
+from composer.bench.fleet import (
+    POLICIES,
+    SETTLE_S,
+    Engine,
+    counters,
+    empty,
+    event_sources,
+    fleet,
+    run_policy,
+)
+from composer.bench.replay import Prompt, make_prompts, send, served_model, vocab_size_of
+from composer.bench.run import BenchSpec
+from composer.bench.servers import Config, ServerSpec
+from composer.model.size import model_shape
+from composer.servers.vllm_router import vllm_router
+from composer.simulate.fleet import simulate_fleet
+from composer.trace import multi_turn, read_trace
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).parents[2]
+PIPELINE = ROOT / "examples/fleet-cpu-events.yaml"
+TRACE = ROOT / "tests/data/traces/mooncake-conversation_trace-500.jsonl"
+BLOCK, MAX_LEN, VLLM_BLOCKS, OUTPUT = 32, 2048, 80, 4
+#: A prompt of 24 blocks, and the filler that pushes it out of vLLM's 80-block cache.
+PROMPT_BLOCKS, FILLERS = 24, 5
+
+
+def _ids(seed: int, blocks: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, vocab) for _ in range(blocks * BLOCK)]
+
+
+def _prompt(index: int, ids: list[int]) -> Prompt:
+    return Prompt(index, ids, OUTPUT, 0.0)
+
+
+@pytest.fixture(scope="module")
+def runs(
+    tiny_model: str, engine_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    workdir = tmp_path_factory.mktemp("fleet")
+    config = Config.parse(str(PIPELINE))
+    server = ServerSpec(
+        model=tiny_model,
+        block_size=BLOCK,
+        max_model_len=MAX_LEN,
+        num_blocks=VLLM_BLOCKS,
+        extra_args=["--enforce-eager"],
+        env=engine_env,
+    )
+    trace = multi_turn(read_trace(TRACE))
+    vocab = vocab_size_of(tiny_model)
+    assert vocab is not None
+    prompts, skipped = make_prompts(
+        trace, scale=16, vocab_size=vocab, max_output_tokens=OUTPUT, max_model_len=MAX_LEN
+    )
+    replayed = [r for i, r in enumerate(trace) if i not in set(skipped)]
+    out: dict[str, Any] = {"prompts": prompts, "trace": replayed}
+    spec = BenchSpec(
+        trace=replayed, configs=[config], server=server, concurrency=1, workdir=workdir, fleet=2
+    )
+    with fleet(config, server, 2, workdir) as engines:
+        for name in ("kv_aware-tiers", "kv_aware-vllm"):
+            out[f"steer/{name}"] = _steer(engines, name, vocab, workdir)
+        for name in POLICIES:
+            log = workdir / f"router-{name}.log"
+            out[name] = run_policy(spec, engines, POLICIES[name], prompts, log)
+    yield out
+
+
+def _steer(engines: list[Engine], policy: str, vocab: int, workdir: Path) -> dict[str, Any]:
+    """With the router up, each engine's own prompt sent to it directly and pushed out
+    of its vLLM cache (only its tier holds it); then each prompt's next turn through
+    the router: which engine served it, and how many prompt tokens were cached."""
+    model = served_model(engines[0].url)
+    own = [_ids(1000 + e, PROMPT_BLOCKS, vocab) for e in range(len(engines))]
+    for engine in engines:
+        empty(engine.url)
+    turns = []
+    with vllm_router(
+        [e.url for e in engines],
+        POLICIES[policy].args,
+        workdir / f"router-steer-{policy}.log",
+        kv_event_sources=event_sources(engines),
+        block_size=BLOCK,
+    ) as router:
+        for e, engine in enumerate(engines):
+            assert send(engine.url, model, _prompt(0, own[e])).error is None
+            for f in range(FILLERS):
+                filler = _ids(2000 + 10 * e + f, PROMPT_BLOCKS, vocab)
+                assert send(engine.url, model, _prompt(1 + f, filler)).error is None
+        # The fillers' steps published each prompt's blocks; ZMQ delivers them in
+        # milliseconds (the router's index cannot be read back).
+        time.sleep(SETTLE_S)
+        for e in range(len(engines)):
+            before = [counters(x.url) for x in engines]
+            record = send(router.url, model, _prompt(10 + e, own[e] + _ids(3000 + e, 2, vocab)))
+            after = [counters(x.url) for x in engines]
+            went = [a["requests"] - b["requests"] for a, b in zip(after, before, strict=True)]
+            turns.append({"went": went, "cached": record.cached_tokens, "error": record.error})
+    return {"turns": turns}
+
+
+def test_each_turn_goes_to_the_engine_whose_tier_holds_its_prompt(runs: dict[str, Any]) -> None:
+    for e, turn in enumerate(runs["steer/kv_aware-tiers"]["turns"]):
+        assert turn["error"] is None
+        assert turn["went"] == [int(i == e) for i in range(2)], turn
+        # Served by the tier (vLLM's own cache no longer held it): every whole block.
+        assert turn["cached"] == PROMPT_BLOCKS * BLOCK, turn
+
+
+def test_without_the_tiers_events_the_router_sees_nothing_cached(runs: dict[str, Any]) -> None:
+    turns = runs["steer/kv_aware-vllm"]["turns"]
+    assert all(t["error"] is None for t in turns)
+    # No engine's vLLM cache holds either prompt: least load, both on one engine,
+    # so one turn lands where no tier holds its prompt and is computed again.
+    assert turns[0]["went"] == turns[1]["went"], turns
+    assert sorted(t["cached"] for t in turns) == [0, PROMPT_BLOCKS * BLOCK], turns
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_request_of_the_slice_is_answered(runs: dict[str, Any], policy: str) -> None:
+    result = runs[policy]
+    assert len(result.records) == len(runs["prompts"]) and result.errors == 0
+    assert sum(result.engine_requests) == len(runs["prompts"])
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_the_simulator_predicts_the_served_fraction(
+    runs: dict[str, Any], policy: str, tiny_model: str
+) -> None:
+    result = runs[policy]
+    pipeline = load_pipeline(PIPELINE)
+    shape = model_shape(tiny_model, BLOCK, pipeline)
+    predicted = simulate_fleet(
+        pipeline,
+        runs["trace"],
+        engines=2,
+        router=policy,
+        bytes_per_block=shape.bytes_per_block,
+        block_size=BLOCK,
+        trace_block_tokens=32,
+        vllm_cache_blocks=VLLM_BLOCKS,
+        groups=shape.groups,
+    )
+    measured = result.fraction(result.prefix_cache_tokens + result.connector_tokens)
+    print(
+        f"\n{policy}: measured {100 * measured:.2f}%, predicted "
+        f"{100 * predicted.fraction_served:.2f}%; requests by engine {result.engine_requests} "
+        f"(predicted {predicted.engine_requests})"
+    )
+    assert abs(measured - predicted.fraction_served) <= 0.01
