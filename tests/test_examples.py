@@ -39,6 +39,8 @@ YAML_EXAMPLES = {
     "offload-before-nixl.yaml": (["cpu", "nixl"], "ComposedConnector"),
     "tracker-offload-lmcache.yaml": (["tracker", "cpu", "lmcache"], "ComposedConnector"),
     "fleet-valkey.yaml": (["cpu", "lmcache"], "ComposedConnector"),
+    # Also each engine of tests/e2e/test_fleet_e2e.py's fleet behind vllm-router.
+    "fleet-cpu-events.yaml": (["cpu"], "ComposedConnector"),
 }
 PY_EXAMPLES = {"compose.py"}
 

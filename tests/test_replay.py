@@ -20,6 +20,7 @@ from composer.bench import servers as bench_servers
 from composer.trace import KeyMaker, TraceRequest, read_trace
 
 TRACES = Path(__file__).parent / "data" / "traces"
+PIPELINE = str(Path(__file__).parents[1] / "examples" / "fleet-cpu-events.yaml")
 
 
 def req(ids: tuple[int, ...], input_length: int, output: int = 512, t: float = 0) -> TraceRequest:
@@ -77,6 +78,7 @@ class _Streaming(BaseHTTPRequestHandler):
 
     delay_s = 0.05
     bodies: list[dict] = []
+    headers: list[dict[str, str]] = []
     in_flight = 0
     peak = 0
     lock = threading.Lock()
@@ -89,6 +91,7 @@ class _Streaming(BaseHTTPRequestHandler):
         cls = type(self)
         with cls.lock:
             cls.bodies.append(body)
+            cls.headers.append({k.lower(): v for k, v in self.headers.items()})
             cls.in_flight += 1
             cls.peak = max(cls.peak, cls.in_flight)
         try:
@@ -198,6 +201,15 @@ def test_cli_usage_errors_exit_2_without_a_traceback(tmp_path: Path) -> None:
         ((trace,), "exactly one of --model and --url"),
         ((trace, "--model", "m", "--config", "nope.yaml"), "'none', 'prefix' or a pipeline"),
         ((trace, "--url", "http://x", "--config", "none"), "--config starts servers"),
+        ((trace, "--model", "m", "--policy", "round_robin"), "give --fleet N too"),
+        ((trace, "--model", "m", "--fleet", "2"), "one --config PIPELINE"),
+        ((trace, "--model", "m", "--fleet", "2", "--config", PIPELINE), "the model's vocabulary"),
+        ((trace, "--url", "http://x", "--fleet", "2"), "give --model, not --url"),
+        (
+            (trace, "--model", "m", "--fleet", "2", "--config", PIPELINE, "--policy", "random"),
+            "--policy 'random': one of round_robin, consistent_hash",
+        ),
+        ((trace, "--model", "m", "--fleet", "0", "--config", PIPELINE), "--fleet must be >= 1"),
     ]
     for args, message in cases:
         proc = _kvc("bench", *args, "--output", str(tmp_path))
@@ -207,6 +219,26 @@ def test_cli_usage_errors_exit_2_without_a_traceback(tmp_path: Path) -> None:
     bad.write_text('{"input_length": 3}\n')
     proc = _kvc("bench", str(bad), "--url", "http://x")
     assert proc.returncode == 2 and f"{bad}:1: " in proc.stderr
+
+
+def test_the_session_names_the_conversation_in_a_header(server: str) -> None:
+    prompt = replay.Prompt(0, [5] * 40, 2, 0.0, session="7-8-9")
+    assert replay.send(server, "m", prompt).error is None
+    assert _Streaming.headers[-1]["x-session-id"] == "7-8-9"
+    assert replay.send(server, "m", _prompts(1)[0]).error is None
+    assert "x-session-id" not in _Streaming.headers[-1]
+
+
+def test_a_fleets_engines_are_counted_busiest_first_and_pooled_like_with_like() -> None:
+    record = [replay.Record(0, 10, 1, 0, 0.1, 0.2)]
+    a = bench_report.RunResult("kv", record, 1.0, engine_requests=[30, 0])
+    b = bench_report.RunResult("kv", record, 1.0, engine_requests=[28, 2])
+    assert a.imbalance == 2.0 and bench_report.pool(a, b).engine_requests == [58, 2]
+    table = bench_report.markdown_table([a])
+    assert "| requests by engine (busiest first) | imbalance |" in table
+    assert "| 30/0 | 2.00 |" in table
+    one = bench_report.RunResult("one", record, 1.0)
+    assert one.imbalance is None and "requests by engine" not in bench_report.markdown_table([one])
 
 
 def test_the_benchmark_pipelines_are_valid() -> None:

@@ -40,7 +40,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             "trace_name": os.path.basename(args.trace),
             "exact": args.exact,
         }
-        if args.fleet:
+        if args.fleet is not None:
             text = _simulate_fleet(args, pipeline, trace, kwargs)
         elif args.router:
             raise sim.SimulateError("--router places requests on a fleet: give --fleet N too")
@@ -176,6 +176,8 @@ def _bench_spec(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> Benc
         raise BenchError("kvc bench needs exactly one of --model and --url")
     if args.url is not None and args.config:
         raise BenchError("--config starts servers: give --model, not --url")
+    if args.fleet is not None and args.fleet < 1:
+        raise BenchError(f"--fleet must be >= 1, got {args.fleet}")
     if args.policy and not args.fleet:
         raise BenchError("--policy chooses the router's policy: give --fleet N too")
     configs = [Config.parse(c) for c in (args.config or ["none", "prefix"])]
@@ -207,6 +209,6 @@ def _bench_spec(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> Benc
         workdir=Path(args.output),
         progress=not args.no_progress,
         rounds=args.rounds,
-        fleet=args.fleet,
+        fleet=args.fleet or 0,
         policies=args.policy or (),
     )

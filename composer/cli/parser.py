@@ -214,7 +214,7 @@ def _add_simulate_size_options(p: argparse.ArgumentParser) -> None:
         "rescales every length by the same factor, like a scaled replay",
     )
     p.add_argument(
-        "--fleet", type=int, default=0, metavar="N",
+        "--fleet", type=int, metavar="N",
         help="N engines running the pipeline behind a router (see --router): requests and "
         "prompt tokens served per engine and router, as kvc bench --fleet measures them",
     )
@@ -276,7 +276,7 @@ def add_bench(sub: Subparsers) -> None:
         "each one's requests, so that a machine's drifting load favours none (default 1)",
     )
     p.add_argument(
-        "--fleet", type=int, default=0, metavar="N",
+        "--fleet", type=int, metavar="N",
         help="start N engines running the one --config pipeline, each with vLLM's KV event "
         "publisher, behind vLLM's router (vllm-router), and replay the trace once per --policy; "
         "the table has a row per policy",
