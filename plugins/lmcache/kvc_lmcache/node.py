@@ -84,6 +84,26 @@ def mp_extra_config(config: LMCacheConfig, host: str, port: int) -> dict[str, An
     return extra
 
 
+def event_log_args(vllm_config: Any, config: LMCacheConfig) -> tuple[str, ...]:
+    """The started server's flags for vLLM's KV events.
+
+    LMCache's connector publishes what its server's cache-event log reports when
+    the server offers one (``kv_event_stream``), and else the chunks its worker
+    stored. The log names a chunk's tokens only for stores in the lmcache_driven
+    transfer mode (LMCache 0.5.6: ``MP_TOKENS`` is published by
+    ``lmcache_driven_transfer`` alone), and a record without tokens is never
+    published: with engine_driven stores, the log publishes nothing. So when vLLM
+    publishes events and the stores are not lmcache_driven, the server keeps no
+    log (``--kv-event-log-size 0``) and the worker publishes its own stores (not
+    the server's evictions)."""
+    kv_events = getattr(vllm_config, "kv_events_config", None)
+    if not getattr(kv_events, "enable_kv_cache_events", False):
+        return ()
+    if config.server.transfer_mode == "lmcache_driven":
+        return ()
+    return ("--kv-event-log-size", "0")
+
+
 def server_transfer_mode(connector_mode: str) -> str:
     """What a started server must support for the connector's mode."""
     return "auto" if connector_mode == "auto" else connector_mode
@@ -120,7 +140,11 @@ class LMCacheServerNode(NativeConnectorNode):
                     l1_size_gb=config.server.l1_size_gb,
                     eviction_policy=config.server.eviction_policy,
                     transfer_mode=server_transfer_mode(config.server.transfer_mode),
-                    extra_args=(*l2_argv, *config.server.extra_args),
+                    extra_args=(
+                        *l2_argv,
+                        *event_log_args(ctx.vllm_config, config),
+                        *config.server.extra_args,
+                    ),
                     startup_timeout=config.server.startup_timeout,
                     env=tuple(sorted(l2_env.items())),
                 ),

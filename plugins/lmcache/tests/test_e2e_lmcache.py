@@ -7,7 +7,8 @@ comparisons are not thread-count noise):
   ``plain_llama`` engine);
 * ``owned``: the pipeline with an lmcache node that starts and owns its
   `lmcache server`; the CPU tier is so small that round 1's prompts are
-  evicted from it, so round 2 is served by LMCache;
+  evicted from it, so round 2 is served by LMCache; vLLM's KV event publisher
+  is on and a subscriber receives what a router would (both tiers' events);
 * ``shared-1`` / ``shared-2``: two fresh engine processes, one after the
   other, against one `lmcache server` started by the test: the second hits
   on what the first saved.
@@ -28,6 +29,7 @@ from kvc_lmcache.server import ServerInfo, ServerSettings, _alive, start_server,
 
 from composer import kv_transfer_config, load_pipeline  # noqa: E402
 from composer.testing.engine import EngineResult, EngineSpec, SharedRuns, run_engine  # noqa: E402
+from composer.testing.kv_events import Subscriber  # noqa: E402
 from composer.testing.tiny_model import build_tiny_model, make_prompts  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -80,7 +82,9 @@ def runs(
     state = tmp_path_factory.mktemp("lmcache-state")
     env = {"KVC_LMCACHE_STATE_DIR": str(state)}
 
-    def run(name: str, rounds: list[list[str]], kv: dict[str, Any] | None) -> EngineResult:
+    def run(
+        name: str, rounds: list[list[str]], kv: dict[str, Any] | None, events: str | None = None
+    ) -> EngineResult:
         spec = EngineSpec(
             model=model,
             rounds=rounds,
@@ -88,6 +92,7 @@ def runs(
             env=env,
             max_tokens=8,
             enforce_eager=True,
+            kv_events_endpoint=events,
             # Not in_process: LMCache's scheduler and worker halves talk across
             # processes here, as when serving. Its reference (plain_llama) runs
             # in one process with the same two OpenMP threads.
@@ -97,7 +102,13 @@ def runs(
 
     out["plain"] = plain_llama(ROUNDS)
     owned_tmp = tmp_path_factory.mktemp("owned")
-    run("owned", ROUNDS, _kv(owned_tmp, {"chunk_size": BLOCK, "server": {"l1_size_gb": 0.25}}))
+    owned_kv = _kv(owned_tmp, {"chunk_size": BLOCK, "server": {"l1_size_gb": 0.25}})
+    subscriber = Subscriber()
+    try:
+        run("owned", ROUNDS, owned_kv, events=subscriber.endpoint)
+    finally:
+        subscriber.stop()
+    out["owned_events"] = subscriber.events()
     out["owned_report"] = json.loads((owned_tmp / "tracker.json.0").read_text())
     out["owned_state"] = state
     given = {
@@ -139,6 +150,34 @@ def test_prompts_evicted_from_the_cpu_tier_are_served_by_lmcache(runs: dict[str,
         assert r.cached_tokens >= BLOCK and r.cached_tokens % BLOCK == 0
         assert r.cached_tokens < r.prompt_tokens
         assert r.kv_transfer_params["kv_composer"]["tokens"] == r.cached_tokens
+
+
+def _blocks(events: list[Any]) -> set[tuple[int, ...]]:
+    """The token ids of every block the events announce."""
+    return {
+        tuple(e.token_ids[i * e.block_size : (i + 1) * e.block_size])
+        for e in events
+        for i in range(len(e.block_hashes))
+    }
+
+
+def test_a_router_sees_both_tiers_in_vllms_kv_events(runs: dict[str, Any]) -> None:
+    from vllm.distributed.kv_events import BlockStored
+
+    by_node: dict[str | None, list[Any]] = {}
+    for event in runs["owned_events"]:
+        if isinstance(event, BlockStored):
+            by_node.setdefault(event.ownership, []).append(event)
+    # The CPU tier's events and LMCache's (its connector's own completed stores,
+    # one chunk each, passed through the chain, which names the node).
+    assert {"cpu", "lmcache"} <= set(by_node), set(by_node)
+    for event in by_node["lmcache"]:
+        assert event.medium == "CPU" and event.block_size == BLOCK, event
+        assert len(event.token_ids) == BLOCK * len(event.block_hashes), event
+    # Both tiers saved every whole block of round 1's prompts: the same tokens.
+    assert _blocks(by_node["lmcache"]) == _blocks(by_node["cpu"])
+    whole = sum(r.prompt_tokens // BLOCK for r in runs["owned"].rounds[0])
+    assert len(_blocks(by_node["lmcache"])) == whole
 
 
 def test_tokens_equal_a_run_without_a_connector(runs: dict[str, Any]) -> None:

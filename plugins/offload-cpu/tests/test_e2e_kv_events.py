@@ -16,20 +16,18 @@ this prompt, in which medium" as the tier does, for every prompt of the slice.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
-import zmq
 
 from composer import kv_transfer_config, load_pipeline
 from composer.discovery import discover
 from composer.servers import LOOPBACK, free_port
 from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine
+from composer.testing.kv_events import Subscriber
 from composer.testing.tiny_model import build_tiny_model, trace_prompts
 
 pytestmark = pytest.mark.e2e
@@ -38,38 +36,6 @@ HERE = Path(__file__).parent
 BLOCK = 32
 #: 128 blocks of the tiny Llama's 16 KiB: the slice needs about twice that.
 CAPACITY = "2MiB"
-
-
-class Subscriber:
-    """vLLM's KV event stream, as a router receives it (vLLM's own decoder), on a thread."""
-
-    def __init__(self, endpoint: str) -> None:
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self.batches: list[Any] = []
-        self.socket = zmq.Context.instance().socket(zmq.SUB)
-        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self.socket.setsockopt(zmq.RCVTIMEO, 200)
-        # vLLM's publisher binds only a wildcard or ipc endpoint and connects to
-        # any other: the subscriber binds loopback, the engine connects to it.
-        self.socket.bind(endpoint)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                _topic, _seq, payload = self.socket.recv_multipart()
-            except zmq.Again:
-                continue
-            self.batches.append(self.decoder.decode(payload))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.socket.close(linger=0)
 
 
 @pytest.fixture(scope="module")
