@@ -390,6 +390,25 @@ def test_kv_events_come_from_every_node_tagged_with_the_node_id() -> None:
     ]
 
 
+def test_every_nodes_kv_events_are_counted_on_its_stats() -> None:
+    registry = discover(extra=[_Module(), _EventsModule()], entry_points=False)
+    resolved = load_pipeline(
+        {"version": 1, "nodes": {"a": {"plugin": "evented"}, "b": {"plugin": "evented"}}},
+        registry=registry,
+    )
+    chain = Chain(resolved, "scheduler", kv_cache_config=KV_CACHE_CONFIG)
+    list(chain.take_events())
+    stats = chain.take_stats()
+    for node in ("a", "b"):
+        extra = stats[node]["counters"]["extra"]
+        # Blocks announced (one stored, one removed), and one clear.
+        assert (extra["events_stored"], extra["events_removed"], extra["events_cleared"]) == (
+            1,
+            1,
+            1,
+        )
+
+
 class _EventsModule:
     __name__ = "events"
 

@@ -13,6 +13,13 @@ from typing import Any
 
 from composer.chain.base import ChainBase
 
+#: vLLM's KV cache event classes, by name, and the node counter each adds to.
+EVENT_COUNTERS = {
+    "BlockStored": "events_stored",
+    "BlockRemoved": "events_removed",
+    "AllBlocksCleared": "events_cleared",
+}
+
 
 class Reports(ChainBase):
     def take_stats(self) -> dict[str, dict[str, Any]]:
@@ -83,11 +90,21 @@ class Reports(ChainBase):
             except Exception as exc:
                 self.fault(node_id, "take_events", exc)
 
-    @staticmethod
-    def owned_events(node_id: str, events: Iterable[Any]) -> Iterable[Any]:
+    def owned_events(self, node_id: str, events: Iterable[Any]) -> Iterable[Any]:
+        """The node's events, each naming its node, counted on the node's stats
+        (``events_stored``/``events_removed``: blocks announced; ``events_cleared``)."""
+        counted = {"events_stored": 0, "events_removed": 0, "events_cleared": 0}
         for event in events:
             # vLLM's stored/removed events name the offloading tier that made
             # them in ``ownership``: the node, unless set.
             if getattr(event, "ownership", "") is None:
                 event.ownership = node_id
+            kind = EVENT_COUNTERS.get(type(event).__name__)
+            if kind is not None:
+                counted[kind] += len(getattr(event, "block_hashes", None) or ()) or 1
             yield event
+        stats = self.stats.get(node_id)
+        if stats is not None:
+            for name, count in counted.items():
+                if count:
+                    stats.extra.add(name, count)

@@ -27,7 +27,7 @@ class Subscriber:
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.batches: list[Any] = []
         self._again = zmq.Again
-        self.socket = zmq.Context.instance().socket(zmq.SUB)
+        self.socket: Any = zmq.Context.instance().socket(zmq.SUB)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.socket.setsockopt(zmq.RCVTIMEO, 200)
         self.socket.bind(self.endpoint)

@@ -53,8 +53,6 @@ class TierEvents:
         self.hash_ratio = hash_ratio
         self.specs = [_spec_fields(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
         self._queue: list[Any] = []
-        self.stored = 0  # blocks announced stored / removed since the last take()
-        self.removed = 0
         #: Whether a block saved without vLLM's hash (not announced) was logged.
         self.warned = False
 
@@ -83,7 +81,6 @@ class TierEvents:
     def announce(self, event: Any) -> tuple[Any, int]:
         """Queue a ``BlockStored``; returns what its ``BlockRemoved`` will need."""
         self._queue.append(event)
-        self.stored += 1
         return event.block_hashes[0], event.group_idx
 
     def remove(self, announced: tuple[Any, int]) -> None:
@@ -96,7 +93,6 @@ class TierEvents:
             self._queue.append(
                 self._removed_type(block_hashes=[block_hash], medium=self._medium, group_idx=group)
             )
-        self.removed += 1
 
     def take(self) -> list[Any]:
         """The events since the last call, oldest first."""

@@ -172,8 +172,6 @@ def test_stored_blocks_carry_vllms_own_hashes_and_payload(
             extra, _ = generate_block_hash_extra_keys(req, start, end, 0)  # the LoRA's name
             parent = hash_block_tokens(sha256, parent, p[start:end], extra)
             assert e.block_hashes == [ext(parent)]
-    stats = eng.sched.stats.extra
-    assert stats["events_stored"] == 3 and "events_removed" not in stats
     assert eng.events() == []  # taken once
 
 
@@ -196,8 +194,6 @@ def test_eviction_removes_the_same_hashes_after_they_were_stored() -> None:
     assert (removed.medium, removed.group_idx, removed.ownership) == ("CPU", 0, None)
     assert [type(e) for e in stored_b] == [BlockStored] * 3
     assert [e.block_hashes[0] for e in stored_b] == [ext(h) for h in eng.request("b").block_hashes]
-    assert eng.sched.stats.extra["events_stored"] == 6
-    assert eng.sched.stats.extra["events_removed"] == 3
     assert eng.sched.stats.extra["evictions"] == 3
     # vLLM's publisher can send them: they encode and decode as vLLM's batch type.
     batch = KVEventBatch(ts=0.0, events=stored + events)
@@ -227,7 +223,6 @@ def test_dropped_and_reset_blocks_are_removed_and_saves_in_flight_are_not_announ
     eng.sched.reset_cache()
     removed = [h for e in eng.events() for h in e.block_hashes]
     assert sorted(removed) == sorted([hashes[0], hashes[2]])
-    assert eng.sched.stats.extra["events_removed"] == 3
     eng.sched.shutdown()
     assert eng.events() == []
 
@@ -284,7 +279,6 @@ def test_events_only_when_asked_and_vllm_publishes(
     sched.update_connector_output(OffloadWorkerMeta(saved=saved))
     assert len(sched.index) == 3
     assert len(list(sched.take_events())) == (3 if on else 0)
-    assert ("events_stored" in sched.stats.extra) == on
 
 
 def test_without_vllm_hashes_nothing_is_published() -> None:
