@@ -149,7 +149,8 @@ class Pipeline(BaseModel):
     annotate_outputs: bool = Field(
         False,
         description='Add {"kv_composer": {"served_by": node, "tokens": n}} to each finished '
-        "request's kv_transfer_params, so callers see which node served it.",
+        "request's kv_transfer_params, so callers see which node served it: the tokens that "
+        'arrived in vLLM\'s KV cache (a load that lost blocks adds "failed").',
     )
     time_layer_hooks: bool = Field(
         False, description="Also time per-layer hooks in per-node stats (costs ~0.1 us per call)."

@@ -108,14 +108,19 @@ class NodeStats:
         object.__setattr__(self, name, value)
         self.changes.seen = True
 
-    def count_request(self, prompt_tokens: int, served_tokens: int) -> None:
+    def count_request(self, prompt_tokens: int, served_tokens: int = 0) -> None:
         """One request looked up in the node, with ``prompt_tokens``, of which the node
-        served ``served_tokens`` (0: none). The chain calls it once per request."""
+        served ``served_tokens`` (0: none, or not known yet). The chain calls it once
+        per request, at its admission, and :meth:`count_served` once it finishes."""
         self.requests_looked_up += 1
         self.prompt_tokens_looked_up += prompt_tokens
         if served_tokens > 0:
-            self.requests_hit += 1
-            self.prompt_tokens_hit += served_tokens
+            self.count_served(served_tokens)
+
+    def count_served(self, tokens: int) -> None:
+        """A request the node served ``tokens`` of (that arrived in vLLM's KV cache)."""
+        self.requests_hit += 1
+        self.prompt_tokens_hit += tokens
 
     def add_time(self, hook: str, seconds: float) -> None:
         self.hook_seconds[hook] = self.hook_seconds.get(hook, 0.0) + seconds

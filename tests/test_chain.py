@@ -154,6 +154,7 @@ def test_a_request_counts_once_per_node_however_often_vllm_asks() -> None:
     back.num_preemptions = 1
     c.get_num_new_matched_tokens(back, 0)
     c.update_state_after_alloc(back, Blocks(), 8)
+    c.request_finished(back, [])  # what it served is counted once settled
     counted = {
         n: (
             s.lookups,
@@ -165,6 +166,59 @@ def test_a_request_counts_once_per_node_however_often_vllm_asks() -> None:
         for n, s in c.stats.items()
     }
     assert counted == {"a": (4, 1, 0, 20, 0), "b": (4, 1, 1, 20, 8)}
+
+
+def _output(invalid: frozenset[int] = frozenset(), failed: frozenset[str] = frozenset()) -> Any:
+    return SimpleNamespace(
+        invalid_block_ids=set(invalid), failed_recving=set(failed), kv_connector_worker_meta=None
+    )
+
+
+#: (what vLLM reports back, the request's computed tokens at lookup, tokens delivered).
+#: Blocks of 4 tokens; the node loads 8 tokens into blocks 10, 11 (11, 12 from 4 computed).
+OUTCOMES = {
+    "arrived": ({}, 0, 8),
+    "second block failed": ({"invalid": {11}}, 0, 4),
+    "first block failed": ({"invalid": {10}}, 0, 0),
+    "both failed": ({"invalid": {10, 11}}, 0, 0),
+    "another request's block": ({"invalid": {13}}, 0, 8),
+    "async load failed": ({"failed": {"r1"}}, 0, 0),
+    "another request's async load": ({"failed": {"r2"}}, 0, 8),
+    "after computed tokens": ({"invalid": {12}}, 4, 4),
+}
+
+
+@pytest.mark.parametrize("outcome", list(OUTCOMES))
+def test_what_a_node_served_is_what_arrived(outcome: str) -> None:
+    report, computed, delivered = OUTCOMES[outcome]
+    c = chain(
+        {
+            "a": {"plugin": "tier", "config": {"hit": 0}},
+            "b": {"plugin": "tier", "config": {"hit": 8}},
+        },
+        annotate_outputs=True,
+    )
+    assert c.get_num_new_matched_tokens(request(), computed) == (8, False)
+    c.update_state_after_alloc(request(), Blocks(), 8)
+    c.build_connector_meta(None)
+    c.update_connector_output(_output(**report))
+    _, params = c.request_finished(request(), [])
+    assert params is not None
+    note = params["kv_composer"]
+    assert note["tokens"] == delivered
+    assert note["served_by"] == ("b" if delivered else None)
+    assert note.get("failed") == (
+        None if delivered == 8 else {"node": "b", "tokens": 8 - delivered}
+    )
+    b = c.stats["b"]
+    assert (b.tokens_hit, b.requests_hit, b.prompt_tokens_hit) == (
+        delivered,
+        int(delivered > 0),
+        delivered,
+    )
+    assert b.extra.get("tokens_load_failed", 0) == 8 - delivered
+    assert b.extra.get("loads_failed", 0) == int(delivered < 8)
+    assert c.stats["a"].tokens_hit == 0 and c.stats["a"].requests_hit == 0
 
 
 def test_longest_hit_policy_and_load_order() -> None:

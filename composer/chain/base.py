@@ -50,7 +50,8 @@ class ChainBase:
     # Scheduler side.
     #: Request -> (node serving it, num_computed_tokens at lookup, async load).
     chosen: dict[str, tuple[str, int, bool]]
-    served: dict[str, tuple[str, int]]
+    #: Request -> its load as planned and settled (``scheduler.PlannedLoad``).
+    served: dict[str, Any]
     pending_loads: dict[str, set[int]]
     #: Sent with the next step's metadata.
     new_holds: dict[str, tuple[str, ...]]
@@ -103,5 +104,7 @@ class ChainBase:
         def owned_events(self, node_id: str, events: Iterable[Any]) -> Iterable[Any]: ...
 
         def switch_off(self, node_id: str, reason: str, **where: Any) -> None: ...
+
+        def settle_loads(self, invalid_block_ids: set[int], failed_recving: set[str]) -> None: ...
 
         def rebind(self) -> None: ...

@@ -3,12 +3,15 @@
 The load policy picks one node per request (first or longest hit, in load
 order); only that node is told it loads. Which blocks it loads travels to the
 workers with the step's metadata, so a failing load there becomes load errors.
+What the node served is settled by what vLLM reports back (:class:`PlannedLoad`):
+only the tokens that arrived count, in ``served_by`` and in the node's counters.
 A finished request's blocks stay held while any node still saves from them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from composer.chain.base import ChainBase
@@ -20,6 +23,42 @@ from composer.views import RequestView, StepView
 
 #: What a request_finished call that raised stands for.
 FAULTED = object()
+
+
+@dataclass
+class PlannedLoad:
+    """A request's load as planned, and what arrived of it.
+
+    vLLM reports a load's failure back to the scheduler: a sync load's (and an
+    async one's) failed blocks as ``invalid_block_ids``, and it recomputes from
+    the first of them on; an async load that failed as a whole (several KV
+    cache groups, or a node switched off) in ``failed_recving``. Every
+    failure path of the chain ends there (a node's fault, its store away, a
+    checksum refusal, a switch-off: their blocks are load errors)."""
+
+    node: str
+    #: The request's computed tokens before the load, and the tokens it loads.
+    computed: int
+    tokens: int
+    #: Per KV cache group, the blocks the load writes, in order (from block
+    #: ``computed // block_size``; null blocks of a sliding window included).
+    blocks: tuple[tuple[int, ...], ...]
+    #: Tokens that arrived: the planned ones until a failure is reported.
+    delivered: int = -1
+
+    def __post_init__(self) -> None:
+        if self.delivered < 0:
+            self.delivered = self.tokens
+
+    def failed(self, invalid: set[int], block_size: int) -> None:
+        """``invalid`` blocks failed: vLLM recomputes from the first the load wrote."""
+        first = self.computed // block_size if block_size else 0
+        for group in self.blocks:
+            for i, block in enumerate(group):
+                if block != NULL_BLOCK and block in invalid:
+                    kept = max(0, (first + i) * block_size - self.computed)
+                    self.delivered = min(self.delivered, kept)
+                    break
 
 
 class SchedulerSide(ChainBase):
@@ -161,9 +200,9 @@ class SchedulerSide(ChainBase):
         if not getattr(request, "num_preemptions", 0):
             # Once per request, at its admission (as vLLM counts its external prefix
             # cache hits): vLLM asks again about a request it could not schedule yet.
+            # What a node served is counted when the request finishes: settled.
             for node_id, _ in self.calls["get_num_new_matched_tokens"]:
-                served = num_external_tokens if node_id == chosen else 0
-                self.stats[node_id].count_request(view.num_prompt_tokens, served)
+                self.stats[node_id].count_request(view.num_prompt_tokens)
         for node_id, fn in self.calls["update_state_after_alloc"]:
             tokens = num_external_tokens if node_id == chosen else 0
             try:
@@ -174,15 +213,16 @@ class SchedulerSide(ChainBase):
     def _plan_load(
         self, request_id: str, node_id: str, block_ids: Any, num_external_tokens: int
     ) -> None:
-        """Record which blocks ``node_id`` loads, for the workers' load errors."""
+        """Record which blocks ``node_id`` loads, for the workers' load errors and
+        for settling what it served."""
         _, computed, load_async = self.chosen[request_id]
-        self.stats[node_id].tokens_hit += num_external_tokens
-        self.served[request_id] = (node_id, num_external_tokens)
         size = self.block_size
         first = computed // size if size else 0
         last = -(-(computed + num_external_tokens) // size) if size else None
+        ordered = tuple(tuple(group[first:last]) for group in block_ids)
+        self.served[request_id] = PlannedLoad(node_id, computed, num_external_tokens, ordered)
         loading = self.pending_loads.setdefault(node_id, set())
-        blocks = {b for group in block_ids for b in group[first:last] if b != NULL_BLOCK}
+        blocks = {b for group in ordered for b in group if b != NULL_BLOCK}
         loading |= blocks
         if self.num_groups > 1:
             converted = request_id in self.converted
@@ -194,6 +234,14 @@ class SchedulerSide(ChainBase):
             # Async: the worker tracks it, so that a node switched off before
             # it finishes loading reports it failed instead of leaving it waiting.
             self.new_async_loads[request_id] = node_id
+
+    def settle_loads(self, invalid_block_ids: set[int], failed_recving: set[str]) -> None:
+        """Loads vLLM reported failed (from ``update_connector_output``)."""
+        for request_id, load in self.served.items():
+            if request_id in failed_recving:
+                load.delivered = 0
+            elif invalid_block_ids:
+                load.failed(invalid_block_ids, self.block_size)
 
     def ask_chosen(self, hook: str, request: Any, *args: Any) -> Any:
         """Ask only the node serving ``request``; None when it has no answer."""
@@ -257,17 +305,29 @@ class SchedulerSide(ChainBase):
         holders, params = hold_and_params(results)
         if holders:
             self.new_holds[request.request_id] = tuple(holders)
-        served = self.served.pop(request.request_id, None)
+        load = self.served.pop(request.request_id, None)
+        delivered = self._settle(request, load) if load is not None else 0
         if self.pipeline.annotate_outputs:
-            params = {
-                **(params or {}),
-                "kv_composer": {
-                    "served_by": served[0] if served else None,
-                    "tokens": served[1] if served else 0,
-                },
+            note: dict[str, Any] = {
+                "served_by": load.node if load is not None and delivered else None,
+                "tokens": delivered,
             }
+            if load is not None and delivered < load.tokens:
+                note["failed"] = {"node": load.node, "tokens": load.tokens - delivered}
+            params = {**(params or {}), "kv_composer": note}
         self.chosen.pop(request.request_id, None)
         return bool(holders), params
+
+    def _settle(self, request: Any, load: PlannedLoad) -> int:
+        """Count what ``load`` delivered on its node's stats; returns the tokens."""
+        stats, delivered = self.stats[load.node], load.delivered
+        stats.tokens_hit += delivered
+        if delivered:
+            stats.count_served(delivered)
+        if delivered < load.tokens:
+            stats.extra.add("loads_failed")
+            stats.extra.add("tokens_load_failed", load.tokens - delivered)
+        return delivered
 
     def register_finished_partial_tail(self, request: Any, block_ids: Any, offloads: Any) -> bool:
         view = RequestView(request)

@@ -35,6 +35,10 @@ class WorkerOutput(ChainBase):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Each node gets its own worker metadata (see the module's docstring)."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        failed = getattr(connector_output, "failed_recving", None)
+        if (invalid or failed) and self.served:
+            self.settle_loads(set(invalid or ()), set(failed or ()))
         native = self.output_native_only
         # (Inside vLLM, whose output always has the field, for native nodes only.)
         if native is not None and connector_output.kv_connector_worker_meta is None:

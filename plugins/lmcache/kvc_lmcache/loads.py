@@ -5,8 +5,8 @@ A retrieve is announced in the step's connector metadata (LMCache's
 cache group, the block ids it writes). vLLM then asks, in one later step, which
 loads finished (``get_transfer_results``) and right after which blocks failed
 (``get_block_ids_with_load_errors``). A finished retrieve is counted once that
-step's failed blocks are known, without the tokens of those blocks; a request
-that failed as a whole counts nothing.
+step's failed blocks are known, up to the first failed block (vLLM recomputes
+from there); a request that failed as a whole counts nothing.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def _groups(block_ids: Any) -> list[list[int]]:
 
 
 def _failed_tokens(r: _Retrieve, errors: set[int]) -> int:
-    """Tokens of the written range that lie in a failed block of any group."""
-    spans: list[tuple[int, int]] = []
+    """Tokens of the written range vLLM recomputes: from the first one in a failed
+    block of any group on (vLLM truncates a request's computed tokens there)."""
+    first = r.end
     for ids in r.groups:
         if not ids:
             continue
@@ -44,15 +45,10 @@ def _failed_tokens(r: _Retrieve, errors: set[int]) -> int:
             if block in errors:
                 lo = max(r.start, r.range_start + i * per_block)
                 hi = min(r.end, r.range_start + (i + 1) * per_block)
-                if hi > lo:
-                    spans.append((lo, hi))
-    failed, reached = 0, r.start
-    for lo, hi in sorted(spans):
-        lo = max(lo, reached)
-        if hi > lo:
-            failed += hi - lo
-            reached = hi
-    return failed
+                if hi > lo:  # (else a block vLLM's prefix cache holds: not written)
+                    first = min(first, lo)
+                    break
+    return r.end - first
 
 
 @dataclass

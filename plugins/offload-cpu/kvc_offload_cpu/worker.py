@@ -339,16 +339,15 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
             self.stats.errors += 1
         i = 0
         good = 0
-        #: Token positions loaded (one block of each group per position).
-        positions = 0
+        #: Per request, the token positions loaded (one block of each group per position).
+        loaded: dict[str, set[int]] = {}
         for t in result.transfers:
             self._wmeta.loaded[t.req_id] = self._wmeta.loaded.get(t.req_id, 0) + 1
             self._recving_done_add(t.req_id)
-            loaded: set[int] = set()
             for j in range(len(t)):
                 if result.ok[i]:
                     good += 1
-                    loaded.add(t.positions[j])
+                    loaded.setdefault(t.req_id, set()).add(t.positions[j])
                 else:
                     self._load_errors.add(t.block_ids[j])
                     self._step_failed.add(t.req_id)
@@ -363,7 +362,12 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
                     self.stats.extra.add(kind)
                     self.stats.extra.add("load_errors")
                 i += 1
-            positions += len(loaded)
+        # vLLM recomputes a request from its first failed block on: what arrived
+        # is what lies before it (blocks copied after it are overwritten).
+        failed_at = self._wmeta.req_load_failed
+        positions = sum(
+            sum(1 for p in done if p < failed_at.get(rid, p + 1)) for rid, done in loaded.items()
+        )
         bad = i - good
         self.blocks_loaded += good
         self.blocks_refused += bad
