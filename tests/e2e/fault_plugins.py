@@ -257,25 +257,12 @@ class BlockWatchConfig(BaseModel):
 
 
 class BlockWatch(Plugin[BlockWatchConfig]):
-    """Appends ``[request index, free blocks]`` at every new request, and tells each
-    finished request how many tokens vLLM scheduled for it (``kv_transfer_params``
-    ``scheduled_tokens``): what vLLM computed, so what a tier delivered is known
-    without asking the chain (prompt + output - 1 - scheduled)."""
+    """Appends ``[request index, free blocks]`` at every new request."""
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self.pool: Any = None
         self.n = 0
-        self.scheduled: dict[str, int] = {}
-
-    @hookimpl
-    def build_connector_meta(self, scheduler_output: Any) -> None:
-        for request_id, tokens in scheduler_output.num_scheduled_tokens.items():
-            self.scheduled[request_id] = self.scheduled.get(request_id, 0) + tokens
-
-    @hookimpl
-    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any]]:
-        return False, {"scheduled_tokens": self.scheduled.pop(request.request_id, 0)}
 
     @hookimpl
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from composer import kv_transfer_config, load_pipeline
+from composer.testing import kept
 from composer.testing.engine import EngineFailed, EngineResult, EngineSpec, SharedRuns, run_engine
 from composer.testing.tiny_model import GEMMA3_SHAPE, build_tiny_model, make_prompts
 
@@ -82,7 +83,7 @@ def _pipeline(
 ) -> dict[str, Any]:
     """One faulty node per cell; ``mode``: every node's load/save mode, or each cell's."""
     watch = {"plugin": "block-watch", "config": {"path": str(tmp / "free.jsonl")}}
-    nodes: dict[str, Any] = {"watch": watch}
+    nodes: dict[str, Any] = {"watch": watch, "kept": kept.node()}
     modes = [mode] * len(cells) if isinstance(mode, str) else mode
     for i, (hook, call) in enumerate(cells):
         nodes[f"f{i}"] = {
@@ -102,8 +103,11 @@ def _pipeline(
     return kv_transfer_config(load_pipeline(pipeline))
 
 
+MODULES = f"plugins_for_tests,fault_plugins,{kept.MODULE}"
+
+
 def _env(engine_env: dict[str, str]) -> dict[str, str]:
-    return {**engine_env, "KV_COMPOSER_PLUGIN_MODULES": "plugins_for_tests,fault_plugins"}
+    return {**engine_env, "KV_COMPOSER_PLUGIN_MODULES": MODULES}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +117,7 @@ def plain(plain_llama: SharedRuns) -> EngineResult:
 
 @pytest.fixture(scope="module", autouse=True)
 def _fault_plugins(monkeypatch_module: pytest.MonkeyPatch) -> None:
-    monkeypatch_module.setenv("KV_COMPOSER_PLUGIN_MODULES", "plugins_for_tests,fault_plugins")
+    monkeypatch_module.setenv("KV_COMPOSER_PLUGIN_MODULES", MODULES)
 
 
 @pytest.fixture(scope="module")
@@ -173,22 +177,10 @@ def test_matrix(
 
 def _assert_reported_is_delivered(result: EngineResult) -> None:
     """Request by request: what KV Composer says a node served (``served_by``,
-    ``tokens``) is what vLLM did not compute, and a failed load is named."""
-    wrong, vllm_counts_failed = [], 0
-    for r, rnd in enumerate(result.rounds):
-        for i, x in enumerate(rnd):
-            params = x.kv_transfer_params or {}
-            note, scheduled = params["kv_composer"], params["scheduled_tokens"]
-            delivered = x.prompt_tokens + len(x.tokens) - 1 - scheduled
-            by = note["served_by"]
-            if note["tokens"] != delivered or (by is None) != (delivered == 0):
-                wrong.append((r, i, note, delivered))
-            if x.cached_tokens != delivered:
-                # vLLM's own count: the load it planned (see the README's faults section).
-                vllm_counts_failed += 1
-                assert x.cached_tokens == delivered + note["failed"]["tokens"], (r, i, note)
-    assert not wrong, f"(round, request, reported, delivered): {wrong}"
-    print(f"\nrequests whose load failed, counted in vLLM's cached_tokens: {vllm_counts_failed}")
+    ``tokens``) is what vLLM kept (``kept-tokens``' count), and a failed load is named."""
+    wrong, vllm_counts_failed = kept.reported_vs_kept(result.rounds)
+    assert not wrong, f"(round, request, reported, kept): {wrong}"
+    print(f"\nrequests whose failed load vLLM's cached_tokens counts: {vllm_counts_failed}")
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,7 @@ from kvc_lmcache.server import (
 
 from composer import kv_transfer_config, load_pipeline
 from composer.discovery import discover
+from composer.testing import kept as kept_tokens
 from composer.testing.engine import (
     EngineResult,
     EngineSpec,
@@ -95,6 +96,7 @@ def _kv(
         "version": 1,
         "annotate_outputs": True,
         "nodes": {
+            "kept": kept_tokens.node(),
             "killer": {
                 "plugin": plugin,
                 "needs": ["lmcache"],
@@ -112,7 +114,7 @@ def _kv(
         "load_order": ["killer", "lmcache"],
     }
     return kv_transfer_config(
-        load_pipeline(pipeline, registry=discover(extra=[kvc_lmcache_faults]))
+        load_pipeline(pipeline, registry=discover(extra=[kvc_lmcache_faults, kept_tokens]))
     )
 
 
@@ -122,7 +124,10 @@ def runs(
 ) -> Iterator[dict[str, Any]]:
     model = str(build_tiny_model())
     state = tmp_path_factory.mktemp("lmcache-state")
-    env = {"KVC_LMCACHE_STATE_DIR": str(state), **plugin_env(HERE, "kvc_lmcache_faults")}
+    env = {
+        "KVC_LMCACHE_STATE_DIR": str(state),
+        **plugin_env(HERE, "kvc_lmcache_faults", kept_tokens.MODULE),
+    }
     out: dict[str, Any] = {"state": state, "servers": []}
 
     def run(
@@ -218,6 +223,14 @@ def test_every_request_completes_with_the_tokens_of_a_plain_run(
     result = runs[name]
     for r in range(len(result.rounds)):
         assert result.tokens(r) == runs["plain"].tokens(r), f"round {r}"
+
+
+@pytest.mark.parametrize("name", [*SURVIVING, "chaos"])
+def test_what_the_node_is_said_to_have_served_arrived(runs: dict[str, Any], name: str) -> None:
+    # Request by request, also for loads that met the dead server: served_by and
+    # tokens are what vLLM kept (``kept-tokens``), not what was planned.
+    wrong, _ = kept_tokens.reported_vs_kept(runs[name].rounds)
+    assert not wrong, f"(round, request, reported, kept): {wrong}"
 
 
 @pytest.mark.parametrize("name", STAYS_DOWN)

@@ -30,12 +30,13 @@ from composer import (
 
 
 def tier_pipeline(
-    config: dict[str, Any], extra_nodes: dict[str, Any] | None = None
+    config: dict[str, Any], extra_nodes: dict[str, Any] | None = None, **fields: Any
 ) -> dict[str, Any]:
-    """The engine tests' ``kv_transfer_config``: one ``cpu`` offload-cpu node, plus others."""
+    """The engine tests' ``kv_transfer_config``: one ``cpu`` offload-cpu node, plus
+    others; ``fields``: more top-level pipeline fields."""
     nodes = {"cpu": {"plugin": "offload-cpu", "on_error": "recompute", "config": config}}
     nodes.update(extra_nodes or {})
-    return kv_transfer_config(load_pipeline({"version": 1, "nodes": nodes}))
+    return kv_transfer_config(load_pipeline({"version": 1, "nodes": nodes, **fields}))
 
 
 class CorruptorConfig(BaseModel):

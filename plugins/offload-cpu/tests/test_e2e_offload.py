@@ -19,6 +19,7 @@ import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 from offload_cpu_e2e_plugins import tier_pipeline
 
+from composer.testing import kept  # noqa: E402
 from composer.testing.engine import (  # noqa: E402
     EngineResult,
     EngineSpec,
@@ -47,11 +48,11 @@ def runs(
 ) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("offload-cpu")
     model = str(build_tiny_model())
-    env = plugin_env(HERE, "offload_cpu_e2e_plugins")
+    env = plugin_env(HERE, "offload_cpu_e2e_plugins", kept.MODULE)
     # For load_pipeline here; undone after this module so other tests see only
     # the installed plugins.
     patch = pytest.MonkeyPatch()
-    patch.setenv("KV_COMPOSER_PLUGIN_MODULES", "offload_cpu_e2e_plugins")
+    patch.setenv("KV_COMPOSER_PLUGIN_MODULES", f"offload_cpu_e2e_plugins,{kept.MODULE}")
     patch.syspath_prepend(str(HERE))
 
     def spec(kv: dict[str, Any] | None) -> EngineSpec:
@@ -81,8 +82,10 @@ def runs(
                         "plugin": "offload-cpu-corruptor",
                         "needs": ["cpu"],
                         "config": {"target": "cpu", "report": str(report), "every": 2},
-                    }
+                    },
+                    "kept": kept.node(),
                 },
+                annotate_outputs=True,
             )
         )
     )
@@ -139,3 +142,10 @@ def test_corrupt_blocks_are_recomputed_not_served(runs: dict[str, Any]) -> None:
     corrupt, plain = runs["corrupt"], runs["plain"]
     for r in range(len(ROUNDS)):
         assert corrupt.tokens(r) == plain.tokens(r), f"round {r}"
+    # What the tier is said to have served is what arrived: a refused block and
+    # every block after it are recomputed, and not credited.
+    wrong, vllm_counts_failed = kept.reported_vs_kept(corrupt.rounds)
+    assert not wrong, f"(round, request, reported, kept): {wrong}"
+    assert vllm_counts_failed > 0, "no load lost a block"
+    notes = [x.kv_transfer_params["kv_composer"] for rnd in corrupt.rounds for x in rnd]
+    assert any(n.get("failed") for n in notes) and any(n["served_by"] for n in notes)
