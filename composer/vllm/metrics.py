@@ -207,7 +207,7 @@ COUNTERS = {
     "requests_hit": "Requests looked up in the node that it served tokens of.",
     "prompt_tokens_looked_up": "Prompt tokens of the requests looked up in the node.",
     "prompt_tokens_hit": "Prompt tokens the node served of the requests looked up.",
-    "tokens_hit": "Prompt tokens the node reported it holds.",
+    "tokens_hit": "Prompt tokens the node served (that arrived in vLLM's KV cache).",
     "tokens_loaded": "Prompt tokens loaded from the node into vLLM's KV cache.",
     "tokens_saved": "Tokens the node stored.",
     "bytes_loaded": "Bytes loaded from the node.",

@@ -48,9 +48,12 @@ def test_metrics_show_every_node_and_kvc_top_reads_them(
             timeout=60,
         )
     cpu = scrape.nodes(samples)["cpu"]
-    assert cpu.counters["lookups"] >= 2
-    assert cpu.counters["hits"] >= 1
+    # One lookup per request (one request at a time, sync loads), counted once.
+    assert cpu.counters["lookups"] == 2 and cpu.counters["hits"] == 1
     assert cpu.counters["tokens_loaded"] == 480 == result.node_tokens["cpu"]
+    # What the node served, settled when the request finished, is what arrived.
+    assert cpu.counters["requests_hit"] == 1 and cpu.counters["requests_looked_up"] == 2
+    assert cpu.counters["prompt_tokens_hit"] == 480 == cpu.counters["tokens_hit"]
     assert cpu.counters["bytes_loaded"] > 0 and cpu.counters["bytes_saved"] > 0
     assert 0 < cpu.gauges["pool_use"] < 1
     assert not cpu.disabled

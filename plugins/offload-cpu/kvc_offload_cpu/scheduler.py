@@ -230,7 +230,6 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         st.block_ids = [list(ids) for ids in block_ids]
         if num_external_tokens == 0:
             if st.lookup is not None:  # first allocation of a request we looked up
-                self.stats.lookups += 1
                 self.stats.extra.add("misses")
                 st.lookup = None
             return
@@ -238,9 +237,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         computed = st.lookup[0] if st.lookup is not None else 0
         st.lookup = None
         start, n = computed // bs, num_external_tokens // bs
-        self.stats.lookups += 1
-        self.stats.hits += 1
-        self.stats.tokens_hit += num_external_tokens
+        # (lookups, hits and what was served are the chain's counts, for every node)
         transfer = Transfer(request.request_id)
         entries: list[Entry] = []
         # Every block vLLM allocated for the hit is loaded: positions outside a

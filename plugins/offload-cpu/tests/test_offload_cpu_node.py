@@ -30,7 +30,8 @@ def test_save_then_load_restores_identical_bytes(layout: str, save_mode: str) ->
         assert torch.equal(eng.block_bytes("b", b), content(p, b))
     assert eng.worker.stats.tokens_loaded == 96
     assert eng.worker.stats.bytes_loaded == 3 * SLOT
-    assert eng.sched.stats.hits == 1 and eng.sched.stats.tokens_hit == 96
+    # Counted by the chain, not by the node (tests/test_chain.py).
+    assert eng.sched.stats.hits == 0 and eng.sched.stats.tokens_hit == 0
 
 
 def test_load_really_copies() -> None:
@@ -107,7 +108,7 @@ def test_lookup_is_side_effect_free_and_respects_min_blocks() -> None:
     assert s.get_num_new_matched_tokens(view, 0) == (96, False)
     assert s.get_num_new_matched_tokens(view, 32) == (0, False)  # only 2 new blocks < 3
     assert s.get_num_new_matched_tokens(view, 5) == (0, False)  # unaligned: no hit
-    assert s.stats.lookups == before  # counted at allocation, not per question
+    assert s.stats.lookups == before  # the chain counts lookups, not the node
 
 
 def test_lru_eviction_under_capacity_pressure_keeps_memory_bounded() -> None:
@@ -394,7 +395,7 @@ def test_stats_report_pool_use_and_throughput() -> None:
     assert s["pool_bytes_used"] == 3 * SLOT and s["pool_use"] == pytest.approx(0.3)
     assert w["save_gib_s"] > 0 and w["load_gib_s"] > 0
     assert eng.worker.stats.extra["save_copy_s"] > 0 and eng.worker.stats.extra["load_copy_s"] > 0
-    assert eng.sched.stats.extra["misses"] == 1 and eng.sched.stats.hits == 1
+    assert eng.sched.stats.extra["misses"] == 1  # (hits: the chain counts them)
 
 
 def _prefill_out(eng: Engine, rid: str) -> object:
