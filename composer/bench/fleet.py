@@ -158,7 +158,12 @@ def run_policy(
         model = served_model(router.url)
         before = [counters(e.url) for e in engines]
         records, wall = replay(
-            router.url, model, prompts, concurrency=spec.concurrency, speedup=spec.speedup
+            router.url,
+            model,
+            prompts,
+            concurrency=spec.concurrency,
+            speedup=spec.speedup,
+            pause_s=spec.pause_s,
         )
         time.sleep(SETTLE_S)
         after = [counters(e.url) for e in engines]

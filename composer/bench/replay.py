@@ -218,10 +218,13 @@ def replay(
     concurrency: int | None = None,
     speedup: float = 1.0,
     on_done: Callable[[Record], None] | None = None,
+    pause_s: float = 0.0,
 ) -> tuple[list[Record], float]:
     """Send ``prompts``: ``concurrency`` at a time in trace order, or else each at
     its arrival time divided by ``speedup``. Returns the records (in prompt order)
-    and the wall time."""
+    and the wall time. ``pause_s``: with ``concurrency``, seconds between a
+    request's end and the next one's start (a router counts a request's end a
+    moment after the client does)."""
     records: list[Record | None] = [None] * len(prompts)
     lock = threading.Lock()
 
@@ -231,6 +234,8 @@ def replay(
             records[position] = record
             if on_done is not None:
                 on_done(record)
+        if pause_s and concurrency is not None:
+            time.sleep(pause_s)
 
     start = time.perf_counter()
     if concurrency is not None:

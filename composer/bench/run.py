@@ -133,6 +133,10 @@ class BenchSpec:
     fleet: int = 0
     #: The router's policies a fleet is run with (:data:`composer.bench.fleet.POLICIES`).
     policies: Sequence[str] = ()
+    #: With ``concurrency``: seconds between a request's end and the next one's
+    #: start, so that a router's load counts have settled (one request at a time
+    #: is then one at a time to the router too).
+    pause_s: float = 0.0
 
 
 def run(spec: BenchSpec) -> list[RunResult]:

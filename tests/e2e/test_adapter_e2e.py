@@ -221,9 +221,13 @@ def test_model_hand_off_and_canonical_view(runs: dict[str, Any]) -> None:
 def test_failing_load_is_recomputed_with_identical_tokens(runs: dict[str, Any]) -> None:
     baseline: EngineResult = runs["multi"]
     fault: EngineResult = runs["fault_recompute"]
-    # The faulty node did claim the blocks...
-    assert all(r.kv_transfer_params["kv_composer"]["served_by"] == "bad" for r in fault.rounds[0])
-    # ...its load raised, the blocks became load errors, vLLM recomputed them.
+    # The faulty node did claim the blocks, its load raised, the blocks became
+    # load errors: it is not said to have served them, and the failed load is named.
+    for r in fault.rounds[0]:
+        note = r.kv_transfer_params["kv_composer"]
+        assert note["served_by"] is None and note["tokens"] == 0, note
+        assert note["failed"] == {"node": "bad", "tokens": r.cached_tokens}, note
+    # vLLM recomputed them: the tokens of a run without the fault.
     assert fault.tokens(0) == baseline.tokens(0)
     assert fault.tokens(1) == baseline.tokens(1)
 
