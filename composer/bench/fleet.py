@@ -3,10 +3,11 @@
 N ``kvc serve`` engines run one pipeline, each with vLLM's KV event publisher
 on (``--kv-events-config``, ZMQ), each bound to its own CPU core(s). For each
 policy the engines' caches are emptied (vLLM's ``/reset_prefix_cache`` with
-``reset_external``: its prefix cache and every node's tier), checked empty,
-vLLM's router (:mod:`composer.servers.vllm_router`) is started in front with
-that policy, the trace's prompts are replayed through it, and every engine's
-counters are read around the replay. ``rounds`` repeats the policies in
+``reset_external``: its prefix cache and every node's tier; vLLM says success
+only once nothing was held, else it is asked again), vLLM's router
+(:mod:`composer.servers.vllm_router`) is started in front with that policy,
+the trace's prompts are replayed through it, and every engine's counters are
+read around the replay. ``rounds`` repeats the policies in
 alternating order and pools each one's requests.
 
 The policies are the router's: ``round_robin``, ``consistent_hash``,

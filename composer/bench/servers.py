@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 from composer.bench.replay import BenchError
 from composer.servers.loopback import LOOPBACK, free_port
+from composer.servers.process import stop_group
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def server(config: Config, spec: ServerSpec, log_path: Path) -> Iterator[str]:
             wait_healthy(base, proc, log_path, spec.startup_timeout_s)
             yield base
         finally:
-            stop(proc)
+            stop_group(proc)
 
 
 def wait_healthy(base: str, proc: subprocess.Popen[Any], log_path: Path, timeout: float) -> None:
@@ -133,23 +133,3 @@ def wait_healthy(base: str, proc: subprocess.Popen[Any], log_path: Path, timeout
                     f"server not healthy after {timeout:.0f} s; see {log_path}"
                 ) from None
             time.sleep(1)
-
-
-def stop(proc: subprocess.Popen[Any]) -> None:
-    """SIGTERM to the API server first (vLLM then stops its engine and unlinks its
-    shared memory); whatever outlives that, its whole process group, is killed."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)

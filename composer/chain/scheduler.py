@@ -11,7 +11,7 @@ A finished request's blocks stay held while any node still saves from them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from composer.chain.base import ChainBase
@@ -44,11 +44,10 @@ class PlannedLoad:
     #: ``computed // block_size``; null blocks of a sliding window included).
     blocks: tuple[tuple[int, ...], ...]
     #: Tokens that arrived: the planned ones until a failure is reported.
-    delivered: int = -1
+    delivered: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.delivered < 0:
-            self.delivered = self.tokens
+        self.delivered = self.tokens
 
     def failed(self, invalid: set[int], block_size: int) -> None:
         """``invalid`` blocks failed: vLLM recomputes from the first the load wrote."""
@@ -306,7 +305,7 @@ class SchedulerSide(ChainBase):
         if holders:
             self.new_holds[request.request_id] = tuple(holders)
         load = self.served.pop(request.request_id, None)
-        delivered = self._settle(request, load) if load is not None else 0
+        delivered = self._settle(load) if load is not None else 0
         if self.pipeline.annotate_outputs:
             note: dict[str, Any] = {
                 "served_by": load.node if load is not None and delivered else None,
@@ -318,7 +317,7 @@ class SchedulerSide(ChainBase):
         self.chosen.pop(request.request_id, None)
         return bool(holders), params
 
-    def _settle(self, request: Any, load: PlannedLoad) -> int:
+    def _settle(self, load: PlannedLoad) -> int:
         """Count what ``load`` delivered on its node's stats; returns the tokens."""
         stats, delivered = self.stats[load.node], load.delivered
         stats.tokens_hit += delivered

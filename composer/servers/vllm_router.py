@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from composer.servers.loopback import LOOPBACK, free_port
+from composer.servers.process import stop_group
 
 
 class RouterError(RuntimeError):
@@ -130,7 +130,7 @@ def vllm_router(
             _wait_ready(router, proc, len(workers), log_path, startup_timeout)
             yield router
         finally:
-            _stop(proc)
+            stop_group(proc, grace=10.0)
 
 
 def readiness(url: str, timeout: float = 2.0) -> dict[str, object] | None:
@@ -155,19 +155,9 @@ def _wait_ready(
         if answer is not None and answer.get("healthy_workers") == workers:
             return
         if time.monotonic() > deadline:
-            _stop(proc)
+            stop_group(proc, grace=10.0)
             raise RouterError(
                 f"vllm-router not ready with {workers} healthy workers after {timeout:.0f} s "
                 f"(last /readiness: {answer}); see {log_path}"
             )
         time.sleep(0.2)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        if proc.poll() is not None:
-            break
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=wait)
