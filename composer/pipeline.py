@@ -27,7 +27,7 @@ NodeId = Annotated[str, StringConstraints(pattern=NODE_ID_PATTERN, max_length=64
 # through; JSON Schema checks keys with propertyNames.
 _NODES_SCHEMA: JsonDict = {"propertyNames": {"pattern": NODE_ID_PATTERN, "maxLength": 64}}
 ErrorPolicy = Literal["fail", "disable", "recompute"]
-LoadPolicy = Literal["first_hit", "longest_hit"]
+LoadPolicy = Literal["first_hit", "longest_hit", "ranges"]
 KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]
 
 SCHEMA_ID = "https://kv-composer.dev/schemas/pipeline.schema.json"
@@ -138,7 +138,10 @@ class Pipeline(BaseModel):
     load_policy: LoadPolicy = Field(
         "first_hit",
         description="first_hit: the first node with a hit serves it (MultiConnector's rule). "
-        "longest_hit: the node with the most tokens serves it (ties: load order).",
+        "longest_hit: the node with the most tokens serves it (ties: load order). "
+        "ranges: each node in load order serves what it holds after the nodes before it, "
+        "so one request loads [0, a) from the first, [a, b) from the next, and computes "
+        "the rest.",
     )
     save_to: list[NodeId] | None = Field(
         None, description="Nodes that receive the save hooks; default: every node whose role saves."

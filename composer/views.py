@@ -9,14 +9,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from composer.controls import Controls, controls_of
+
 
 class RequestView:
     """A request as the scheduler sees it. Attributes read through to vLLM lazily."""
 
-    __slots__ = ("raw",)
+    __slots__ = ("raw", "loads")
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, loads: tuple[tuple[str, int, int], ...] = ()) -> None:
         self.raw = raw
+        #: In ``update_state_after_alloc``: the request's load, as (node id, start
+        #: token, tokens) per range, in order; empty when nothing is loaded.
+        self.loads = loads
 
     @property
     def request_id(self) -> str:
@@ -47,6 +52,16 @@ class RequestView:
     @property
     def kv_transfer_params(self) -> dict[str, Any] | None:
         return getattr(self.raw, "kv_transfer_params", None)
+
+    @property
+    def controls(self) -> Controls:
+        """The request's tier controls (``kv_load_tiers``, ``kv_store_tiers``,
+        ``max_offload_tokens``; see :mod:`composer.controls`)."""
+        return controls_of(self.kv_transfer_params)
+
+    def store_limit(self, node_id: str) -> int | None:
+        """How many of the request's first tokens node ``node_id`` may save; None: all."""
+        return self.controls.store_limit(node_id)
 
     def __repr__(self) -> str:
         return f"RequestView({self.request_id!r}, {self.num_tokens} tokens)"

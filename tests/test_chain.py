@@ -501,7 +501,7 @@ def _hybrid_load(policy: str, fail_in: str | None) -> tuple[Chain, Any]:
     sched.update_state_after_alloc(request(), HybridBlocks(), 12)
     meta = sched.build_connector_meta(SimpleNamespace())
     assert meta.loads == {"a": {21, 22, 10, 11, 12}}  # never the null block
-    assert meta.group_loads == {"r1": ("a", frozenset({21, 22, 10, 11, 12}), True)}
+    assert meta.async_loads == {"r1": (("a", frozenset({21, 22, 10, 11, 12}), True),)}
     worker = Chain(resolved, "worker", kv_cache_config=HYBRID_KV_CACHE_CONFIG)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)

@@ -165,7 +165,9 @@ def test_a_store_away_is_no_fault_where_the_hook_can_say_so(hook: str, policy: s
         if not chain.implemented(hook):
             continue
         if role == "worker" and hook in LOAD_HOOKS:
-            chain.bind_connector_metadata(_meta(chain, async_loads={"r0": "bad"}))
+            chain.bind_connector_metadata(
+                _meta(chain, async_loads={"r0": (("bad", frozenset({1}), False),)})
+            )
         if hook not in AWAY_HOOKS:
             if policy == "fail":
                 # (shutdown re-raises the node's own error after the others ran)
@@ -267,7 +269,9 @@ def test_async_load_fault_under_recompute_switches_the_node_off() -> None:
     """A failed async load may still be writing into vLLM's blocks: the node's
     shutdown must stop it before vLLM recomputes into them."""
     worker = _chain("worker", "recompute", "start_load_kv")
-    worker.bind_connector_metadata(_meta(worker, async_loads={"r0": "bad"}))
+    worker.bind_connector_metadata(
+        _meta(worker, async_loads={"r0": (("bad", frozenset({1}), False),)})
+    )
     worker.start_load_kv(None)
     assert worker.disabled == {"bad"} and SHUTDOWNS == ["bad"]
     results = worker.get_transfer_results(set())
@@ -286,8 +290,19 @@ def test_ledger_frees_a_request_when_its_last_holder_finishes_or_is_switched_off
     assert ledger.release("b") == {"r4"}
     assert ledger.sent("a", {"r3"}) == {"r3"}
     assert ledger.held() == 0
-    ledger.loading("a", "r5")
-    ledger.received("a", {"r5"})
+    ledger.loading("r5", ["a"], frozenset({1}))
+    assert ledger.received("a", {"r5"}) == ({"r5"}, set())
     assert not ledger.has_async_loads("a")
-    ledger.loading("a", "r6")
-    assert ledger.drop_loads("a") == {"r6"}
+    ledger.loading("r6", ["a"], frozenset({1}))
+    assert ledger.drop_loads("a") == ({"r6"}, {"r6"})
+    # A request loading ranges from two nodes is done when both are, failed if one failed.
+    ledger.loading("r7", ["a", "b"], frozenset({1, 2}))
+    assert ledger.received("a", {"r7"}) == (set(), set())
+    assert ledger.has_async_loads("b")
+    assert ledger.received("b", {"r7"}) == ({"r7"}, set())
+    ledger.loading("r8", ["a", "b"], frozenset({1, 2}), sync=["a"])
+    assert not ledger.has_async_loads("a")  # its sync range writes nothing later
+    ledger.fail_blocks({2})
+    assert ledger.drop_loads("b") == (set(), set())  # a's range still pending
+    assert ledger.received("a", {"r8"}) == ({"r8"}, {"r8"})
+    assert ledger.received("a", {"r9"}) == ({"r9"}, set())  # unknown: passed on

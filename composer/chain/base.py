@@ -48,21 +48,25 @@ class ChainBase:
     restore_worker_meta: bool
 
     # Scheduler side.
-    #: Request -> (node serving it, num_computed_tokens at lookup, async load).
-    chosen: dict[str, tuple[str, int, bool]]
-    #: Request -> its load as planned and settled (``scheduler.PlannedLoad``).
-    served: dict[str, Any]
+    #: Request -> its load's ranges, in order (``scheduler.Range``: one per node serving it).
+    chosen: dict[str, list[Any]]
+    #: Request -> its ranges' loads as planned and settled (``scheduler.PlannedLoad``).
+    served: dict[str, list[Any]]
     pending_loads: dict[str, set[int]]
+    #: Request -> why its tier controls were refused (told in its kv_transfer_params).
+    refused: dict[str, str]
     #: Sent with the next step's metadata.
     new_holds: dict[str, tuple[str, ...]]
-    new_async_loads: dict[str, str]
-    new_group_loads: dict[str, tuple[str, frozenset[int], bool]]
+    #: Request -> its ranges' (node, blocks it loads, a sync load the chain reports
+    #: done): loads that are async for vLLM (see ``ChainMetadata.async_loads``).
+    new_async_loads: dict[str, tuple[tuple[str, frozenset[int], bool], ...]]
     block_size: int
     #: KV cache groups vLLM runs. With several, vLLM cannot map failed block ids
     #: to requests (it stops the engine), so every load goes through its
     #: async-load protocol and a failure fails the request's load as a whole.
     num_groups: int
-    #: Sync hits the chain turned into async loads for vLLM (several groups).
+    #: Requests with a sync range the chain made async for vLLM (several groups,
+    #: or ranges of both kinds).
     converted: set[str]
 
     # Worker side.
@@ -74,10 +78,8 @@ class ChainBase:
     failed_recving: set[str]
     #: Switched off here, not yet told to the scheduler.
     unreported_disabled: set[str]
-    #: Several groups: request -> (node, blocks it loads, converted from sync).
-    group_loads: dict[str, tuple[str, frozenset[int], bool]]
-    #: Several groups: requests whose load lost a block; reported failed when done.
-    failed_group_loads: set[str]
+    #: Sync ranges the chain reports done once ``start_load_kv`` ran: (node, request).
+    converted_loads: list[tuple[str, str]]
 
     def results(self, hook: str, *args: Any, default: Any = None) -> list[tuple[str, Any]]:
         """(node id, result) of every node implementing ``hook``; a failed one gives ``default``.

@@ -78,11 +78,11 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
         self.disabled = set()
         self.outages = {}
         self.parting_events = []
-        self.chosen, self.served, self.pending_loads = {}, {}, {}
-        self.new_holds, self.new_async_loads, self.new_group_loads = {}, {}, {}
+        self.chosen, self.served, self.pending_loads, self.refused = {}, {}, {}, {}
+        self.new_holds, self.new_async_loads = {}, {}
         self.block_size = _block_size(kv_cache_config)
         self.num_groups = _num_groups(kv_cache_config)
-        self.converted, self.group_loads, self.failed_group_loads = set(), {}, set()
+        self.converted, self.converted_loads = set(), []
         self.ledger = WorkerLedger()
         self.load_error_blocks, self.step_loads = set(), {}
         self.released, self.failed_recving, self.unreported_disabled = set(), set(), set()

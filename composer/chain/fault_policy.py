@@ -126,8 +126,9 @@ class FaultPolicy(ChainBase):
             blocks = len(step - self.load_error_blocks)
             self.load_error_blocks |= step
             done = self.ledger.release(node_id)
-            loading = self.ledger.drop_loads(node_id)
+            _, loading = self.ledger.drop_loads(node_id)
             self.released |= done
+            # (A request that other nodes still load is reported when they are done.)
             self.failed_recving |= loading
             released, failed = len(done), len(loading)
         if blocks:

@@ -65,21 +65,39 @@ class Outage:
     blocks: int = 0
 
 
+class _AsyncLoad:
+    __slots__ = ("pending", "sync", "blocks", "failed")
+
+    def __init__(
+        self, pending: set[str], sync: set[str], blocks: frozenset[int], failed: bool
+    ) -> None:
+        #: Nodes still loading it.
+        self.pending = pending
+        #: Those of them loading synchronously (the chain reports them done).
+        self.sync = sync
+        #: Every block its ranges load.
+        self.blocks = blocks
+        #: A range failed: vLLM recomputes the request's external tokens.
+        self.failed = failed
+
+
 class WorkerLedger:
     """Worker side: who holds which finished request's blocks, and which async loads
     are in flight, per node, so that switching a node off releases exactly its share.
 
     vLLM frees a finished request's blocks once the connector reports it in
     ``finished_sending``; with several saving nodes that is when the last holder
-    has finished (MultiConnector's rule). A request finishes receiving when the
-    node loading it says so.
+    has finished (MultiConnector's rule). A request loading asynchronously
+    (from one node, or a range from each of several) finishes receiving when
+    every node loading it says so, and has failed if any range failed; it is
+    reported only then, since until then a node may still write into its blocks.
     """
 
     def __init__(self) -> None:
         #: Request -> nodes still saving from its blocks.
         self._holders: dict[str, set[str]] = {}
-        #: Node -> requests it is loading asynchronously.
-        self._loading: dict[str, set[str]] = {}
+        #: Request -> its async load in flight.
+        self._loads: dict[str, _AsyncLoad] = {}
 
     def hold(self, request_id: str, nodes: Iterable[str]) -> None:
         """Record a finished request's holders (the scheduler sends them before any
@@ -111,20 +129,68 @@ class WorkerLedger:
                     done.add(req)
         return done
 
-    def loading(self, node_id: str, request_id: str) -> None:
-        self._loading.setdefault(node_id, set()).add(request_id)
+    def loading(
+        self,
+        request_id: str,
+        nodes: Iterable[str],
+        blocks: frozenset[int],
+        *,
+        sync: Iterable[str] = (),
+        failed: bool = False,
+    ) -> None:
+        """A request starts loading from ``nodes``, of which ``sync`` load
+        synchronously (``failed``: a range already did)."""
+        self._loads[request_id] = _AsyncLoad(set(nodes), set(sync), blocks, failed)
 
-    def received(self, node_id: str, request_ids: Iterable[str]) -> None:
-        mine = self._loading.get(node_id)
-        if mine:
-            mine.difference_update(request_ids)
+    def received(self, node_id: str, request_ids: Iterable[str]) -> tuple[set[str], set[str]]:
+        """``node_id`` finished loading these: (requests now done, those of them failed).
+
+        A request the ledger does not know is passed on as done (MultiConnector's rule)."""
+        unknown: set[str] = set()
+        for req in request_ids:
+            load = self._loads.get(req)
+            if load is None:
+                unknown.add(req)
+            else:
+                load.pending.discard(node_id)
+        done, failed = self._take_done()
+        return done | unknown, failed
+
+    def fail_requests(self, request_ids: Iterable[str]) -> None:
+        """A node reported these loads failed."""
+        for req in request_ids:
+            load = self._loads.get(req)
+            if load is not None:
+                load.failed = True
+
+    def fail_blocks(self, blocks: set[int]) -> None:
+        """These blocks failed to load: so did every request loading one."""
+        for load in self._loads.values():
+            if not load.failed and load.blocks & blocks:
+                load.failed = True
 
     def has_async_loads(self, node_id: str) -> bool:
-        return bool(self._loading.get(node_id))
+        """Whether a transfer of ``node_id``'s may still write into vLLM's blocks."""
+        return any(
+            node_id in load.pending and node_id not in load.sync for load in self._loads.values()
+        )
 
-    def drop_loads(self, node_id: str) -> set[str]:
-        """``node_id`` is switched off: the requests it was still loading."""
-        return self._loading.pop(node_id, set())
+    def drop_loads(self, node_id: str) -> tuple[set[str], set[str]]:
+        """``node_id`` is switched off: what it was loading failed. Returns (requests
+        now done, those of them failed), as ``received``."""
+        for load in self._loads.values():
+            if node_id in load.pending:
+                load.pending.discard(node_id)
+                load.failed = True
+        return self._take_done()
+
+    def _take_done(self) -> tuple[set[str], set[str]]:
+        """Loads no node is still working on, taken out: (all, the failed ones)."""
+        done = {req for req, load in self._loads.items() if not load.pending}
+        failed = {req for req in done if self._loads[req].failed}
+        for req in done:
+            del self._loads[req]
+        return done, failed
 
     def held(self) -> int:
         """Finished requests whose blocks some node still holds."""

@@ -25,13 +25,13 @@ class ChainMetadata:
     holds: dict[str, tuple[str, ...]] | None = None
     #: Node id -> block ids it loads this step, so a failing load becomes load errors.
     loads: dict[str, set[int]] = field(default_factory=dict)
-    #: Request id -> the node that starts loading it asynchronously this step.
-    async_loads: dict[str, str] | None = None
+    #: Request id -> what starts loading asynchronously (for vLLM) this step: per
+    #: range (node, blocks it loads, whether the chain made the node's sync load
+    #: async for vLLM and reports it done). The request is done when every range
+    #: is, and failed if one failed (several KV cache groups: if a block failed).
+    async_loads: dict[str, tuple[tuple[str, frozenset[int], bool], ...]] | None = None
     #: Nodes switched off in the scheduler: the worker halves follow.
     disabled: frozenset[str] = frozenset()
-    #: Several KV cache groups: request id -> (node, blocks it loads, whether the
-    #: chain made the node's sync load async for vLLM), so a failure fails the request.
-    group_loads: dict[str, tuple[str, frozenset[int], bool]] | None = None
 
 
 @dataclass

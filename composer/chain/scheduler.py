@@ -1,7 +1,11 @@
-"""Scheduler side: routing a request to the node that serves it, and holding its blocks.
+"""Scheduler side: routing a request to the nodes that serve it, and holding its blocks.
 
-The load policy picks one node per request (first or longest hit, in load
-order); only that node is told it loads. Which blocks it loads travels to the
+The load policy plans a request's load as ranges of tokens, each from one node
+(:class:`Range`): ``first_hit`` and ``longest_hit`` pick one node (the first, or
+the longest hit, in load order); ``ranges`` asks each node in load order for
+what it holds after the previous nodes' hits, so ``[0, a)`` comes from the
+first node holding it, ``[a, b)`` from the next, and vLLM computes the rest.
+Each node is told only its own range. Which blocks it loads travels to the
 workers with the step's metadata, so a failing load there becomes load errors.
 What the node served is settled by what vLLM reports back (:class:`PlannedLoad`):
 only the tokens that arrived count, in ``served_by`` and in the node's counters.
@@ -17,12 +21,24 @@ from typing import Any
 from composer.chain.base import ChainBase
 from composer.chain.calls import Call
 from composer.chain.metadata import ChainMetadata, TransferParamsClash
+from composer.controls import unknown_names
 from composer.kv_caches import NULL_BLOCK
 from composer.pipeline import ResolvedNode
 from composer.views import RequestView, StepView
 
 #: What a request_finished call that raised stands for.
 FAULTED = object()
+
+
+@dataclass(frozen=True)
+class Range:
+    """One node's part of a request's load: ``tokens`` tokens after ``start``."""
+
+    node: str
+    #: The computed tokens the node was asked from (vLLM's, or the previous ranges' end).
+    start: int
+    tokens: int
+    load_async: bool
 
 
 @dataclass
@@ -37,7 +53,7 @@ class PlannedLoad:
     checksum refusal, a switch-off: their blocks are load errors)."""
 
     node: str
-    #: The request's computed tokens before the load, and the tokens it loads.
+    #: The computed tokens before this node's range, and the tokens it loads.
     computed: int
     tokens: int
     #: Per KV cache group, the blocks the load writes, in order (from block
@@ -58,6 +74,20 @@ class PlannedLoad:
                     kept = max(0, (first + i) * block_size - self.computed)
                     self.delivered = min(self.delivered, kept)
                     break
+
+    def cut(self, position: int) -> None:
+        """vLLM recomputes from token ``position`` on (an earlier range failed there)."""
+        self.delivered = min(self.delivered, max(0, position - self.computed))
+
+
+def settle_ranges(loads: list[PlannedLoad]) -> None:
+    """vLLM recomputes a request from its first failed token on: ranges after a
+    failed one arrived in vain."""
+    failed = [x.computed + x.delivered for x in loads if x.delivered < x.tokens]
+    if failed:
+        position = min(failed)
+        for load in loads:
+            load.cut(position)
 
 
 class SchedulerSide(ChainBase):
@@ -102,7 +132,7 @@ class SchedulerSide(ChainBase):
                     per_node[node_id] = None
         meta = self.metadata_type(per_node, None, self.pending_loads)
         self.pending_loads = {}
-        if self.new_holds or self.new_async_loads or self.disabled or self.new_group_loads:
+        if self.new_holds or self.new_async_loads or self.disabled:
             self._step_decisions(meta)
         return meta
 
@@ -130,8 +160,6 @@ class SchedulerSide(ChainBase):
             meta.async_loads, self.new_async_loads = self.new_async_loads, {}
         if self.disabled:
             meta.disabled = frozenset(self.disabled)
-        if self.new_group_loads:
-            meta.group_loads, self.new_group_loads = self.new_group_loads, {}
 
     # -- once ------------------------------------------------------------------ #
 
@@ -150,28 +178,75 @@ class SchedulerSide(ChainBase):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         view = RequestView(request)
-        longest = self.pipeline.load_policy == "longest_hit"
-        chosen: tuple[str, int, bool] | None = None
-        for node_id, fn in self.calls["get_num_new_matched_tokens"]:
-            tokens, load_async = self._lookup(node_id, fn, view, num_computed_tokens)
-            if tokens is None:
-                # Still looking up: vLLM asks again later (MultiConnector's rule).
-                return None, False
-            if tokens > 0:
-                self.stats[node_id].hits += 1
-                if chosen is None or (longest and tokens > chosen[1]):
-                    chosen = (node_id, tokens, load_async)
-        if chosen is None:
+        if self.pipeline.load_policy == "ranges":
+            plan = self._plan_ranges(view, num_computed_tokens)
+        else:
+            plan = self._plan_one(view, num_computed_tokens)
+        if plan is None:
+            # Still looking up: vLLM asks again later (MultiConnector's rule).
+            return None, False
+        if not plan:
             self.chosen.pop(view.request_id, None)
             return 0, False
-        load_async = chosen[2]
+        self.chosen[view.request_id] = plan
+        load_async = any(r.load_async for r in plan)
         if self.num_groups > 1 and not load_async:
             # vLLM takes failed loads of several groups only per request, from
             # async loads: the node loads as it likes, the chain reports it done.
-            self.converted.add(view.request_id)
             load_async = True
-        self.chosen[view.request_id] = (chosen[0], num_computed_tokens, load_async)
-        return chosen[1], load_async
+        if load_async and not all(r.load_async for r in plan):
+            # Sync ranges of an async load: the chain reports them done.
+            self.converted.add(view.request_id)
+        return sum(r.tokens for r in plan), load_async
+
+    def _plan_one(self, view: RequestView, num_computed_tokens: int) -> list[Range] | None:
+        """first_hit / longest_hit: every node is asked; one serves."""
+        longest = self.pipeline.load_policy == "longest_hit"
+        chosen: Range | None = None
+        allowed = self.load_allowed(view)
+        for node_id, fn in self.calls["get_num_new_matched_tokens"]:
+            if allowed is not None and node_id not in allowed:
+                continue
+            tokens, load_async = self._lookup(node_id, fn, view, num_computed_tokens)
+            if tokens is None:
+                return None
+            if tokens > 0:
+                self.stats[node_id].hits += 1
+                if chosen is None or (longest and tokens > chosen.tokens):
+                    chosen = Range(node_id, num_computed_tokens, tokens, load_async)
+        return [chosen] if chosen is not None else []
+
+    def _plan_ranges(self, view: RequestView, num_computed_tokens: int) -> list[Range] | None:
+        """ranges: each node, in load order, is asked for what it holds after the
+        ranges before it; a node's hit extends the load by its own range."""
+        plan: list[Range] = []
+        start = num_computed_tokens
+        allowed = self.load_allowed(view)
+        for node_id, fn in self.calls["get_num_new_matched_tokens"]:
+            if allowed is not None and node_id not in allowed:
+                continue
+            tokens, load_async = self._lookup(node_id, fn, view, start)
+            if tokens is None:
+                return None
+            if tokens > 0:
+                self.stats[node_id].hits += 1
+                plan.append(Range(node_id, start, tokens, load_async))
+                start += tokens
+        return plan
+
+    def load_allowed(self, view: RequestView) -> frozenset[str] | None:
+        """The nodes the request may load from (its ``kv_load_tiers``); None: any.
+
+        What is wrong with its controls (:mod:`composer.controls`) is said in the
+        request's finished ``kv_transfer_params``."""
+        if not view.kv_transfer_params:
+            return None
+        controls = view.controls
+        error = unknown_names(controls, [n.id for n in self.pipeline.nodes])
+        if error is not None and view.request_id not in self.refused:
+            self.refused[view.request_id] = error
+            self.log.warning("request's tier controls", request=view.request_id, error=error)
+        return controls.load
 
     def _lookup(
         self, node_id: str, fn: Callable[..., Any], view: RequestView, num_computed_tokens: int
@@ -187,15 +262,18 @@ class SchedulerSide(ChainBase):
         return tokens, load_async
 
     def chosen_node(self, request_id: str) -> str | None:
-        entry = self.chosen.get(request_id)
-        return entry[0] if entry else None
+        """The node serving the request's first range."""
+        plan = self.chosen.get(request_id)
+        return plan[0].node if plan else None
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         view = RequestView(request)
-        chosen = self.chosen_node(view.request_id)
+        rid = view.request_id
         block_ids = blocks.get_block_ids() if blocks is not None else ()
-        if chosen is not None and num_external_tokens > 0:
-            self._plan_load(view.request_id, chosen, block_ids, num_external_tokens)
+        tokens: dict[str, int] = {}
+        if num_external_tokens > 0 and rid in self.chosen:
+            tokens = self._plan_loads(rid, block_ids, num_external_tokens)
+            view.loads = tuple((x.node, x.computed, x.tokens) for x in self.served[rid])
         if not getattr(request, "num_preemptions", 0):
             # Once per request, at its admission (as vLLM counts its external prefix
             # cache hits): vLLM asks again about a request it could not schedule yet.
@@ -203,55 +281,81 @@ class SchedulerSide(ChainBase):
             for node_id, _ in self.calls["get_num_new_matched_tokens"]:
                 self.stats[node_id].count_request(view.num_prompt_tokens)
         for node_id, fn in self.calls["update_state_after_alloc"]:
-            tokens = num_external_tokens if node_id == chosen else 0
             try:
-                fn(view, block_ids, tokens, blocks)
+                fn(view, block_ids, tokens.get(node_id, 0), blocks)
             except Exception as exc:
                 self.fault(node_id, "update_state_after_alloc", exc)
 
-    def _plan_load(
-        self, request_id: str, node_id: str, block_ids: Any, num_external_tokens: int
-    ) -> None:
-        """Record which blocks ``node_id`` loads, for the workers' load errors and
-        for settling what it served."""
-        _, computed, load_async = self.chosen[request_id]
-        size = self.block_size
-        first = computed // size if size else 0
-        last = -(-(computed + num_external_tokens) // size) if size else None
-        ordered = tuple(tuple(group[first:last]) for group in block_ids)
-        self.served[request_id] = PlannedLoad(node_id, computed, num_external_tokens, ordered)
-        loading = self.pending_loads.setdefault(node_id, set())
-        blocks = {b for group in ordered for b in group if b != NULL_BLOCK}
-        loading |= blocks
-        if self.num_groups > 1:
-            converted = request_id in self.converted
-            self.converted.discard(request_id)
-            self.new_group_loads[request_id] = (node_id, frozenset(blocks), converted)
-            if converted:
-                return  # the chain reports it finished, not the node
-        if load_async:
-            # Async: the worker tracks it, so that a node switched off before
-            # it finishes loading reports it failed instead of leaving it waiting.
-            self.new_async_loads[request_id] = node_id
+    def _plan_loads(
+        self, request_id: str, block_ids: Any, num_external_tokens: int
+    ) -> dict[str, int]:
+        """Record which blocks each range's node loads (for the workers' load
+        errors and for settling what it served); returns each node's tokens."""
+        plan = self.chosen[request_id]
+        size, left = self.block_size, num_external_tokens
+        converted = request_id in self.converted
+        self.converted.discard(request_id)
+        loads: list[PlannedLoad] = []
+        ranges: list[tuple[str, frozenset[int], bool]] = []
+        for r in plan:
+            tokens = min(r.tokens, left)
+            if tokens <= 0:
+                break
+            left -= tokens
+            first = r.start // size if size else 0
+            last = -(-(r.start + tokens) // size) if size else None
+            ordered = tuple(tuple(group[first:last]) for group in block_ids)
+            loads.append(PlannedLoad(r.node, r.start, tokens, ordered))
+            blocks = frozenset(b for group in ordered for b in group if b != NULL_BLOCK)
+            self.pending_loads.setdefault(r.node, set()).update(blocks)
+            ranges.append((r.node, blocks, converted and not r.load_async))
+        self.served[request_id] = loads
+        if self.num_groups > 1 or converted or any(r.load_async for r in plan):
+            # Async for vLLM: the workers track it, so that it is reported done when
+            # every range is, and failed when one is (or its node is switched off).
+            self.new_async_loads[request_id] = tuple(ranges)
+        return {load.node: load.tokens for load in loads}
 
     def settle_loads(self, invalid_block_ids: set[int], failed_recving: set[str]) -> None:
         """Loads vLLM reported failed (from ``update_connector_output``)."""
-        for request_id, load in self.served.items():
-            if request_id in failed_recving:
-                load.delivered = 0
-            elif invalid_block_ids:
-                load.failed(invalid_block_ids, self.block_size)
+        for request_id, loads in self.served.items():
+            for load in loads:
+                if request_id in failed_recving:
+                    load.delivered = 0
+                elif invalid_block_ids:
+                    load.failed(invalid_block_ids, self.block_size)
+            if len(loads) > 1:
+                settle_ranges(loads)
 
     def ask_chosen(self, hook: str, request: Any, *args: Any) -> Any:
-        """Ask only the node serving ``request``; None when it has no answer."""
-        chosen = self.chosen_node(request.request_id)
-        for node_id, fn in self.calls[hook]:
-            if node_id == chosen:
-                try:
-                    return fn(RequestView(request), *args)
-                except Exception as exc:
-                    self.fault(node_id, hook, exc)
-        return None
+        """Ask only the nodes serving ``request`` (one per range); None when none answers.
+
+        Several ranges: each node is asked about its own tokens (the hit sources'
+        counts are summed, the KV cache groups united)."""
+        plan = self.chosen.get(request.request_id) or []
+        fns = dict(self.calls[hook])
+        answers = []
+        for r in plan:
+            fn = fns.get(r.node)
+            if fn is None:
+                continue
+            own = (r.tokens, *args[1:]) if args and len(plan) > 1 else args
+            try:
+                answer = fn(RequestView(request), *own)
+            except Exception as exc:
+                self.fault(r.node, hook, exc)
+                continue
+            if answer is not None:
+                answers.append(answer)
+        if len(answers) <= 1:
+            return answers[0] if answers else None
+        if isinstance(answers[0], dict):
+            summed: dict[Any, int] = {}
+            for answer in answers:
+                for key, n in answer.items():
+                    summed[key] = summed.get(key, 0) + n
+            return summed
+        return tuple(sorted({g for answer in answers for g in answer}))
 
     # -- finishing -------------------------------------------------------------- #
 
@@ -304,21 +408,41 @@ class SchedulerSide(ChainBase):
         holders, params = hold_and_params(results)
         if holders:
             self.new_holds[request.request_id] = tuple(holders)
-        load = self.served.pop(request.request_id, None)
-        delivered = self._settle(load) if load is not None else 0
-        if self.pipeline.annotate_outputs:
-            note: dict[str, Any] = {
-                "served_by": load.node if load is not None and delivered else None,
-                "tokens": delivered,
-            }
-            if load is not None and delivered < load.tokens:
-                note["failed"] = {"node": load.node, "tokens": load.tokens - delivered}
+        loads = self.served.pop(request.request_id, [])
+        for load in loads:
+            self._settle(load)
+        refused = self.refused.pop(request.request_id, None)
+        if self.pipeline.annotate_outputs or refused:
+            note = self._note(loads) if self.pipeline.annotate_outputs else {}
+            if refused:
+                note["error"] = f"tier controls: {refused}"
             params = {**(params or {}), "kv_composer": note}
         self.chosen.pop(request.request_id, None)
         return bool(holders), params
 
-    def _settle(self, load: PlannedLoad) -> int:
-        """Count what ``load`` delivered on its node's stats; returns the tokens."""
+    def _note(self, loads: list[PlannedLoad]) -> dict[str, Any]:
+        """What the request's ``kv_transfer_params`` say about its load (annotate_outputs)."""
+        served = [x for x in loads if x.delivered]
+        note: dict[str, Any] = {
+            # One node, or the ranges' nodes joined by "+" ("cpu+lmcache").
+            "served_by": "+".join(x.node for x in served) or None,
+            "tokens": sum(x.delivered for x in loads),
+        }
+        if self.pipeline.load_policy == "ranges":
+            note["ranges"] = [
+                {"node": x.node, "start": x.computed, "tokens": x.delivered} for x in loads
+            ]
+        failed = [
+            {"node": x.node, "tokens": x.tokens - x.delivered}
+            for x in loads
+            if x.delivered < x.tokens
+        ]
+        if failed:
+            note["failed"] = failed[0] if len(loads) == 1 else failed
+        return note
+
+    def _settle(self, load: PlannedLoad) -> None:
+        """Count what ``load`` delivered on its node's stats."""
         stats, delivered = self.stats[load.node], load.delivered
         stats.tokens_hit += delivered
         if delivered:
@@ -326,7 +450,6 @@ class SchedulerSide(ChainBase):
         if delivered < load.tokens:
             stats.extra.add("loads_failed")
             stats.extra.add("tokens_load_failed", load.tokens - delivered)
-        return delivered
 
     def register_finished_partial_tail(self, request: Any, block_ids: Any, offloads: Any) -> bool:
         view = RequestView(request)

@@ -104,7 +104,7 @@ class WorkerSide(ChainBase):
         if metadata.disabled and not metadata.disabled <= off:
             for node_id in sorted(metadata.disabled - off):
                 self.switch_off(node_id, "switched off in the scheduler")
-        if metadata.holds or metadata.async_loads or off or metadata.group_loads:
+        if metadata.holds or metadata.async_loads or off:
             self._take_holds_and_loads(metadata, off)
         self.step_loads = metadata.loads
         self.metadata = metadata
@@ -125,13 +125,15 @@ class WorkerSide(ChainBase):
                 else:
                     self.released.add(req_id)
         if metadata.async_loads:
-            for req_id, node_id in metadata.async_loads.items():
-                if node_id in off:
+            for req_id, ranges in metadata.async_loads.items():
+                alive = {node for node, _, _ in ranges if node not in off}
+                if not alive:
                     self.failed_recving.add(req_id)
-                else:
-                    ledger.loading(node_id, req_id)
-        if metadata.group_loads:
-            self.group_loads.update(metadata.group_loads)
+                    continue
+                blocks = frozenset().union(*(b for _, b, _ in ranges))
+                sync = [n for n, _, conv in ranges if conv and n in alive]
+                ledger.loading(req_id, alive, blocks, sync=sync, failed=len(alive) < len(ranges))
+                self.converted_loads += [(n, req_id) for n in sync]
         loads = metadata.loads
         for node_id in off:
             # A switched-off node loads nothing: vLLM recomputes what it was to load.
@@ -180,52 +182,43 @@ class WorkerSide(ChainBase):
                 self.fault(node_id, "clear_connector_metadata", exc)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        """Finished loads; finished saves once the last node holding a request is done."""
+        """Finished loads once every node loading a request is done; finished saves
+        once the last node holding a request is."""
         results, ledger = self.transfer_results_type(), self.ledger
-        if self.group_loads:
-            self._check_group_loads()
+        if self.num_groups > 1:
+            self._fail_lost_blocks()
         if self.released or self.failed_recving:
             self._chain_own_results(results)
+        if self.converted_loads:
+            # Sync ranges the chain made async for vLLM: done once start_load_kv ran.
+            for node_id, req_id in self.converted_loads:
+                _received(results, *ledger.received(node_id, (req_id,)))
+            self.converted_loads = []
         for node_id, fn, is_direct in self.transfer_calls:
             try:
                 if is_direct:
                     r = fn(finished_req_ids)
                     sending, recving = r.finished_sending, r.finished_recving
                     if r.failed_recving:
-                        results.failed_recving.update(r.failed_recving)
+                        ledger.fail_requests(r.failed_recving)
+                        recving = set(recving or ()) | set(r.failed_recving)
                 else:
                     sending, recving = fn(finished_req_ids)
             except Exception as exc:
                 self.fault(node_id, "get_transfer_results" if is_direct else "get_finished", exc)
                 continue
             if recving:
-                ledger.received(node_id, recving)
-                results.finished_recving.update(recving)
+                _received(results, *ledger.received(node_id, recving))
             if sending:
                 results.finished_sending.update(ledger.sent(node_id, sending))
-        if self.group_loads:
-            self._group_loads_done(results)
         return results
 
-    def _check_group_loads(self) -> None:
-        """Several groups: fail the loads that lost a block (vLLM takes no block ids then)."""
+    def _fail_lost_blocks(self) -> None:
+        """Several groups: a load that lost a block fails as a whole (vLLM takes no
+        block ids then)."""
         errors = self._drain_load_errors()
-        for req_id, (node_id, blocks, _) in self.group_loads.items():
-            if node_id in self.disabled or blocks & errors:
-                self.failed_group_loads.add(req_id)
-
-    def _group_loads_done(self, results: Any) -> None:
-        """Report the loads the chain made async (done once ``start_load_kv`` ran),
-        and fail the finished ones that lost a block."""
-        for req_id, (_, _, converted) in list(self.group_loads.items()):
-            if converted:
-                results.finished_recving.add(req_id)
-            elif req_id not in results.finished_recving:
-                continue
-            del self.group_loads[req_id]
-            if req_id in self.failed_group_loads:
-                self.failed_group_loads.discard(req_id)
-                results.failed_recving.add(req_id)
+        if errors:
+            self.ledger.fail_blocks(errors)
 
     def _chain_own_results(self, results: Any) -> None:
         if self.released:
@@ -240,7 +233,7 @@ class WorkerSide(ChainBase):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.num_groups > 1:  # failed per request instead (see get_transfer_results)
-            self._check_group_loads()
+            self._fail_lost_blocks()
             return set()
         return self._drain_load_errors()
 
@@ -309,3 +302,10 @@ class WorkerSide(ChainBase):
             if meta is not None:
                 return meta
         return None
+
+
+def _received(results: Any, done: set[str], failed: set[str]) -> None:
+    """Requests every node finished loading; the failed ones are recomputed by vLLM."""
+    results.finished_recving.update(done)
+    if failed:
+        results.failed_recving.update(failed)

@@ -72,6 +72,35 @@ class OffloadCPUConfig(BaseModel):
             "otherwise nothing is built. false: never."
         ),
     )
+    promote: Literal["on_hit", "never"] = Field(
+        default="on_hit",
+        description=(
+            "Blocks another node loaded into a request (a slower tier behind this one, "
+            'under load_policy: ranges or any other): "on_hit" saves them here too, like the '
+            "blocks vLLM computes, so the next request finds them in this tier; the copy runs "
+            "after the forward that needed them, never delaying that request. "
+            '"never": only blocks vLLM computed are saved here.'
+        ),
+    )
+    store_threshold: Int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Admission: save a block only once this many requests have contained it (1: on "
+            "first sight; 2: a prompt seen once never takes room). As vLLM's "
+            "OffloadingConnector's store_threshold; counts are kept for the last "
+            "4 x slots blocks seen."
+        ),
+    )
+    eviction: Literal["lru", "arc"] = Field(
+        default="lru",
+        description=(
+            '"lru": the least recently used block goes first. "arc": adaptive replacement, '
+            "as vLLM's OffloadingConnector's arc: blocks seen once and blocks seen again in "
+            "two lists, whose shares adapt to which list's evicted blocks come back (a scan "
+            "of one-off prompts does not flush blocks that are reused)."
+        ),
+    )
     checksums: bool = Field(
         default=False,
         description=(

@@ -16,7 +16,7 @@ When vLLM publishes KV cache events, so does the tier (``take_events``: see
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 from composer import NodeContext, Plugin, hookimpl
@@ -32,7 +32,18 @@ NULL_BLOCK = 0
 
 
 class _Req:
-    __slots__ = ("view", "keys", "block_ids", "next_save", "inflight", "lookup", "finished")
+    __slots__ = (
+        "view",
+        "keys",
+        "block_ids",
+        "next_save",
+        "save_end",
+        "save_end_known",
+        "foreign",
+        "inflight",
+        "lookup",
+        "finished",
+    )
 
     def __init__(self, view: Any, hash_ratio: int | None) -> None:
         self.view = view
@@ -40,6 +51,12 @@ class _Req:
         self.block_ids: list[list[int]] = []
         #: Blocks below this index are stored, being stored, or skipped.
         self.next_save = 0
+        #: Tokens it may save (its tier controls and the admission threshold; None:
+        #: all), decided when its first save is planned.
+        self.save_end: int | None = None
+        self.save_end_known = False
+        #: Token ranges other nodes loaded into it: (start, end).
+        self.foreign: list[tuple[int, int]] = []
         #: Saves of this request not yet confirmed by every worker.
         self.inflight: set[SlotGen] = set()
         #: (num_computed_tokens, hit blocks) of the last lookup.
@@ -78,7 +95,9 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         self.serves = ctx.role in ("load", "both")
         self.saves = ctx.role in ("save", "both")
         self.num_slots = int(config.capacity) // layout.slot_bytes if layout.slot_bytes else 0
-        self.index = BlockIndex(self.num_slots)
+        self.index = BlockIndex(self.num_slots, config.eviction)
+        #: Admission (store_threshold > 1): block key -> requests that contained it.
+        self.seen: OrderedDict[bytes, int] = OrderedDict()
         self.full_groups = [g for g, x in enumerate(layout.groups) if x.kind == "attention"]
         self.window_groups = [g for g, x in enumerate(layout.groups) if x.window]
         self.disabled_reason: str | None = None
@@ -228,6 +247,11 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
     ) -> None:
         st = self._req(request)
         st.block_ids = [list(ids) for ids in block_ids]
+        st.foreign = [
+            (start, start + n)
+            for node, start, n in getattr(request, "loads", ())
+            if node != self.node_id
+        ]
         if num_external_tokens == 0:
             if st.lookup is not None:  # first allocation of a request we looked up
                 self.stats.extra.add("misses")
@@ -306,9 +330,13 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
 
     def _plan_saves(self, st: _Req, sched: Any, meta: OffloadMetadata) -> None:
         view = st.view
+        if not st.save_end_known:
+            st.save_end, st.save_end_known = self._save_end(st), True
         done = min(sched.num_computed_tokens + sched.num_scheduled_tokens, view.num_tokens)
         if self.config.save == "prompt":
             done = min(done, view.num_prompt_tokens)
+        if st.save_end is not None:
+            done = min(done, st.save_end)
         full = min(done // self.block_size, min((len(ids) for ids in st.block_ids), default=0))
         if full <= st.next_save:
             return
@@ -318,7 +346,12 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         # runs: only blocks computed in this step are surely still its own.
         fresh = sched.num_computed_tokens // self.block_size
         k = st.next_save
+        bs, never = self.block_size, self.config.promote == "never"
         while k < available:
+            foreign = any(a <= k * bs and (k + 1) * bs <= b for a, b in st.foreign)
+            if foreign and never:
+                k += 1  # loaded by another node: not promoted here
+                continue
             for g, ids in enumerate(st.block_ids):
                 if ids[k] == NULL_BLOCK or (
                     g in self.window_groups and (k < fresh or not self._kept(st, g, k))
@@ -338,6 +371,8 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
                     transfer = Transfer(view.request_id)
                     meta.saves.append(transfer)
                 transfer.add(entry.slot, entry.gen, ids[k], g, k)
+                if foreign:
+                    self.stats.extra.add("blocks_promoted")
                 if self.events is not None:  # vLLM's payload, while the request is here
                     entry.event = self.events.block_stored(view, g, k)
                 sg = (entry.slot, entry.gen)
@@ -345,6 +380,31 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
                 st.inflight.add(sg)
             k += 1
         st.next_save = k
+
+    def _save_end(self, st: _Req) -> int | None:
+        """Tokens of the request this tier may save: its tier controls
+        (``kv_store_tiers``, ``max_offload_tokens``), and with ``store_threshold``
+        above 1, its leading blocks that enough requests contained (this one counted)."""
+        view = st.view
+        end = view.store_limit(self.node_id) if hasattr(view, "store_limit") else None
+        threshold = self.config.store_threshold
+        if threshold == 1 or end == 0:
+            return end
+        bs = self.block_size
+        blocks = st.keys.ensure(view, view.num_prompt_tokens // bs, bs)
+        seen, admitted = self.seen, None
+        for k in range(blocks):
+            key = st.keys.keys[k]
+            count = seen.pop(key, 0) + 1
+            seen[key] = count
+            if admitted is None and count < threshold:
+                admitted = k
+        while len(seen) > 4 * max(1, self.num_slots):
+            seen.popitem(last=False)
+        if admitted is not None:
+            self.stats.extra.add("blocks_not_admitted", blocks - admitted)
+            end = admitted * bs if end is None else min(end, admitted * bs)
+        return end
 
     @hookimpl
     def update_connector_output(self, worker_meta: OffloadWorkerMeta | None) -> None:

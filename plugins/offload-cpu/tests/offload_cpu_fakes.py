@@ -256,10 +256,15 @@ class Engine:
 
     # -- vLLM-like request lifecycle ------------------------------------------ #
 
-    def add(self, req_id: str, prompt: list[int], **kw: Any) -> tuple[int, bool]:
-        """Admit a request: lookup, allocate, update_state_after_alloc. Returns the lookup."""
+    def add(
+        self, req_id: str, prompt: list[int], loads: tuple[Any, ...] = (), **kw: Any
+    ) -> tuple[int, bool]:
+        """Admit a request: lookup, allocate, update_state_after_alloc. Returns the lookup.
+
+        ``loads``: the request's ranges as the chain plans them ((node, start,
+        tokens); another node's are what it loads into the request)."""
         req = FakeRequest(req_id, list(prompt), **kw)
-        view = RequestView(req)
+        view = RequestView(req, loads)
         self.sched.on_new_request(view)
         ext, is_async = self.sched.get_num_new_matched_tokens(view, 0)
         assert ext is not None

@@ -30,8 +30,13 @@ def test_config_parses_sizes_and_forbids_unknown_keys() -> None:
     )
     with pytest.raises(ValidationError, match="extra"):
         OffloadCPUConfig(capacty="1GiB")
-    with pytest.raises(ValidationError, match="extra"):
-        OffloadCPUConfig(eviction="lru")  # one policy (LRU): no option
+    assert (c.eviction, c.store_threshold, c.promote) == ("lru", 1, "on_hit")
+    with pytest.raises(ValidationError):
+        OffloadCPUConfig(eviction="lfu")
+    with pytest.raises(ValidationError):
+        OffloadCPUConfig(store_threshold=0)
+    with pytest.raises(ValidationError):
+        OffloadCPUConfig(promote="always")
     with pytest.raises(ValidationError):
         OffloadCPUConfig(min_blocks=0)
     assert all(f.description for f in OffloadCPUConfig.model_fields.values())

@@ -1,0 +1,96 @@
+"""Per-request tier controls, read from a request's ``kv_transfer_params``.
+
+The names are vLLM's offloading connector's, with node ids for its tier matchers:
+
+* ``kv_load_tiers``: the nodes the request may load from (``[]``: none);
+* ``kv_store_tiers``: the nodes that may save its blocks (``[]``: none);
+* ``max_offload_tokens``: how many of its first tokens a node may save.
+
+Loads are the chain's to restrict (it asks only the allowed nodes); saves are
+each saving node's, through :meth:`RequestView.store_limit
+<composer.views.RequestView.store_limit>` (``offload-cpu`` honours it; a native
+vLLM connector reads ``kv_transfer_params`` its own way). Bad controls are
+never ignored, and never stop anything: a name that is no node matches no node
+(a misspelled tier is not loaded from or saved to), malformed controls load
+from and save to no node, and the error comes back in the request's
+``kv_transfer_params`` (``{"kv_composer": {"error": ...}}``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+LOAD_TIERS = "kv_load_tiers"
+STORE_TIERS = "kv_store_tiers"
+MAX_OFFLOAD_TOKENS = "max_offload_tokens"
+KEYS = (LOAD_TIERS, STORE_TIERS, MAX_OFFLOAD_TOKENS)
+
+
+@dataclass(frozen=True)
+class Controls:
+    """A request's controls; None: not restricted."""
+
+    load: frozenset[str] | None = None
+    store: frozenset[str] | None = None
+    max_offload_tokens: int | None = None
+    #: Why the controls were refused (then nothing is loaded or saved).
+    error: str | None = None
+
+    def may_load(self, node_id: str) -> bool:
+        return self.load is None or node_id in self.load
+
+    def store_limit(self, node_id: str) -> int | None:
+        """Tokens of the request ``node_id`` may save (from the start); None: all."""
+        if self.store is not None and node_id not in self.store:
+            return 0
+        return self.max_offload_tokens
+
+
+#: What a request without controls gets.
+UNRESTRICTED = Controls()
+
+
+def controls_of(params: Mapping[str, Any] | None) -> Controls:
+    """The controls in ``params`` (a request's ``kv_transfer_params``)."""
+    if not params or not any(key in params for key in KEYS):
+        return UNRESTRICTED
+    errors: list[str] = []
+    load = _node_ids(params, LOAD_TIERS, errors)
+    store = _node_ids(params, STORE_TIERS, errors)
+    cap = params.get(MAX_OFFLOAD_TOKENS)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+        errors.append(f"{MAX_OFFLOAD_TOKENS}: expected a whole number >= 0, got {cap!r}")
+    if errors:
+        return refused("; ".join(errors))
+    return Controls(load, store, cap)
+
+
+def refused(error: str) -> Controls:
+    return Controls(frozenset(), frozenset(), 0, error)
+
+
+def unknown_names(controls: Controls, node_ids: Collection[str]) -> str | None:
+    """What is wrong with ``controls`` for a pipeline of ``node_ids``; None: nothing."""
+    if controls.error is not None:
+        return controls.error
+    errors = []
+    for key, named in ((LOAD_TIERS, controls.load), (STORE_TIERS, controls.store)):
+        unknown = sorted((named or frozenset()) - set(node_ids))
+        if unknown:
+            errors.append(
+                f"{key}: unknown node(s) {', '.join(map(repr, unknown))}, which match no "
+                f"node; the pipeline's nodes are {', '.join(map(repr, node_ids))}"
+            )
+    return "; ".join(errors) or None
+
+
+def _node_ids(params: Mapping[str, Any], key: str, errors: list[str]) -> frozenset[str] | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        errors.append(f"{key}: expected a list of node ids, got {value!r:.80}")
+        return None
+    return frozenset(value)

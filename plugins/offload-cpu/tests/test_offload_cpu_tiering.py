@@ -1,0 +1,130 @@
+"""What the tier admits, keeps and promotes: ``store_threshold``, ``eviction``,
+``promote`` and a request's tier controls (``kv_store_tiers``, ``max_offload_tokens``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvc_offload_cpu.index import BlockIndex
+from offload_cpu_fakes import BLOCK, SLOT, Engine, prompt
+
+
+def _run(eng: Engine, rid: str, tokens: list[int], **kw: Any) -> tuple[int, bool]:
+    hit = eng.add(rid, tokens, **kw)
+    eng.prefill(rid)
+    eng.finish(rid)
+    eng.settle()
+    return hit
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3])
+def test_store_threshold_saves_a_block_once_that_many_requests_held_it(threshold: int) -> None:
+    eng = Engine(save_mode="sync", store_threshold=threshold)
+    p = prompt(1, 100)  # 3 full blocks
+    hits = [_run(eng, f"r{i}", p)[0] for i in range(threshold + 1)]
+    # Saved by the threshold-th request, served to the next one.
+    assert hits == [0] * threshold + [96]
+    assert eng.sched.stats.extra.get("blocks_not_admitted", 0) == 3 * (threshold - 1)
+
+
+def test_store_threshold_admits_a_shared_prefix_before_the_rest() -> None:
+    eng = Engine(save_mode="sync", store_threshold=2)
+    shared = prompt(7, 64)  # 2 blocks
+    _run(eng, "a", shared + prompt(8, 40))
+    _run(eng, "b", shared + prompt(9, 40))  # the prefix is seen twice: saved
+    assert len(eng.index) == 2
+    assert _run(eng, "c", shared + prompt(10, 40))[0] == 64
+
+
+@pytest.mark.parametrize(
+    ("params", "saved"),
+    [
+        (None, 3),
+        ({"kv_store_tiers": ["cpu"]}, 3),
+        ({"kv_store_tiers": ["lmcache"]}, 0),
+        ({"kv_store_tiers": []}, 0),
+        ({"max_offload_tokens": 64}, 2),
+        ({"max_offload_tokens": 70}, 2),  # whole blocks only
+        ({"max_offload_tokens": 0}, 0),
+        ({"kv_store_tiers": "cpu"}, 0),  # malformed: nothing saved
+    ],
+)
+def test_a_requests_store_controls_limit_what_the_tier_saves(
+    params: dict[str, Any] | None, saved: int
+) -> None:
+    eng = Engine(save_mode="sync")
+    _run(eng, "a", prompt(1, 100), kv_transfer_params=params)
+    assert len(eng.index) == saved
+    assert eng.worker.stats.bytes_saved == saved * SLOT
+
+
+@pytest.mark.parametrize(("promote", "saved", "promoted"), [("on_hit", 3, 2), ("never", 1, 0)])
+def test_blocks_another_node_loaded_are_promoted_only_on_hit(
+    promote: str, saved: int, promoted: int
+) -> None:
+    eng = Engine(save_mode="sync", promote=promote)
+    # A slower node behind this one loads the first 64 tokens (as the chain tells it).
+    _run(eng, "a", prompt(1, 100), loads=(("disk", 0, 2 * BLOCK),))
+    assert len(eng.index) == saved
+    assert eng.sched.stats.extra.get("blocks_promoted", 0) == promoted
+
+
+def test_own_loads_are_never_saved_again() -> None:
+    eng = Engine(save_mode="sync")
+    p = prompt(1, 100)
+    _run(eng, "a", p)
+    saved = eng.worker.stats.bytes_saved
+    assert _run(eng, "b", p, loads=(("cpu", 0, 96),))[0] == 96
+    assert eng.worker.stats.bytes_saved == saved
+    assert eng.sched.stats.extra.get("blocks_promoted", 0) == 0
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+def test_pins_and_generations_hold_under_every_eviction_policy(eviction: Any) -> None:
+    idx = BlockIndex(2, eviction)
+    a, b = idx.allocate(b"a"), idx.allocate(b"b")
+    assert a is not None and b is not None
+    idx.mark_ready(a)
+    idx.mark_ready(b)
+    idx.pin(a)
+    idx.touch(a)
+    c = idx.allocate(b"c")  # a is pinned: b goes, whatever the policy prefers
+    assert c is not None and c.slot == b.slot and c.gen == b.gen + 1
+    assert idx.allocate(b"d") is None  # a pinned, c still saving
+    idx.unpin(a)
+    assert idx.reset() == 1 and len(idx) == 1  # c (saving) stays
+
+
+def _fill(idx: BlockIndex, keys: list[bytes]) -> None:
+    for key in keys:
+        known = idx.get(key)
+        if known is not None:
+            idx.touch(known)
+            continue
+        entry = idx.allocate(key)
+        assert entry is not None
+        idx.mark_ready(entry)
+
+
+def test_arc_keeps_reused_blocks_through_a_scan_that_lru_lets_flush_them() -> None:
+    hot = [b"h1", b"h2"]
+    scan = [bytes([i]) for i in range(8)]
+    kept = {}
+    for eviction in ("lru", "arc"):
+        idx = BlockIndex(4, eviction)  # type: ignore[arg-type]
+        _fill(idx, hot)
+        _fill(idx, hot)  # seen again: reused
+        _fill(idx, scan)  # one-off blocks, twice the pool
+        kept[eviction] = [k in idx for k in hot]
+    assert kept == {"lru": [False, False], "arc": [True, True]}
+
+
+def test_arc_adapts_toward_recency_when_blocks_evicted_once_come_back() -> None:
+    idx = BlockIndex(4, "arc")
+    order = idx._order
+    _fill(idx, [b"a", b"b", b"a", b"b"])  # reused: the seen-again list
+    _fill(idx, [b"c", b"d", b"e"])  # c evicted from the seen-once list
+    assert order.p == 0 and b"c" in order.b1  # type: ignore[union-attr]
+    _fill(idx, [b"c"])  # back: the seen-once list was too small
+    assert order.p > 0 and b"c" in order.t2  # type: ignore[union-attr]
