@@ -428,7 +428,8 @@ class SchedulerSide(ChainBase):
             "served_by": "+".join(x.node for x in served) or None,
             "tokens": sum(x.delivered for x in loads),
         }
-        if self.pipeline.load_policy == "ranges":
+        ranges = self.pipeline.load_policy == "ranges"
+        if ranges:
             note["ranges"] = [
                 {"node": x.node, "start": x.computed, "tokens": x.delivered} for x in loads
             ]
@@ -438,7 +439,8 @@ class SchedulerSide(ChainBase):
             if x.delivered < x.tokens
         ]
         if failed:
-            note["failed"] = failed[0] if len(loads) == 1 else failed
+            # One node's load: the node and its tokens; ranges: a list of those.
+            note["failed"] = failed if ranges else failed[0]
         return note
 
     def _settle(self, load: PlannedLoad) -> None:

@@ -10,9 +10,11 @@ order, one request at a time. The rules are the product's:
   computed, so at most ``(prompt_tokens - 1) // block_size`` blocks are served;
 * nodes are asked in ``load_order``; ``first_hit`` serves from the first node
   with a hit, ``longest_hit`` from the one with the most blocks (the first of
-  equals); the serving node's blocks are touched (LRU) as it loads them;
+  equals), ``ranges`` from each node what it holds after the nodes before it;
+  a serving node's blocks are touched (LRU, ARC) as it loads them;
 * a request's blocks are stored when it finishes, into vLLM's own cache and
-  into every ``save_to`` node, each by its ``save`` policy.
+  into every ``save_to`` node, each by its own policy (what it saves, admits
+  and promotes: the blocks other nodes loaded into the request).
 
 A model's KV cache groups (:class:`SimKVGroup`, from its ``config.json`` by
 :mod:`composer.model.size`) reach every tier model: a hybrid model's tier
@@ -123,10 +125,17 @@ class TierModel(Protocol):
         """It serves blocks ``[start, start + hit)`` (touch them as the tier does at load)."""
         ...
 
-    def save(self, keys: Sequence[bytes], prompt_tokens: int, computed: int) -> int:
+    def save(
+        self,
+        keys: Sequence[bytes],
+        prompt_tokens: int,
+        computed: int,
+        loaded: Sequence[tuple[int, int]] = (),
+    ) -> int:
         """A finished request's full blocks (of ``prompt_tokens`` prompt tokens; vLLM
-        had the first ``computed`` before computing it); returns the slots it newly
-        stored."""
+        had the first ``computed`` before computing it; ``loaded``: the block
+        ranges ``[start, end)`` other nodes loaded into it); returns the slots it
+        newly stored."""
         ...
 
 
@@ -397,12 +406,14 @@ class _Replay:
         unit = self.unit
         self.prompt_total += prompt
         start = self._vllm_hit(keys, limit)
-        served = start + self._load(keys, start, limit)
+        plan = self._load(keys, start, limit)
+        served = start + sum(hit for _, _, hit in plan)
         self.served_total += served * unit
         if self.vllm_blocks:
             self.vllm.finish(keys)
         for model, res in self.save_nodes:
-            res.blocks_saved += model.save(keys, prompt, served) * self.group
+            loaded = [(s, s + hit) for m, s, hit in plan if m is not model]
+            res.blocks_saved += model.save(keys, prompt, served, loaded) * self.group
 
     def _vllm_hit(self, keys: Sequence[bytes], limit: int) -> int:
         """Leading units vLLM's own prefix cache serves."""
@@ -415,24 +426,30 @@ class _Replay:
         res.lookups += self.vllm_blocks > 0
         return start
 
-    def _load(self, keys: Sequence[bytes], start: int, limit: int) -> int:
-        """Units the node ``load_policy`` picks serves after ``start`` (0: no node hit)."""
-        chosen: tuple[TierModel, NodeResult, int] | None = None
+    def _load(
+        self, keys: Sequence[bytes], start: int, limit: int
+    ) -> list[tuple[TierModel, int, int]]:
+        """What ``load_policy`` loads after ``start``: (node, first unit, units) per range."""
+        ranges = self.pipeline.load_policy == "ranges"
+        plan: list[tuple[TierModel, NodeResult, int, int]] = []
+        at = start
         for model, res in self.lookup_nodes:
             res.lookups += 1
-            hit = model.lookup(keys, start, limit)
-            if hit > 0:
-                res.hits += 1
-                if chosen is None or (self.longest and hit > chosen[2]):
-                    chosen = (model, res, hit)
-        if chosen is None:
-            return 0
-        model, res, hit = chosen
-        model.load(keys, start, hit)
-        res.served_requests += 1
-        res.tokens_served += hit * self.unit
-        res.blocks_loaded += hit * self.group
-        return hit
+            hit = model.lookup(keys, at, limit)
+            if hit <= 0:
+                continue
+            res.hits += 1
+            if ranges:
+                plan.append((model, res, at, hit))
+                at += hit
+            elif not plan or (self.longest and hit > plan[0][3]):
+                plan = [(model, res, start, hit)]
+        for model, res, first, hit in plan:
+            model.load(keys, first, hit)
+            res.served_requests += 1
+            res.tokens_served += hit * self.unit
+            res.blocks_loaded += hit * self.group
+        return [(model, first, hit) for model, _, first, hit in plan]
 
     def rows(self, requests: int) -> list[NodeResult]:
         """Every row, vLLM's prefix cache first (when modelled), in vLLM blocks and bytes."""

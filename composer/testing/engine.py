@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-#: A prompt: text, or token ids as ``{"prompt_token_ids": [...]}`` (vLLM's TokensPrompt).
-Prompt = str | dict[str, list[int]]
+#: A prompt: text, or token ids as ``{"prompt_token_ids": [...]}`` (vLLM's TokensPrompt);
+#: a dict may add the request's ``"kv_transfer_params"`` (its tier controls, say).
+Prompt = str | dict[str, Any]
 
 
 @dataclass
@@ -285,10 +286,22 @@ def _child(spec_path: str, out_path: str) -> None:
         seed=0,
     )
     startup = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
+    def sampling(prompt: Prompt) -> SamplingParams:
+        extra = None
+        if isinstance(prompt, dict) and "kv_transfer_params" in prompt:
+            # (how vLLM's offline API passes a request's kv_transfer_params)
+            extra = {"kv_transfer_params": prompt["kv_transfer_params"]}
+        return SamplingParams(
+            temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True, extra_args=extra
+        )
+
     rounds = []
     for index, prompts in enumerate(spec.rounds):
-        inputs = [p if isinstance(p, str) else TokensPrompt(**p) for p in prompts]  # type: ignore[typeddict-item]
+        inputs = [
+            p if isinstance(p, str) else TokensPrompt(prompt_token_ids=p["prompt_token_ids"])
+            for p in prompts
+        ]
+        params = [sampling(p) for p in prompts]
         outputs = llm.generate(inputs, params, use_tqdm=False)
         rounds.append(
             [

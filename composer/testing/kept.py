@@ -61,8 +61,10 @@ def reported_vs_kept(rounds: list[list[Any]]) -> tuple[list[tuple[Any, ...]], in
                 wrong.append((r, i, note, kept))
             if x.cached_tokens != kept:
                 vllm_counts_failed += 1
-                failed = (note.get("failed") or {}).get("tokens", 0)
-                if x.cached_tokens != kept + failed:
+                failed = note.get("failed") or []
+                # (one dict for one node's load; a list for ranges)
+                lost = sum(f["tokens"] for f in (failed if isinstance(failed, list) else [failed]))
+                if x.cached_tokens != kept + lost:
                     wrong.append((r, i, note, kept, f"vLLM cached_tokens {x.cached_tokens}"))
     return wrong, vllm_counts_failed
 

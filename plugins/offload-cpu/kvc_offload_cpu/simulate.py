@@ -1,12 +1,15 @@
 """``kvc simulate``'s model of an ``offload-cpu`` node.
 
 It drives the tier's own :class:`~kvc_offload_cpu.index.BlockIndex` (the same
-LRU, slot allocation and eviction) with the rules of the scheduler half
-(:mod:`kvc_offload_cpu.scheduler`): slots = capacity // bytes of one slot,
-hits only of ready blocks and of at least ``min_blocks``, touch on load, and at
-save a known block is touched, a new one allocated (evicting the least
-recently used). Saves complete at once here: the replay runs one request at a
-time, so no block is ever in flight or pinned.
+eviction policy, ``lru`` or ``arc``, and slot allocation) with the rules of the
+scheduler half (:mod:`kvc_offload_cpu.scheduler`): slots = capacity // bytes of
+one slot, hits only of ready blocks and of at least ``min_blocks``, touch on
+load, and at save a known block is touched, a new one allocated (evicting as
+the policy says); with ``store_threshold`` a block is saved once that many
+requests contained it (each request counted once, at its first save), and
+with ``promote: never`` the blocks other nodes loaded are not saved. Saves
+complete at once here: the replay runs one request at a time, so no block is
+ever in flight or pinned.
 
 With several KV cache groups (a hybrid model), as the scheduler half: a slot
 holds one group's block, keyed by the block key and the group;
@@ -18,6 +21,7 @@ A mamba group turns the node off, as the real one turns itself off.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from pydantic import BaseModel
@@ -41,7 +45,10 @@ class OffloadCPUModel:
         self.config = config
         self.block_size = block_size
         self.capacity_blocks = int(config.capacity) // bytes_per_block if bytes_per_block else 0
-        self.index = BlockIndex(self.capacity_blocks)
+        self.index = BlockIndex(self.capacity_blocks, config.eviction)
+        #: store_threshold > 1: block key -> requests that contained it (the
+        #: scheduler half's count, bounded the same way).
+        self.seen: OrderedDict[bytes, int] = OrderedDict()
         groups = tuple(groups) or (SimKVGroup("attention", bytes_per_block),)
         self.layouts = tuple(GroupLayout(g.kind, block_size, g.window) for g in groups)
         self.group_bytes = tuple(g.block_bytes for g in groups)
@@ -115,12 +122,20 @@ class OffloadCPUModel:
             points.append((k // every + 1) * every)
         return any(k in layout.needed(0, h) for h in points if h > k)
 
-    def save(self, keys: Sequence[bytes], prompt_tokens: int, computed: int) -> int:
+    def save(
+        self,
+        keys: Sequence[bytes],
+        prompt_tokens: int,
+        computed: int,
+        loaded: Sequence[tuple[int, int]] = (),
+    ) -> int:
         if not self.capacity_blocks or self.disabled_reason:  # the real tier disables itself
             return 0
         index, key, group_bytes = self.index, self._key, self.group_bytes
         prompt_blocks = min(prompt_tokens // self.block_size, len(keys))
         stop = prompt_blocks if self.config.save == "prompt" else len(keys)
+        stop = min(stop, self._admitted(keys, prompt_blocks))
+        never = self.config.promote == "never"
         keep = {
             g: {k for k in range(stop) if self._kept(self.layouts[g], prompt_tokens, k)}
             for g in self.window_groups
@@ -132,6 +147,8 @@ class OffloadCPUModel:
             )
         stored = 0
         for k in range(stop):
+            if never and any(a <= k < b for a, b in loaded):
+                continue  # another node loaded it: not promoted
             for g in range(len(group_bytes)):
                 # A window group saves only blocks the request computes itself.
                 if g in keep and (k < computed or k not in keep[g]):
@@ -148,3 +165,18 @@ class OffloadCPUModel:
                 stored += 1
                 self.bytes_saved += group_bytes[g]
         return stored
+
+    def _admitted(self, keys: Sequence[bytes], prompt_blocks: int) -> int:
+        """Leading blocks enough requests contained (``SchedulerHalf._save_end``'s rule)."""
+        threshold = self.config.store_threshold
+        if threshold == 1:
+            return len(keys)
+        seen, admitted = self.seen, None
+        for k in range(prompt_blocks):
+            count = seen.pop(keys[k], 0) + 1
+            seen[keys[k]] = count
+            if admitted is None and count < threshold:
+                admitted = k
+        while len(seen) > 4 * max(1, self.capacity_blocks):
+            seen.popitem(last=False)
+        return len(keys) if admitted is None else admitted
