@@ -437,7 +437,7 @@ def test_bad_enum_values_suggest_and_list_choices(problems: Check) -> None:
         'p.yaml:2:10: kv_role: "kv_prod" is not allowed (did you mean "kv_producer"?); '
         'expected one of "kv_both", "kv_consumer", "kv_producer"',
         'p.yaml:3:14: load_policy: "longest" is not allowed (did you mean "longest_hit"?); '
-        'expected one of "first_hit", "longest_hit"',
+        'expected one of "first_hit", "longest_hit", "ranges"',
         'p.yaml:5:28: nodes.a.role: "loader" is not allowed (did you mean "load"?); '
         'expected one of "both", "load", "save", "service", "transport"',
         'p.yaml:5:71: nodes.a.config.eviction: "lfu" is not allowed (did you mean "lru"?); '

@@ -41,6 +41,8 @@ YAML_EXAMPLES = {
     "fleet-valkey.yaml": (["cpu", "lmcache"], "ComposedConnector"),
     # Also each engine of tests/e2e/test_fleet_e2e.py's fleet behind vllm-router.
     "fleet-cpu-events.yaml": (["cpu"], "ComposedConnector"),
+    # Also each engine of plugins/offload-cpu/tests/test_e2e_ranges.py.
+    "tiers-ranges.yaml": (["fast", "slow"], "ComposedConnector"),
 }
 PY_EXAMPLES = {"compose.py"}
 

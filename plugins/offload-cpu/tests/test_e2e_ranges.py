@@ -1,10 +1,10 @@
 """One request from two tiers, inside real vLLM (CPU build, tiny local model).
 
-Two ``offload-cpu`` nodes, ``fast`` (sync loads) in front of ``slow`` (async
-loads), under ``load_policy: ranges``; the prompts are token ids, so block
-boundaries are exact (32 tokens). Each round is one ``generate`` call, and
-the request's tier controls (``kv_transfer_params``) put the blocks where the
-test needs them:
+``examples/tiers-ranges.yaml``: two ``offload-cpu`` nodes, ``fast`` (sync
+loads) in front of ``slow`` (async loads), under ``load_policy: ranges``; the
+prompts are token ids, so block boundaries are exact (32 tokens). Each round
+is one ``generate`` call, and the request's tier controls
+(``kv_transfer_params``) put the blocks where the test needs them:
 
 0. ``A`` (100 tokens) is saved by both tiers;
 1. ``A+B`` (200) may be saved only by ``slow``: ``fast`` serves ``A``'s 3 blocks;
@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
+import yaml
 
 from composer import kv_transfer_config, load_pipeline
 from composer.testing import kept  # noqa: E402
@@ -37,6 +38,7 @@ from composer.testing.tiny_model import build_tiny_model
 pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).parent
+EXAMPLE = HERE.parents[2] / "examples/tiers-ranges.yaml"
 BLOCK = 32
 _rng = random.Random(20)
 
@@ -67,32 +69,20 @@ PLAIN_LLAMA_ROUNDS = [[{"prompt_token_ids": p["prompt_token_ids"]} for p in r] f
 
 
 def _pipeline(corrupt: Path | None = None) -> dict[str, Any]:
-    checks = {"checksums": True} if corrupt else {}
-    nodes: dict[str, Any] = {
-        "fast": {
-            "plugin": "offload-cpu",
-            "on_error": "recompute",
-            "config": {"capacity": "64MiB", **checks},
-        },
-        "slow": {
-            "plugin": "offload-cpu",
-            "on_error": "recompute",
-            "config": {"capacity": "256MiB", "load_mode": "async", **checks},
-        },
-        "kept": kept.node(),
-    }
+    """``examples/tiers-ranges.yaml``, with the test node that says what vLLM kept;
+    ``corrupt``: with checksums, and a node corrupting every other block of each tier."""
+    data = yaml.safe_load(EXAMPLE.read_text())
+    nodes = data["nodes"]
+    nodes["kept"] = kept.node()
     if corrupt:
         for target in ("fast", "slow"):
+            nodes[target]["config"]["checksums"] = True
             nodes[f"bad-{target}"] = {
                 "plugin": "offload-cpu-corruptor",
                 "needs": [target],
                 "config": {"target": target, "report": str(corrupt / target), "every": 2},
             }
-    return kv_transfer_config(
-        load_pipeline(
-            {"version": 1, "nodes": nodes, "load_policy": "ranges", "annotate_outputs": True}
-        )
-    )
+    return kv_transfer_config(load_pipeline(data))
 
 
 @pytest.fixture(scope="module")
