@@ -105,9 +105,11 @@ class Combine(StrEnum):
     FIRST_NOT_NONE = "first not None"
     """The first non-None result in node order, or None."""
     CHOSEN_NODE = "chosen node"
-    """Only the node serving the request is asked; its answer, or vLLM's default."""
+    """Only the nodes serving the request are asked (one per range); the answer, or
+    vLLM's default (several ranges: hit sources summed, KV cache groups united)."""
     LOAD_POLICY = "load policy"
-    """Asked in load order: None from any node is None; else the first (or longest) hit."""
+    """Asked in load order: None from any node is None; else the first or longest hit,
+    or under ``ranges`` each node's hit after the nodes before it, summed."""
     ANY_TRUE = "any true"
     """True if any node returns True (every node is still asked)."""
     NOT_ANY_FALSE = "not any false"
@@ -321,7 +323,9 @@ class NodeSpec:
 
         ``None`` tokens means "still looking up; ask again". Combine: asked in
         load order; ``None`` from any node makes the answer ``None``; the load
-        policy (first hit, longest hit) picks the node that serves the request.
+        policy (first hit, longest hit) picks the node that serves the request,
+        or (ranges) each node is asked from where the previous nodes' hits end
+        (``num_computed_tokens``) and serves its own range.
         Must be side-effect free: vLLM may ask more than once.
         """
 
@@ -333,10 +337,11 @@ class NodeSpec:
         num_external_tokens: int,
         blocks: KVCacheBlocks,
     ) -> None:
-        """Scheduler, after blocks are allocated: the chosen node gets its token count, others 0.
+        """Scheduler, after blocks are allocated: each range's node gets its tokens, others 0.
 
         ``block_ids`` holds the request's block ids per KV cache group;
-        ``blocks`` is vLLM's ``KVCacheBlocks`` (escape hatch).
+        ``blocks`` is vLLM's ``KVCacheBlocks`` (escape hatch); ``request.loads``
+        the request's ranges, ``(node id, start token, tokens)`` each.
         """
 
     @hook(Process.SCHEDULER, Every.REQUEST, Combine.CHOSEN_NODE, native=Native.ADAPTED)

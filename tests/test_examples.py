@@ -44,7 +44,8 @@ YAML_EXAMPLES = {
     # Also each engine of plugins/offload-cpu/tests/test_e2e_ranges.py.
     "tiers-ranges.yaml": (["fast", "slow"], "ComposedConnector"),
 }
-PY_EXAMPLES = {"compose.py"}
+#: tier_controls.py runs against a real `kvc serve` in tests/e2e/test_serve_e2e.py.
+PY_EXAMPLES = {"compose.py", "tier_controls.py"}
 
 
 @pytest.fixture(autouse=True)

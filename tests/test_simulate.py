@@ -179,6 +179,63 @@ def test_first_hit_and_longest_hit(policy: str, small: int, big: int) -> None:
     assert node(r, "small").hits == 2 and node(r, "big").hits == 2
 
 
+@pytest.mark.parametrize(
+    ("policy", "small", "big"), [("first_hit", 2, 2), ("longest_hit", 0, 2 + 4), ("ranges", 2, 4)]
+)
+def test_ranges_serve_each_tiers_part_of_one_request(policy: str, small: int, big: int) -> None:
+    p = pipeline(tier("small", 2) + tier("big", 100), f"load_policy: {policy}\n")
+    trace = [
+        req([1, 2, 3, 4, 9], partial=True),  # small (2 blocks) keeps [3, 4]; big all
+        req([1, 2, 9], partial=True),  # big serves [1, 2]; small then holds them
+        req([1, 2, 3, 4, 5, 9], partial=True),  # small holds [1, 2], big [1, 2, 3, 4]
+    ]
+    r = run(p, trace)
+    # ranges: the last request loads [1, 2] from small and [3, 4] from big.
+    assert (node(r, "small").tokens_served, node(r, "big").tokens_served) == (
+        small * BS,
+        big * BS,
+    )
+
+
+@pytest.mark.parametrize(("promote", "small_served"), [("on_hit", 4), ("never", 0)])
+def test_promotion_puts_what_a_slower_tier_served_into_the_faster(
+    promote: str, small_served: int
+) -> None:
+    p = pipeline(
+        tier("small", 4, f", promote: {promote}") + tier("big", 100),
+        "load_policy: ranges\nsave_to: [small, big]\n",
+    )
+    # big alone holds [1..4] (small was told to save nothing of it by its capacity: 4
+    # blocks, filled by [5..8] after); request 3 loads it from big; with promotion
+    # small then holds it, and request 4 finds it there.
+    trace = [req([1, 2, 3, 4, 9], partial=True), req([5, 6, 7, 8, 9], partial=True)]
+    trace += [req([1, 2, 3, 4, 10], partial=True), req([1, 2, 3, 4, 11], partial=True)]
+    r = run(p, trace)
+    assert node(r, "small").tokens_served == small_served * BS
+    assert node(r, "big").tokens_served == (8 - small_served) * BS
+
+
+@pytest.mark.parametrize(("threshold", "served"), [(1, [0, 2, 2]), (2, [0, 0, 2])])
+def test_store_threshold_admits_a_block_on_its_nth_request(
+    threshold: int, served: list[int]
+) -> None:
+    p = pipeline(tier("cpu", 100, f", store_threshold: {threshold}"))
+    trace = [req([1, 2, 9], partial=True)] * 3
+    hits = [run(p, trace[: i + 1]).tokens_served // BS for i in range(3)]
+    assert hits == [sum(served[: i + 1]) for i in range(3)]
+
+
+def test_arc_is_the_tiers_own_index() -> None:
+    # One reused prompt, then a scan of one-off prompts twice the tier: LRU loses it.
+    scan = [req([100 + i, 9], partial=True) for i in range(8)]
+    trace = [req([1, 2, 9], partial=True)] * 2 + scan + [req([1, 2, 9], partial=True)]
+    served = {
+        eviction: run(pipeline(tier("cpu", 4, f", eviction: {eviction}")), trace).tokens_served
+        for eviction in ("lru", "arc")
+    }
+    assert served == {"lru": 2 * BS, "arc": 4 * BS}
+
+
 def test_vllm_prefix_cache_is_consulted_first() -> None:
     # vLLM frees a request's blocks tail first: with room for 2 it keeps [1] and [1,2];
     # the tier serves block 3 after vLLM's hit, and only that.

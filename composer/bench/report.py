@@ -43,6 +43,9 @@ class RunResult:
     connector_tokens: float = 0.0
     #: Prompt tokens each KV Composer node loaded during the run, by node id.
     node_tokens: dict[str, float] = field(default_factory=dict)
+    #: Bytes each node copied into vLLM's KV cache, and out of it into its store.
+    node_bytes_loaded: dict[str, float] = field(default_factory=dict)
+    node_bytes_saved: dict[str, float] = field(default_factory=dict)
     #: A fleet's run: the requests each engine finished, busiest engine first.
     engine_requests: list[float] = field(default_factory=list)
 
@@ -90,6 +93,8 @@ class RunResult:
                 "connector": self.fraction(self.connector_tokens),
                 **{node: self.fraction(t) for node, t in self.node_tokens.items()},
             },
+            "bytes_loaded": self.node_bytes_loaded,
+            "bytes_saved": self.node_bytes_saved,
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -154,10 +159,10 @@ def plot_ttft_cdf(path: Path, results: Sequence[RunResult]) -> None:
 
 def pool(a: RunResult, b: RunResult) -> RunResult:
     """Two runs of one configuration as one: requests together, times and counts added."""
-    nodes = {
-        n: a.node_tokens.get(n, 0.0) + b.node_tokens.get(n, 0.0)
-        for n in {*a.node_tokens, *b.node_tokens}
-    }
+
+    def added(x: dict[str, float], y: dict[str, float]) -> dict[str, float]:
+        return {n: x.get(n, 0.0) + y.get(n, 0.0) for n in {*x, *y}}
+
     return RunResult(
         a.config,
         a.records + b.records,
@@ -167,7 +172,9 @@ def pool(a: RunResult, b: RunResult) -> RunResult:
         prefix_cache_tokens=a.prefix_cache_tokens + b.prefix_cache_tokens,
         connector_tokens=a.connector_tokens + b.connector_tokens,
         preemptions=a.preemptions + b.preemptions,
-        node_tokens=nodes,
+        node_tokens=added(a.node_tokens, b.node_tokens),
+        node_bytes_loaded=added(a.node_bytes_loaded, b.node_bytes_loaded),
+        node_bytes_saved=added(a.node_bytes_saved, b.node_bytes_saved),
         engine_requests=[x + y for x, y in zip(a.engine_requests, b.engine_requests, strict=True)],
     )
 

@@ -45,6 +45,8 @@ def engine_counters(samples: list[scrape.Sample]) -> dict[str, float]:
     }
     for node, view in scrape.nodes(samples).items():
         out[f"node:{node}"] = view.counters.get("tokens_loaded", 0.0)
+        out[f"bytes_loaded:{node}"] = view.counters.get("bytes_loaded", 0.0)
+        out[f"bytes_saved:{node}"] = view.counters.get("bytes_saved", 0.0)
     return out
 
 
@@ -75,7 +77,9 @@ def measure(
     time.sleep(settle_s)
     after = engine_counters(scrape.fetch(base_url))
     delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
-    nodes = {k.removeprefix("node:"): v for k, v in delta.items() if k.startswith("node:")}
+    def per_node(prefix: str) -> dict[str, float]:
+        return {k.removeprefix(prefix): v for k, v in delta.items() if k.startswith(prefix)}
+
     return RunResult(
         name,
         records,
@@ -85,7 +89,9 @@ def measure(
         prefix_cache_tokens=delta["prefix"],
         connector_tokens=delta["connector"],
         preemptions=int(delta["preemptions"]),
-        node_tokens=nodes,
+        node_tokens=per_node("node:"),
+        node_bytes_loaded=per_node("bytes_loaded:"),
+        node_bytes_saved=per_node("bytes_saved:"),
     )
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import time
 import urllib.request
@@ -12,6 +15,7 @@ import pytest
 from composer.bench import servers as bench_servers
 
 pytestmark = pytest.mark.e2e
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def get(url: str, payload: dict | None = None, timeout: float = 60) -> dict:
@@ -54,3 +58,29 @@ def test_kvc_serve_runs_vllm_with_the_pipeline(
             time.sleep(1)
         line = next(x for x in log.read_text().splitlines() if "KV Transfer metrics" in x)
         assert "ex.lookups=" in line and "ex.hits=" in line
+        _tier_controls(base, tiny_model, body["prompt"])
+
+
+def _tier_controls(base: str, model: str, prompt: str) -> None:
+    """examples/tier_controls.py against the server: a request's kv_transfer_params
+    restrict the nodes it loads from, and bad controls come back as an error."""
+    spec = importlib.util.spec_from_file_location("tier_controls", EXAMPLES / "tier_controls.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    def cached(out: dict) -> int:
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(example.complete(base, model, prompt, kv_load_tiers=["ex"])) > 0
+    assert cached(example.complete(base, model, prompt, kv_load_tiers=[])) == 0
+    bad = example.complete(base, model, prompt, kv_load_tiers=["no-such-node"])
+    assert cached(bad) == 0
+    error = bad["kv_transfer_params"]["kv_composer"]["error"]
+    assert "kv_load_tiers: unknown node(s) 'no-such-node'" in error and "'ex'" in error
+    # The example's own run prints one line per request, the bad one with its error.
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert example.main(["tier_controls.py", base, model, "ex"]) == 0
+    lines = buffer.getvalue().splitlines()
+    assert len(lines) == 5 and "unknown node(s)" in lines[3], lines
