@@ -46,14 +46,14 @@ SIM_BLOCK_BYTES, SIM_FAST, SIM_SLOW = 4 * 1024**2, "256GiB", "1TiB"
 #: The slice's tiers (tiny model: 16 KiB blocks; the slice's prompts hold ~130 MiB).
 SLICE_FAST, SLICE_SLOW = "8MiB", "32MiB"
 
-#: Variant name -> (load_policy, fast's config changes).
+#: Variant name -> (load_policy, fast's config changes; promote: on_hit unless named).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "first_hit": ("first_hit", {}),
     "longest_hit": ("longest_hit", {}),
-    "ranges, promote never": ("ranges", {"promote": "never"}),
-    "ranges + promotion": ("ranges", {}),
-    "ranges + promotion, arc": ("ranges", {"eviction": "arc"}),
-    "ranges + promotion, threshold 2": ("ranges", {"store_threshold": 2}),
+    "ranges,promote=never": ("ranges", {"promote": "never"}),
+    "ranges": ("ranges", {}),
+    "ranges,eviction=arc": ("ranges", {"eviction": "arc"}),
+    "ranges,store_threshold=2": ("ranges", {"store_threshold": 2}),
 }
 
 
@@ -105,7 +105,7 @@ def main() -> int:
     sliced = read_trace(slice_path)
     configs = []
     for i, name in enumerate(VARIANTS):
-        path = WORKDIR / f"{i}-{name.replace(' ', '').replace(',', '-')}.yaml"
+        path = WORKDIR / f"{i}-{name.replace(',', '-')}.yaml"
         path.write_text(yaml.safe_dump(variant(name, SLICE_FAST, SLICE_SLOW), sort_keys=False))
         # No vLLM prefix cache: every hit is a tier's, as in the simulation.
         configs.append(Config(name, path, prefix_caching=False))

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from composer import Plugin, PluginType, hookimpl
+from composer import Capabilities, Plugin, PluginType, hookimpl, load_pipeline
 from composer.chain import Chain, ChainMetadata
 from composer.controls import controls_of
 from composer.testing.chains import Blocks, pipeline_chain, registry, request
@@ -284,6 +284,71 @@ def test_a_node_switched_off_during_a_ranged_async_load_fails_the_request_once_a
     sched.update_connector_output(_output(failed={"r1"}))
     note = sched.request_finished(request(), [])[1]["kv_composer"]  # type: ignore[index]
     assert note["tokens"] == 0 and note["served_by"] is None
+
+
+HYBRID = SimpleNamespace(
+    kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4)),  # sliding window
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4)),  # full attention
+    ]
+)
+
+
+class HybridBlocks:
+    """Block 0 is vLLM's null block: the window has left those positions."""
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return ([0, 0, 22, 23, 24], [10, 11, 12, 13, 14])
+
+
+@pytest.mark.parametrize("failing", [None, "fast", "slow"])
+def test_several_kv_cache_groups_ranges_load_as_one_request(failing: str | None) -> None:
+    nodes: dict[str, Any] = {
+        "fast": {"on_error": "recompute", "config": {"holds": 8}},
+        "slow": {"on_error": "recompute", "config": {"holds": 16, "load_async": True}},
+    }
+    if failing:
+        nodes[failing]["config"]["bad_blocks"] = [12 if failing == "slow" else 11]
+    types = registry(_Module(), _HybridModule())
+    for node in nodes.values():
+        node["plugin"] = "hybrid-holder"
+    pipeline = {"version": 1, "nodes": nodes, "load_policy": "ranges", "hma": "on"}
+    resolved = load_pipeline(pipeline, registry=types)
+    sched = Chain(resolved, "scheduler", kv_cache_config=HYBRID)
+    assert sched.get_num_new_matched_tokens(request(), 0) == (16, True)
+    sched.update_state_after_alloc(request(), HybridBlocks(), 16)
+    meta = sched.build_connector_meta(SimpleNamespace())
+    # Each range's blocks in both groups, never the null block.
+    assert meta.loads == {"fast": {10, 11}, "slow": {22, 23, 12, 13}}
+    worker = Chain(resolved, "worker", kv_cache_config=HYBRID)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    first = worker.get_transfer_results(set())
+    assert first.finished_recving == set()  # slow (async) has not finished
+    done = _report(worker, "slow", {"r1"})
+    assert done.finished_recving == {"r1"}
+    # vLLM takes no block ids with several groups: a lost block fails the request.
+    assert done.failed_recving == ({"r1"} if failing else set())
+    assert worker.get_block_ids_with_load_errors() == set()
+    sched.update_connector_output(_output(failed=set(done.failed_recving)))
+    note = sched.request_finished_all_groups(request(), ([], []))[1]
+    assert note is None  # (annotate_outputs is off here)
+
+
+class _HybridModule:
+    __name__ = "hybrid-holders"
+
+    @staticmethod
+    @hookimpl
+    def register_plugin_types(register: Any) -> None:
+        register(
+            PluginType(
+                name="hybrid-holder",
+                node=Holder,
+                config=HolderConfig,
+                capabilities=Capabilities(hma=True),
+            )
+        )
 
 
 def test_hit_sources_are_asked_of_each_range_and_summed() -> None:
