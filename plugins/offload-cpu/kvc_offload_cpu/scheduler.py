@@ -247,11 +247,11 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
     ) -> None:
         st = self._req(request)
         st.block_ids = [list(ids) for ids in block_ids]
-        st.foreign = [
-            (start, start + n)
-            for node, start, n in getattr(request, "loads", ())
-            if node != self.node_id
-        ]
+        loads = getattr(request, "loads", ())
+        if loads:
+            # (vLLM allocates an async-loaded request again, with nothing to load:
+            # what other nodes loaded into it stays known.)
+            st.foreign = [(start, start + n) for node, start, n in loads if node != self.node_id]
         if num_external_tokens == 0:
             if st.lookup is not None:  # first allocation of a request we looked up
                 self.stats.extra.add("misses")

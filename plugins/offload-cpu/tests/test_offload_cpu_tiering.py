@@ -9,6 +9,8 @@ import pytest
 from kvc_offload_cpu.index import BlockIndex
 from offload_cpu_fakes import BLOCK, SLOT, Engine, prompt
 
+from composer import RequestView
+
 
 def _run(eng: Engine, rid: str, tokens: list[int], **kw: Any) -> tuple[int, bool]:
     hit = eng.add(rid, tokens, **kw)
@@ -68,6 +70,19 @@ def test_blocks_another_node_loaded_are_promoted_only_on_hit(
     _run(eng, "a", prompt(1, 100), loads=(("disk", 0, 2 * BLOCK),))
     assert len(eng.index) == saved
     assert eng.sched.stats.extra.get("blocks_promoted", 0) == promoted
+
+
+def test_what_other_nodes_loaded_is_remembered_through_vllms_second_allocation() -> None:
+    """vLLM allocates a request whose async load finished once more, with nothing
+    to load (and so no ranges): promote: never still skips what another node loaded."""
+    eng = Engine(save_mode="sync", promote="never")
+    eng.add("a", prompt(1, 100), loads=(("disk", 0, 2 * BLOCK),))
+    r = eng.running["a"]
+    eng.sched.update_state_after_alloc(RequestView(r.req), (r.block_ids,), 0)
+    eng.prefill("a")
+    eng.finish("a")
+    eng.settle()
+    assert len(eng.index) == 1
 
 
 def test_own_loads_are_never_saved_again() -> None:
