@@ -370,7 +370,11 @@ def test_kv_load_tiers_restricts_the_nodes_a_request_loads_from(policy: str) -> 
         16,
         False,
     )
-    assert [n for n, _ in calls("get_num_new_matched_tokens")] == ["slow"]
+    # Every node is still asked (vLLM's API: a lookup before update_state_after_alloc).
+    assert calls("get_num_new_matched_tokens") == [("fast", 0), ("slow", 0)]
+    assert c.stats["fast"].hits == 0 and c.stats["slow"].hits == 1
+    c.update_state_after_alloc(_with_params({"kv_load_tiers": ["slow"]}), Blocks(), 16)
+    assert [a[0] for _, a in calls("update_state_after_alloc")] == [0, 16]
     assert c.get_num_new_matched_tokens(_with_params({"kv_load_tiers": []}), 0) == (0, False)
 
 
@@ -391,7 +395,6 @@ def test_bad_controls_load_nothing_and_say_why_in_the_response(
     c = chain({"fast": 8, "slow": 16}, annotate_outputs=False)
     req = _with_params(params)
     assert c.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert calls("get_num_new_matched_tokens") == []
     assert req.kv_transfer_params == params  # untouched
     _, out = c.request_finished(req, [])
     assert out is not None and error in out["kv_composer"]["error"]

@@ -205,9 +205,7 @@ class SchedulerSide(ChainBase):
         chosen: Range | None = None
         allowed = self.load_allowed(view)
         for node_id, fn in self.calls["get_num_new_matched_tokens"]:
-            if allowed is not None and node_id not in allowed:
-                continue
-            tokens, load_async = self._lookup(node_id, fn, view, num_computed_tokens)
+            tokens, load_async = self._lookup(node_id, fn, view, num_computed_tokens, allowed)
             if tokens is None:
                 return None
             if tokens > 0:
@@ -223,9 +221,7 @@ class SchedulerSide(ChainBase):
         start = num_computed_tokens
         allowed = self.load_allowed(view)
         for node_id, fn in self.calls["get_num_new_matched_tokens"]:
-            if allowed is not None and node_id not in allowed:
-                continue
-            tokens, load_async = self._lookup(node_id, fn, view, start)
+            tokens, load_async = self._lookup(node_id, fn, view, start, allowed)
             if tokens is None:
                 return None
             if tokens > 0:
@@ -249,8 +245,17 @@ class SchedulerSide(ChainBase):
         return controls.load
 
     def _lookup(
-        self, node_id: str, fn: Callable[..., Any], view: RequestView, num_computed_tokens: int
+        self,
+        node_id: str,
+        fn: Callable[..., Any],
+        view: RequestView,
+        num_computed_tokens: int,
+        allowed: frozenset[str] | None,
     ) -> tuple[int | None, bool]:
+        """The node's hit; a node the request may not load from (``allowed``) is
+        still asked, as vLLM's connector API expects of every connector before
+        ``update_state_after_alloc`` (LMCache's keeps the request's state from its
+        lookup), and its hit counts as none."""
         self.stats[node_id].lookups += 1
         try:
             tokens, load_async = fn(view, num_computed_tokens)
@@ -259,6 +264,8 @@ class SchedulerSide(ChainBase):
             return 0, False
         if node_id in self.outages:
             self.store_back(node_id)
+        if allowed is not None and node_id not in allowed and tokens is not None:
+            return 0, False
         return tokens, load_async
 
     def chosen_node(self, request_id: str) -> str | None:
