@@ -77,6 +77,9 @@ class EngineResult:
     log: str = ""
     #: The engine and every process it started exited on their own (no signal sent).
     clean_exit: bool = True
+    #: The engine's Prometheus metrics after its last round (text format, what a
+    #: server's ``/metrics`` shows: KV Composer's per-node series included).
+    metrics: str = ""
 
     def tokens(self, round_index: int) -> list[list[int]]:
         return [r.tokens for r in self.rounds[round_index]]
@@ -153,6 +156,7 @@ def run_engine(spec: EngineSpec) -> EngineResult:
             log_tail=tail,
             log=text,
             clean_exit=not signalled,
+            metrics=data.get("metrics", ""),
         )
 
 
@@ -321,7 +325,12 @@ def _child(spec_path: str, out_path: str) -> None:
             reset = spec.reset_between_rounds
         if reset and spec.prefix_caching:
             llm.reset_prefix_cache()
-    Path(out_path).write_text(json.dumps({"rounds": rounds, "startup_s": startup}))
+    from prometheus_client import REGISTRY, generate_latest
+
+    metrics = generate_latest(REGISTRY).decode()
+    Path(out_path).write_text(
+        json.dumps({"rounds": rounds, "startup_s": startup, "metrics": metrics})
+    )
     # Shut the engine down the way vLLM does, so connectors see their shutdown
     # calls, before this process exits. vLLM's default grace of 5 s before it
     # kills EngineCore is too short on a busy 2-core machine: a killed EngineCore

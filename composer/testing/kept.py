@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer import Capabilities, PluginType, hookimpl
+from composer import Capabilities, PluginType, hookimpl, scrape
 from composer.plugin import Plugin
 
 MODULE = "composer.testing.kept"
@@ -67,6 +67,49 @@ def reported_vs_kept(rounds: list[list[Any]]) -> tuple[list[tuple[Any, ...]], in
                 if x.cached_tokens != kept + lost:
                     wrong.append((r, i, note, kept, f"vLLM cached_tokens {x.cached_tokens}"))
     return wrong, vllm_counts_failed
+
+
+#: Per-node counters a request's note settles: on ``/metrics``, against the notes.
+SETTLED = ("requests_hit", "prompt_tokens_hit", "tokens_hit", "loads_failed", "tokens_load_failed")
+
+
+def counted_vs_reported(rounds: list[list[Any]], metrics: str) -> dict[str, Any]:
+    """Nodes whose ``/metrics`` counters (:data:`SETTLED`, from the engine's
+    ``metrics``) differ from the sum of what the requests' notes say each
+    served and lost: node -> (counted, reported). Empty when they agree."""
+    reported: dict[str, dict[str, float]] = {}
+
+    def add(node: str, key: str, amount: float) -> None:
+        counts = reported.setdefault(node, dict.fromkeys(SETTLED, 0.0))
+        counts[key] += amount
+
+    for rnd in rounds:
+        for x in rnd:
+            note = (x.kv_transfer_params or {})["kv_composer"]
+            served = note.get("ranges")
+            if served is None:  # one node's load
+                served = [{"node": note["served_by"], "tokens": note["tokens"]}]
+            for part in served:
+                if part["node"] and part["tokens"]:
+                    add(part["node"], "requests_hit", 1)
+                    add(part["node"], "prompt_tokens_hit", part["tokens"])
+                    add(part["node"], "tokens_hit", part["tokens"])
+            failed = note.get("failed") or []
+            for part in failed if isinstance(failed, list) else [failed]:
+                add(part["node"], "loads_failed", 1)
+                add(part["node"], "tokens_load_failed", part["tokens"])
+    views = scrape.nodes(scrape.parse(metrics))
+    wrong: dict[str, Any] = {}
+    for node in sorted(set(reported) | set(views)):
+        view = views.get(node)
+        counted = {
+            key: (view.counters.get(key) or view.events.get(key) or 0.0) if view else 0.0
+            for key in SETTLED
+        }
+        want = reported.get(node, dict.fromkeys(SETTLED, 0.0))
+        if counted != want:
+            wrong[node] = (counted, want)
+    return wrong
 
 
 @hookimpl

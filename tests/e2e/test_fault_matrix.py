@@ -177,9 +177,12 @@ def test_matrix(
 
 def _assert_reported_is_delivered(result: EngineResult) -> None:
     """Request by request: what KV Composer says a node served (``served_by``,
-    ``tokens``) is what vLLM kept (``kept-tokens``' count), and a failed load is named."""
+    ``tokens``) is what vLLM kept (``kept-tokens``' count), and a failed load is named;
+    node by node: the settled counters on ``/metrics`` add up to those requests'."""
     wrong, vllm_counts_failed = kept.reported_vs_kept(result.rounds)
     assert not wrong, f"(round, request, reported, kept): {wrong}"
+    miscounted = kept.counted_vs_reported(result.rounds, result.metrics)
+    assert not miscounted, f"node: (counted on /metrics, reported): {miscounted}"
     print(f"\nrequests whose failed load vLLM's cached_tokens counts: {vllm_counts_failed}")
 
 

@@ -11,13 +11,18 @@ comparisons are not thread-count noise):
   is on and a subscriber receives what a router would (both tiers' events);
 * ``shared-1`` / ``shared-2``: two fresh engine processes, one after the
   other, against one `lmcache server` started by the test: the second hits
-  on what the first saved.
+  on what the first saved. The second runs ``load_policy: ranges`` and then
+  one request from both tiers: token-id prompts whose first blocks the CPU
+  tier holds and whose next ones only LMCache does (placed there by the
+  requests' ``kv_store_tiers``); it loads ``[0, 96)`` from the CPU tier and
+  ``[96, 192)`` from LMCache, and ``kv_load_tiers`` picks LMCache alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,16 +42,30 @@ pytestmark = pytest.mark.e2e
 BLOCK = 32
 PROMPTS = make_prompts(3, words=120, seed=41)
 ROUNDS = [PROMPTS, PROMPTS]
-PLAIN_LLAMA_ROUNDS = ROUNDS
+_rng = random.Random(20)
+A, B, C = ([_rng.randrange(10, 430) for _ in range(n)] for n in (100, 104, 60))
+AB, ABC = A[:96] + B, A[:96] + B[:96] + C  # 200 and 252 tokens
+#: shared-2's rounds after PROMPTS: A saved by both tiers, A+B by LMCache only,
+#: then A+B+C from both, and from LMCache alone.
+RANGE_ROUNDS: list[list[Any]] = [
+    [{"prompt_token_ids": A}],
+    [{"prompt_token_ids": AB, "kv_transfer_params": {"kv_store_tiers": ["lmcache"]}}],
+    [{"prompt_token_ids": ABC}],
+    [{"prompt_token_ids": ABC, "kv_transfer_params": {"kv_load_tiers": ["lmcache"]}}],
+]
+PLAIN_LLAMA_ROUNDS = ROUNDS + [
+    [{"prompt_token_ids": p["prompt_token_ids"]} for p in rnd] for rnd in RANGE_ROUNDS
+]
 # One tiny-model KV block (2 layers x 2 KV heads x 32 x K,V x bf16 x 32 tokens)
 # is 16 KiB: the tier holds 4 blocks, fewer than one prompt.
 CPU_CAPACITY = "64KiB"
 
 
-def _kv(tmp: Path, lmcache_config: dict[str, Any]) -> dict[str, Any]:
+def _kv(tmp: Path, lmcache_config: dict[str, Any], **settings: Any) -> dict[str, Any]:
     pipeline = {
         "version": 1,
         "annotate_outputs": True,
+        **settings,
         "nodes": {
             "tracker": {
                 "plugin": "model-tracker",
@@ -100,7 +119,7 @@ def runs(
         out[name] = run_engine(spec)
         return out[name]
 
-    out["plain"] = plain_llama(ROUNDS)
+    out["plain"] = plain_llama(PLAIN_LLAMA_ROUNDS)
     owned_tmp = tmp_path_factory.mktemp("owned")
     owned_kv = _kv(owned_tmp, {"chunk_size": BLOCK, "server": {"l1_size_gb": 0.25}})
     subscriber = Subscriber()
@@ -115,9 +134,9 @@ def runs(
         "chunk_size": BLOCK,
         "server": {"url": shared_server.url, "http_url": shared_server.http_url},
     }
-    for name in ("shared-1", "shared-2"):
-        tmp = tmp_path_factory.mktemp(name)
-        run(name, [PROMPTS], _kv(tmp, given))
+    run("shared-1", [PROMPTS], _kv(tmp_path_factory.mktemp("shared-1"), given))
+    ranges = _kv(tmp_path_factory.mktemp("shared-2"), given, load_policy="ranges")
+    run("shared-2", [PROMPTS, *RANGE_ROUNDS], ranges)
     return out
 
 
@@ -187,6 +206,8 @@ def test_tokens_equal_a_run_without_a_connector(runs: dict[str, Any]) -> None:
         assert runs["owned"].tokens(r) == plain.tokens(r), f"round {r}"
     for name in ("shared-1", "shared-2"):
         assert runs[name].tokens(0) == plain.tokens(0), name
+    for r in range(len(RANGE_ROUNDS)):
+        assert runs["shared-2"].tokens(1 + r) == plain.tokens(len(ROUNDS) + r), f"range round {r}"
 
 
 def test_a_fresh_engine_hits_on_what_another_engine_saved(runs: dict[str, Any]) -> None:
@@ -194,6 +215,20 @@ def test_a_fresh_engine_hits_on_what_another_engine_saved(runs: dict[str, Any]) 
     assert _served(runs["shared-2"], 0) == ["lmcache"] * 3
     for r in runs["shared-2"].rounds[0]:
         assert r.cached_tokens >= BLOCK
+
+
+def test_one_request_loads_from_the_cpu_tier_then_lmcache(runs: dict[str, Any]) -> None:
+    notes = [rnd[0].kv_transfer_params["kv_composer"] for rnd in runs["shared-2"].rounds[1:]]
+    assert notes[1]["ranges"] == [{"node": "cpu", "start": 0, "tokens": 96}]
+    assert notes[2]["ranges"] == [
+        {"node": "cpu", "start": 0, "tokens": 96},
+        {"node": "lmcache", "start": 96, "tokens": 96},
+    ]
+    assert notes[2]["served_by"] == "cpu+lmcache"
+    assert runs["shared-2"].rounds[3][0].cached_tokens == 192
+    # kv_load_tiers: LMCache alone serves all it holds (the CPU tier is still asked:
+    # LMCache, asked too, keeps the request's state from its lookup).
+    assert notes[3]["ranges"] == [{"node": "lmcache", "start": 0, "tokens": 224}]
 
 
 def test_the_owned_server_is_gone_with_its_engine(runs: dict[str, Any]) -> None:

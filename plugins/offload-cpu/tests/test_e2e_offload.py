@@ -146,6 +146,8 @@ def test_corrupt_blocks_are_recomputed_not_served(runs: dict[str, Any]) -> None:
     # every block after it are recomputed, and not credited.
     wrong, vllm_counts_failed = kept.reported_vs_kept(corrupt.rounds)
     assert not wrong, f"(round, request, reported, kept): {wrong}"
+    miscounted = kept.counted_vs_reported(corrupt.rounds, corrupt.metrics)
+    assert not miscounted, f"node: (counted on /metrics, reported): {miscounted}"
     assert vllm_counts_failed > 0, "no load lost a block"
     notes = [x.kv_transfer_params["kv_composer"] for rnd in corrupt.rounds for x in rnd]
     assert any(n.get("failed") for n in notes) and any(n["served_by"] for n in notes)

@@ -144,6 +144,7 @@ def test_one_request_loads_its_first_blocks_from_fast_and_the_next_from_slow(
     assert result.rounds[2][0].cached_tokens == 192  # vLLM's own count agrees
     wrong, failed = kept.reported_vs_kept(result.rounds)
     assert not wrong and failed == 0
+    assert not kept.counted_vs_reported(result.rounds, result.metrics)
 
 
 def test_fast_promoted_what_slow_served_and_load_tiers_are_honoured(
@@ -162,6 +163,8 @@ def test_each_tiers_failed_ranges_are_recomputed_and_not_credited(
     result = runs["corrupt"]
     wrong, _ = kept.reported_vs_kept(result.rounds)
     assert not wrong, f"(round, request, reported, kept): {wrong}"
+    miscounted = kept.counted_vs_reported(result.rounds, result.metrics)
+    assert not miscounted, f"node: (counted on /metrics, reported): {miscounted}"
     failed_nodes = {
         f["node"]
         for r in range(len(ROUNDS))
