@@ -522,6 +522,40 @@ def test_sweep_writes_table_and_png(pipe: Path, tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+def test_sweep_load_policy_on_the_ranges_example(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The trace of test_ranges_serve_each_tiers_part_of_one_request; with 32 MiB
+    # blocks the example's fast tier holds 2 of them, its slow one 8.
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"input_length": 512 * len(ids) - 256, "output_length": 1, "hash_ids": ids})
+            + "\n"
+            for ids in ([1, 2, 3, 4, 9], [1, 2, 9], [1, 2, 3, 4, 5, 9])
+        )
+    )
+    out_file = tmp_path / "sweep.txt"
+    example = str(root / "examples/tiers-ranges.yaml")
+    options = ["--bytes-per-block", "32MiB", "--trace-block-tokens", "32", "--exact"]
+    code = main([
+        "simulate", example, str(trace), *options,
+        "--sweep", "load_policy=first_hit,longest_hit,ranges", "-o", str(out_file),
+    ])
+    assert code == 0
+    table = out_file.read_text().splitlines()
+    assert table[1].split() == ["load_policy", "fast", "slow", "total"]
+    rows = {
+        line.split()[0]: [float(x.rstrip("%")) for x in line.split()[1:]] for line in table[2:5]
+    }
+    # first_hit serves less; longest_hit and ranges as much, ranges more of it from fast.
+    assert rows["first_hit"][2] < rows["ranges"][2] == rows["longest_hit"][2]
+    assert rows["ranges"][0] > rows["longest_hit"][0]
+    code = main(["simulate", example, str(trace), *options, "--sweep", "load_policy=range"])
+    assert code == 2
+    assert "--sweep load_policy: 'range': expected one of 'first_hit'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("lines", "message"),
     [

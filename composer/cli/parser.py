@@ -180,7 +180,8 @@ def add_simulate(sub: Subparsers) -> None:
     p.add_argument(
         "--sweep", metavar="FIELD=V1,V2,...",
         help="run once per value of a config field of every modelled node, e.g. "
-        "capacity=1GiB,4GiB,16GiB: a table and a PNG plot",
+        "capacity=1GiB,4GiB,16GiB, or of load_policy (load_policy=longest_hit,ranges): "
+        "a table and a PNG plot",
     )
     p.add_argument(
         "--output", "-o", metavar="FILE",

@@ -1,12 +1,14 @@
 """``kvc simulate --sweep``: one simulation per value of a config field of every
-modelled node (:func:`composer.simulate.simulate` with ``overrides``)."""
+modelled node (:func:`composer.simulate.simulate` with ``overrides``), or of the
+pipeline's ``load_policy``."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
-from composer.pipeline import ResolvedPipeline
+from composer.pipeline import LoadPolicy, ResolvedPipeline
 from composer.simulate import Result, SimulateError, simulate
 from composer.trace import TraceRequest
 
@@ -26,6 +28,18 @@ def sweep(
     values: Sequence[str],
     **kwargs: Any,
 ) -> list[Result]:
+    if field_name == "load_policy":
+        allowed = get_args(LoadPolicy)
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise SimulateError(
+                f"--sweep load_policy: {', '.join(map(repr, bad))}: expected one of "
+                + ", ".join(map(repr, allowed))
+            )
+        return [
+            simulate(dataclasses.replace(pipeline, load_policy=v), trace, **kwargs)  # type: ignore[arg-type]
+            for v in values
+        ]
     touched = [
         n.id for n in pipeline.nodes
         if getattr(n.plugin, "simulator", None) and field_name in type(n.config).model_fields
