@@ -11,7 +11,14 @@ from pydantic import BaseModel, ConfigDict
 
 from composer import Capabilities, Plugin, PluginType, discover, hookimpl, load_pipeline
 from composer.chain import Chain, TransferParamsClash
-from composer.testing.chains import KV_CACHE_CONFIG, Blocks, pipeline_chain, registry, request
+from composer.testing.chains import (
+    KV_CACHE_CONFIG,
+    Blocks,
+    connector_output,
+    pipeline_chain,
+    registry,
+    request,
+)
 
 CALLS: list[tuple[str, str, Any]] = []
 
@@ -168,12 +175,6 @@ def test_a_request_counts_once_per_node_however_often_vllm_asks() -> None:
     assert counted == {"a": (4, 1, 0, 20, 0), "b": (4, 1, 1, 20, 8)}
 
 
-def _output(invalid: frozenset[int] = frozenset(), failed: frozenset[str] = frozenset()) -> Any:
-    return SimpleNamespace(
-        invalid_block_ids=set(invalid), failed_recving=set(failed), kv_connector_worker_meta=None
-    )
-
-
 #: (what vLLM reports back, the request's computed tokens at lookup, tokens delivered).
 #: Blocks of 4 tokens; the node loads 8 tokens into blocks 10, 11 (11, 12 from 4 computed).
 OUTCOMES = {
@@ -201,7 +202,7 @@ def test_what_a_node_served_is_what_arrived(outcome: str) -> None:
     assert c.get_num_new_matched_tokens(request(), computed) == (8, False)
     c.update_state_after_alloc(request(), Blocks(), 8)
     c.build_connector_meta(None)
-    c.update_connector_output(_output(**report))
+    c.update_connector_output(connector_output(**report))
     _, params = c.request_finished(request(), [])
     assert params is not None
     note = params["kv_composer"]

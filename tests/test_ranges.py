@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from composer import Capabilities, Plugin, PluginType, hookimpl, load_pipeline
 from composer.chain import Chain, ChainMetadata
 from composer.controls import controls_of
-from composer.testing.chains import Blocks, pipeline_chain, registry, request
+from composer.testing.chains import Blocks, connector_output, pipeline_chain, registry, request
 from composer.views import RequestView
 
 #: (node id, hook, argument) of every call a holder received.
@@ -150,12 +150,6 @@ def test_vllm_taking_fewer_tokens_cuts_the_last_ranges() -> None:
     assert [a[0] for _, a in calls("update_state_after_alloc")] == [4, 2, 0]
 
 
-def _output(invalid: set[int] = frozenset(), failed: set[str] = frozenset()) -> Any:  # type: ignore[assignment]
-    return SimpleNamespace(
-        invalid_block_ids=set(invalid), failed_recving=set(failed), kv_connector_worker_meta=None
-    )
-
-
 #: What vLLM reports back -> tokens that arrived from fast [0, 8) and slow [8, 16).
 #: vLLM recomputes from the first failed block on, so a failure in the first
 #: range loses the second as well.
@@ -177,7 +171,7 @@ def test_each_range_is_settled_by_what_arrived(outcome: str) -> None:
     c.get_num_new_matched_tokens(request(), 0)
     c.update_state_after_alloc(request(), Blocks(), 16)
     c.build_connector_meta(SimpleNamespace())
-    c.update_connector_output(_output(**report))
+    c.update_connector_output(connector_output(**report))
     _, params = c.request_finished(request(), [])
     assert params is not None
     note = params["kv_composer"]
@@ -254,7 +248,7 @@ def test_a_failing_node_of_a_ranged_sync_load_loses_only_its_blocks(
     assert (failing in worker.disabled) == (policy == "disable")
     # Both nodes ran their loads: one's failure does not stop the other's.
     assert {n for n, _ in calls("start_load_kv")} == {"fast", "slow"}
-    sched.update_connector_output(_output(invalid=errors))
+    sched.update_connector_output(connector_output(invalid=errors))
     note = sched.request_finished(request(), [])[1]["kv_composer"]  # type: ignore[index]
     assert note["tokens"] == (0 if failing == "fast" else 8)
 
@@ -281,7 +275,7 @@ def test_a_node_switched_off_during_a_ranged_async_load_fails_the_request_once_a
     other = "slow" if failing == "fast" else "fast"
     done = _report(worker, other, {"r1"})
     assert (done.finished_recving, done.failed_recving) == ({"r1"}, {"r1"})
-    sched.update_connector_output(_output(failed={"r1"}))
+    sched.update_connector_output(connector_output(failed={"r1"}))
     note = sched.request_finished(request(), [])[1]["kv_composer"]  # type: ignore[index]
     assert note["tokens"] == 0 and note["served_by"] is None
 
@@ -330,7 +324,7 @@ def test_several_kv_cache_groups_ranges_load_as_one_request(failing: str | None)
     # vLLM takes no block ids with several groups: a lost block fails the request.
     assert done.failed_recving == ({"r1"} if failing else set())
     assert worker.get_block_ids_with_load_errors() == set()
-    sched.update_connector_output(_output(failed=set(done.failed_recving)))
+    sched.update_connector_output(connector_output(failed=set(done.failed_recving)))
     note = sched.request_finished_all_groups(request(), ([], []))[1]
     assert note is None  # (annotate_outputs is off here)
 

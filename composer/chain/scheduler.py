@@ -185,10 +185,12 @@ class SchedulerSide(ChainBase):
         if plan is None:
             # Still looking up: vLLM asks again later (MultiConnector's rule).
             return None, False
+        rid = view.request_id
+        self.converted.discard(rid)  # (vLLM may ask again: the last answer counts)
         if not plan:
-            self.chosen.pop(view.request_id, None)
+            self.chosen.pop(rid, None)
             return 0, False
-        self.chosen[view.request_id] = plan
+        self.chosen[rid] = plan
         load_async = any(r.load_async for r in plan)
         if self.num_groups > 1 and not load_async:
             # vLLM takes failed loads of several groups only per request, from
@@ -196,7 +198,7 @@ class SchedulerSide(ChainBase):
             load_async = True
         if load_async and not all(r.load_async for r in plan):
             # Sync ranges of an async load: the chain reports them done.
-            self.converted.add(view.request_id)
+            self.converted.add(rid)
         return sum(r.tokens for r in plan), load_async
 
     def _plan_one(self, view: RequestView, num_computed_tokens: int) -> list[Range] | None:

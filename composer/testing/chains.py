@@ -12,6 +12,7 @@ by a plugin's.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Collection
 from types import SimpleNamespace
 from typing import Any
 
@@ -161,6 +162,16 @@ class Blocks:
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return ([10, 11, 12, 13, 14],)
+
+
+def connector_output(
+    invalid: Collection[int] = frozenset(), failed: Collection[str] = frozenset()
+) -> Any:
+    """vLLM's ``KVConnectorOutput`` for ``update_connector_output``, as far as the
+    chain reads it: the blocks that failed to load, the async loads that failed."""
+    return SimpleNamespace(
+        invalid_block_ids=set(invalid), failed_recving=set(failed), kv_connector_worker_meta=None
+    )
 
 
 def metadata(**fields: Any) -> ChainMetadata:
