@@ -23,6 +23,7 @@ bench measures what each policy serves, not a slow tier's latency.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,9 @@ from composer.testing.tiny_model import build_tiny_model
 from composer.trace import read_trace
 
 ROOT = Path(__file__).parent.parent
+#: Each variant this many times, in alternating order (a drifting machine load
+#: then favours none: its TTFT is otherwise the order's as much as the policy's).
+ROUNDS = int(os.environ.get("KVC_BENCH_ROUNDS", "1"))
 EXAMPLE = ROOT / "examples/tiers-ranges.yaml"
 WORKDIR = Path("kvc-bench-tiers")
 #: The whole trace's simulation: an 8B model's block, tiers of these sizes.
@@ -131,6 +135,7 @@ def main() -> int:
         max_output_tokens=OUTPUT,
         workdir=WORKDIR,
         progress=False,
+        rounds=ROUNDS,
     )
     results = bench_run.run(spec)
     bench_report.write_report(results, WORKDIR, plot=False)
