@@ -231,6 +231,9 @@ def test_what_the_node_is_said_to_have_served_arrived(runs: dict[str, Any], name
     # tokens are what vLLM kept (``kept-tokens``), not what was planned.
     wrong, _ = kept_tokens.reported_vs_kept(runs[name].rounds)
     assert not wrong, f"(round, request, reported, kept): {wrong}"
+    # Node by node: the settled counters on /metrics add up to those requests'.
+    miscounted = kept_tokens.counted_vs_reported(runs[name].rounds, runs[name].metrics)
+    assert not miscounted, f"node: (counted on /metrics, reported): {miscounted}"
 
 
 @pytest.mark.parametrize("name", STAYS_DOWN)
