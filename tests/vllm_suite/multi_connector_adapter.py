@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm_source import tests_root
 
+from composer.chain.scheduler import Range
 from composer.testing.multiconnector import node_ids, pipeline_for
 from composer.testing.tiny_model import build_tiny_model
 from composer.vllm.connector import ComposedConnector, ComposedStats
@@ -135,17 +136,17 @@ def _children_node_ids(connector: ComposedConnector) -> list[str]:
 
 class _ChosenByIndex(MutableMapping[str, int]):
     """MultiConnector's ``_requests_to_connector`` (request -> child index) over the
-    chain's choice of node per request."""
+    chain's plan per request (one range: MultiConnector's one child)."""
 
     def __init__(self, connector: ComposedConnector) -> None:
         self.chain = connector.chain
         self.ids = _children_node_ids(connector)
 
     def __getitem__(self, request_id: str) -> int:
-        return self.ids.index(self.chain.chosen[request_id][0])
+        return self.ids.index(self.chain.chosen[request_id][0].node)
 
     def __setitem__(self, request_id: str, index: int) -> None:
-        self.chain.chosen[request_id] = (self.ids[index], 0, False)
+        self.chain.chosen[request_id] = [Range(self.ids[index], 0, 0, False)]
 
     def __delitem__(self, request_id: str) -> None:
         del self.chain.chosen[request_id]
