@@ -368,7 +368,23 @@ class HostPool:
                     continue
                 ids = torch.tensor(p_ids, dtype=torch.int64)
                 if self.device.type != "cpu":  # pragma: no cover - needs a GPU
-                    src = src.to(self.device, non_blocking=True)
-                    ids = ids.to(self.device, non_blocking=True)
+                    self._load_to_device(plan, src, ids)
+                    continue
                 wide(plan.region).index_copy_(0, ids, wide(src))
         return ok, time.perf_counter() - t0
+
+    def _load_to_device(
+        self, plan: RegionPlan, src: torch.Tensor, ids: torch.Tensor
+    ) -> None:  # pragma: no cover - needs a GPU
+        """Host rows into the blocks, on the pool's stream after the work queued on
+        the current one. Returns once the copy has read the rows: the scheduler
+        hands their slots to the next save as soon as the load is reported, and a
+        copy still in flight would read that save's bytes (seen on an H200 with
+        2 MiB blocks, when the copy ran on the current stream unwaited)."""
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            dev_src = src.to(self.device, non_blocking=True)
+            dev_ids = ids.to(self.device, non_blocking=True)
+            wide(plan.region).index_copy_(0, dev_ids, wide(dev_src))
+        stream.synchronize()
