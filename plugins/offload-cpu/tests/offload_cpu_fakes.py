@@ -54,8 +54,12 @@ def kv_cache_config(num_blocks: int) -> Any:
             KVCacheGroupSpec,
             KVCacheTensor,
         )
-    except ImportError:  # pragma: no cover
-        spec = SimpleNamespace(block_size=BLOCK, page_size_bytes=PAGE)
+    except ImportError:  # pragma: no cover - a machine without vLLM (a GPU check)
+
+        class FullAttentionSpec(SimpleNamespace):  # the tier reads a spec's class name
+            pass
+
+        spec = FullAttentionSpec(block_size=BLOCK, page_size_bytes=PAGE)
         return SimpleNamespace(
             num_blocks=num_blocks,
             kv_cache_tensors=[SimpleNamespace(layers=layers)],
@@ -103,23 +107,28 @@ def hybrid_kv_cache_config(windowed: Any, full: Any, num_blocks: int) -> Any:
 
 
 def canonical(
-    num_blocks: int, layout: str = "block"
+    num_blocks: int, layout: str = "block", device: str = "cpu"
 ) -> tuple[CanonicalKVCaches, dict[str, torch.Tensor]]:
     """A real bf16 KV cache shaped like vLLM's CPU backend and its canonical view.
 
     ``block``: one allocation ``[num_blocks, layers, kv_heads, block_size, 2*head]``
     (block-outermost), one region whose row holds every layer's page.
     ``layer``: ``[layers, num_blocks, ...]`` (layer-outermost), one region per layer.
+    ``device``: where the cache lives (``cuda``: as on a GPU).
     """
     layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
     if layout == "block":
-        alloc = torch.zeros(num_blocks, LAYERS, KV_HEADS, BLOCK, 2 * HEAD, dtype=torch.bfloat16)
+        alloc = torch.zeros(
+            num_blocks, LAYERS, KV_HEADS, BLOCK, 2 * HEAD, dtype=torch.bfloat16, device=device
+        )
         raw = {name: alloc[:, i] for i, name in enumerate(layers)}
         regions: tuple[KVRegion, ...] = (
             KVRegion(alloc.view(torch.int8).reshape(num_blocks, SLOT), layers),
         )
     else:
-        alloc = torch.zeros(LAYERS, num_blocks, KV_HEADS, BLOCK, 2 * HEAD, dtype=torch.bfloat16)
+        alloc = torch.zeros(
+            LAYERS, num_blocks, KV_HEADS, BLOCK, 2 * HEAD, dtype=torch.bfloat16, device=device
+        )
         raw = {name: alloc[i] for i, name in enumerate(layers)}
         regions = tuple(
             KVRegion(alloc[i].view(torch.int8).reshape(num_blocks, PAGE), (name,))
@@ -232,7 +241,12 @@ class Engine:
     """
 
     def __init__(
-        self, num_blocks: int = 64, role: NodeRole = "both", layout: str = "block", **config: Any
+        self,
+        num_blocks: int = 64,
+        role: NodeRole = "both",
+        layout: str = "block",
+        device: str = "cpu",
+        **config: Any,
     ) -> None:
         config.setdefault("capacity", 64 * SLOT)
         self.config = OffloadCPUConfig(**config)
@@ -243,7 +257,7 @@ class Engine:
         self.worker = WorkerHalf(
             NodeContext("cpu", self.config, role, "worker", kv_cache_config=kvc)
         )
-        self.caches, _ = canonical(num_blocks, layout)
+        self.caches, _ = canonical(num_blocks, layout, device)
         self.region = Blocks(self.caches)
         self.worker.register_kv_caches(self.caches)
         self.free = list(range(1, num_blocks))  # block 0 is vLLM's null block
