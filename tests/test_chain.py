@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from composer import Capabilities, Plugin, PluginType, discover, hookimpl, load_pipeline
 from composer.chain import Chain, TransferParamsClash
 from composer.testing.chains import (
+    HYBRID_KV_CACHE_CONFIG,
     KV_CACHE_CONFIG,
     Blocks,
     connector_output,
@@ -475,19 +476,8 @@ class _EventsModule:
 
 # -- several KV cache groups (vLLM's hybrid manager) ------------------------- #
 
-HYBRID_KV_CACHE_CONFIG = SimpleNamespace(
-    kv_cache_groups=[
-        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4)),  # sliding window
-        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4)),  # full attention
-    ]
-)
-
-
-class HybridBlocks:
-    """Block 0 is vLLM's null block: the window has left those positions."""
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return ([0, 21, 22, 23], [10, 11, 12, 13])
+#: Block 0 is vLLM's null block: the window has left those positions.
+HYBRID_BLOCKS = ([0, 21, 22, 23], [10, 11, 12, 13])
 
 
 def _hybrid_load(policy: str, fail_in: str | None) -> tuple[Chain, Any]:
@@ -499,7 +489,7 @@ def _hybrid_load(policy: str, fail_in: str | None) -> tuple[Chain, Any]:
     # The node loads synchronously; vLLM takes failures of several groups only
     # per request, from async loads: the chain makes the load async for vLLM.
     assert sched.get_num_new_matched_tokens(request(), 0) == (12, True)
-    sched.update_state_after_alloc(request(), HybridBlocks(), 12)
+    sched.update_state_after_alloc(request(), Blocks(*HYBRID_BLOCKS), 12)
     meta = sched.build_connector_meta(SimpleNamespace())
     assert meta.loads == {"a": {21, 22, 10, 11, 12}}  # never the null block
     assert meta.async_loads == {"r1": (("a", frozenset({21, 22, 10, 11, 12}), True),)}

@@ -16,7 +16,14 @@ from pydantic import BaseModel, ConfigDict
 from composer import Capabilities, Plugin, PluginType, hookimpl, load_pipeline
 from composer.chain import Chain, ChainMetadata
 from composer.controls import controls_of
-from composer.testing.chains import Blocks, connector_output, pipeline_chain, registry, request
+from composer.testing.chains import (
+    HYBRID_KV_CACHE_CONFIG,
+    Blocks,
+    connector_output,
+    pipeline_chain,
+    registry,
+    request,
+)
 from composer.views import RequestView
 
 #: (node id, hook, argument) of every call a holder received.
@@ -280,19 +287,8 @@ def test_a_node_switched_off_during_a_ranged_async_load_fails_the_request_once_a
     assert note["tokens"] == 0 and note["served_by"] is None
 
 
-HYBRID = SimpleNamespace(
-    kv_cache_groups=[
-        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4)),  # sliding window
-        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4)),  # full attention
-    ]
-)
-
-
-class HybridBlocks:
-    """Block 0 is vLLM's null block: the window has left those positions."""
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return ([0, 0, 22, 23, 24], [10, 11, 12, 13, 14])
+#: Block 0 is vLLM's null block: the window has left those positions.
+HYBRID_BLOCKS = ([0, 0, 22, 23, 24], [10, 11, 12, 13, 14])
 
 
 @pytest.mark.parametrize("failing", [None, "fast", "slow"])
@@ -308,13 +304,13 @@ def test_several_kv_cache_groups_ranges_load_as_one_request(failing: str | None)
         node["plugin"] = "hybrid-holder"
     pipeline = {"version": 1, "nodes": nodes, "load_policy": "ranges", "hma": "on"}
     resolved = load_pipeline(pipeline, registry=types)
-    sched = Chain(resolved, "scheduler", kv_cache_config=HYBRID)
+    sched = Chain(resolved, "scheduler", kv_cache_config=HYBRID_KV_CACHE_CONFIG)
     assert sched.get_num_new_matched_tokens(request(), 0) == (16, True)
-    sched.update_state_after_alloc(request(), HybridBlocks(), 16)
+    sched.update_state_after_alloc(request(), Blocks(*HYBRID_BLOCKS), 16)
     meta = sched.build_connector_meta(SimpleNamespace())
     # Each range's blocks in both groups, never the null block.
     assert meta.loads == {"fast": {10, 11}, "slow": {22, 23, 12, 13}}
-    worker = Chain(resolved, "worker", kv_cache_config=HYBRID)
+    worker = Chain(resolved, "worker", kv_cache_config=HYBRID_KV_CACHE_CONFIG)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     first = worker.get_transfer_results(set())

@@ -169,6 +169,9 @@ class WorkerLedger:
             if not load.failed and load.blocks & blocks:
                 load.failed = True
 
+    def loads_in_flight(self) -> bool:
+        return bool(self._loads)
+
     def has_async_loads(self, node_id: str) -> bool:
         """Whether a transfer of ``node_id``'s may still write into vLLM's blocks."""
         return any(

@@ -185,7 +185,8 @@ class WorkerSide(ChainBase):
         """Finished loads once every node loading a request is done; finished saves
         once the last node holding a request is."""
         results, ledger = self.transfer_results_type(), self.ledger
-        if self.num_groups > 1:
+        if self.num_groups > 1 and ledger.loads_in_flight():
+            # (Otherwise get_block_ids_with_load_errors drains them: not twice a step.)
             self._fail_lost_blocks()
         if self.released or self.failed_recving:
             self._chain_own_results(results)

@@ -157,11 +157,25 @@ def request(rid: str = "r1") -> Any:
     )
 
 
+#: Two KV cache groups of 4-token blocks (vLLM's hybrid manager): a sliding
+#: window's, then full attention's.
+HYBRID_KV_CACHE_CONFIG = SimpleNamespace(
+    kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4)),
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4)),
+    ]
+)
+
+
 class Blocks:
-    """vLLM's ``KVCacheBlocks``, as far as the chain reads it."""
+    """vLLM's ``KVCacheBlocks``, as far as the chain reads it: block ids per KV cache
+    group (one group, 10..14, by default; block 0 is vLLM's null block)."""
+
+    def __init__(self, *groups: list[int]) -> None:
+        self.groups = groups or ([10, 11, 12, 13, 14],)
 
     def get_block_ids(self) -> tuple[list[int], ...]:
-        return ([10, 11, 12, 13, 14],)
+        return tuple(self.groups)
 
 
 def connector_output(
