@@ -535,3 +535,18 @@ def test_lines_are_counted_as_an_editor_counts_them(brk: str) -> None:
             1,
         )
     ]
+
+
+@pytest.mark.parametrize("brk", UNUSUAL_BREAKS.values(), ids=list(UNUSUAL_BREAKS))
+@pytest.mark.parametrize("ending", ["", "\n"], ids=["no-final-break", "final-break"])
+def test_the_end_of_the_stream_is_on_the_editors_lines(brk: str, ending: str) -> None:
+    # libyaml may put the end of a stream that lacks a final break on a line
+    # of its own past the text: that is the line after the editor's last one.
+    def location(text: str) -> tuple[int | None, int | None]:
+        _, _, problems = load_yaml(text)
+        (problem,) = problems
+        return problem.line, problem.column
+
+    end_of_line_2 = (2, 15) if not ending else (3, 1)
+    assert location(f"a: 1\nkey: 'open x{brk}y{ending}") == end_of_line_2
+    assert location(f"a: 1\nb: x{brk}c{ending}") == (3, 1)

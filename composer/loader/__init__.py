@@ -108,8 +108,13 @@ class Positions:
 
     def of(self, mark: yaml.Mark) -> tuple[int, int]:
         """1-based (line, column) of a 0-based YAML mark."""
-        if self._starts is None or mark.line >= len(self._starts):
+        if self._starts is None:
             return mark.line + 1, mark.column + 1
+        if mark.line >= len(self._starts):
+            # libyaml ends a stream that lacks a final break on a line of its
+            # own, past the text: as many lines past the editor's last one.
+            last, _ = self.at(self._starts[-1])
+            return last + mark.line - len(self._starts) + 1, mark.column + 1
         return self.at(self._starts[mark.line] + mark.column)
 
     def at(self, offset: int) -> tuple[int, int]:
