@@ -86,14 +86,17 @@ class Reports(ChainBase):
             yield from parting
         for node_id, fn in self.calls["take_events"]:
             try:
-                yield from self.owned_events(node_id, fn())
+                events = fn()
+                # The usual step: an empty list or tuple, and nothing to count.
+                if events:
+                    yield from self.owned_events(node_id, events)
             except Exception as exc:
                 self.fault(node_id, "take_events", exc)
 
     def owned_events(self, node_id: str, events: Iterable[Any]) -> Iterable[Any]:
         """The node's events, each naming its node, counted on the node's stats
         (``events_stored``/``events_removed``: blocks announced; ``events_cleared``)."""
-        counted = {"events_stored": 0, "events_removed": 0, "events_cleared": 0}
+        counted: dict[str, int] = {}
         for event in events:
             # vLLM's stored/removed events name the offloading tier that made
             # them in ``ownership``: the node, unless set.
@@ -101,10 +104,10 @@ class Reports(ChainBase):
                 event.ownership = node_id
             kind = EVENT_COUNTERS.get(type(event).__name__)
             if kind is not None:
-                counted[kind] += len(getattr(event, "block_hashes", None) or ()) or 1
+                blocks = len(getattr(event, "block_hashes", None) or ()) or 1
+                counted[kind] = counted.get(kind, 0) + blocks
             yield event
         stats = self.stats.get(node_id)
         if stats is not None:
             for name, count in counted.items():
-                if count:
-                    stats.extra.add(name, count)
+                stats.extra.add(name, count)
