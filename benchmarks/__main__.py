@@ -1,4 +1,4 @@
-"""Run every ``bench/bench_*.py`` and ``plugins/*/bench_*.py`` module's ``main()``.
+"""Run every ``benchmarks/*.py`` and ``plugins/*/benchmarks/*.py`` module's ``main()``.
 
 ``python -m benchmarks`` runs them all (the core's first, in file-name order);
 ``python -m benchmarks cli dispatch offload`` runs the named ones.

@@ -10,7 +10,7 @@ from composer.discovery import Registry, discover
 from composer.errors import PipelineInvalid, Problem, did_you_mean, one_of
 from composer.export import kv_transfer_config
 from composer.hookspecs import hookimpl, hookspec
-from composer.kv_caches import CanonicalKVCaches
+from composer.kv_caches import NULL_BLOCK, CanonicalKVCaches, KVGroup, KVRegion
 from composer.model.kv_groups import ModelKV, ModelUnsupported
 from composer.pipeline import (
     Int,
@@ -22,7 +22,7 @@ from composer.pipeline import (
     ResolvedPipeline,
 )
 from composer.plugin import NodeContext, Plugin, Unavailable
-from composer.plugin_types import Capabilities, EmptyConfig, PluginType
+from composer.plugin_types import Capabilities, EmptyConfig, NodeRole, PluginType
 from composer.simulate import SimKVGroup, TierModel
 from composer.validation import load_pipeline, validate_text
 from composer.validation.model_check import no_kv_blocks
@@ -33,10 +33,14 @@ __all__ = [
     "Capabilities",
     "EmptyConfig",
     "Int",
+    "KVGroup",
+    "KVRegion",
     "ModelKV",
     "ModelUnsupported",
+    "NULL_BLOCK",
     "Node",
     "NodeContext",
+    "NodeRole",
     "Number",
     "Pipeline",
     "PipelineInvalid",

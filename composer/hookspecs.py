@@ -204,6 +204,12 @@ class Hook:
     #: vLLM base-class methods behind the hook: a ``vllm`` node whose connector
     #: keeps vLLM's do-nothing default for all of them is left out of the call list.
     skip_if_default: tuple[str, ...]
+    #: The call reaches the node's store every time it is made, so one that
+    #: returns normally ends the node's outage.
+    store_call: bool
+    #: vLLM's method also takes ``**kwargs`` (0.32.0 passes none; later versions
+    #: may): the chain hands them to the nodes' callables that take them.
+    passes_kwargs: bool
 
     @property
     def signature(self) -> str:
@@ -225,6 +231,8 @@ def hook(
     nodes: Nodes = Nodes.ALL,
     native: Native,
     skip_if_default: bool | tuple[str, ...] = False,
+    store_call: bool = False,
+    passes_kwargs: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Mark a lifecycle hookspec and record its row in :data:`HOOKS`.
 
@@ -240,7 +248,8 @@ def hook(
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
         name = fn.__name__
         skip = (name,) if skip_if_default is True else skip_if_default or ()
-        HOOKS[name] = Hook(name, process, every, combine, recompute, away, nodes, native, skip)
+        row = (process, every, combine, recompute, away, nodes, native, skip)
+        HOOKS[name] = Hook(name, *row, store_call, passes_kwargs)
         return hookspec(fn)
 
     return mark
@@ -315,6 +324,7 @@ class NodeSpec:
         away=Away.MISS,
         nodes=Nodes.LOOKUP,
         native=Native.ADAPTED,
+        store_call=True,
     )
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
@@ -491,6 +501,8 @@ class NodeSpec:
         recompute=Recompute.BLOCKS_RECOMPUTED,
         nodes=Nodes.LOADERS,
         native=Native.AS_IS,
+        store_call=True,
+        passes_kwargs=True,
     )
     def start_load_kv(self, forward_context: ForwardContext) -> None:
         """Worker, before the forward: start (or do) this node's loads into vLLM's KV cache.
@@ -516,6 +528,7 @@ class NodeSpec:
         away=Away.SAVE_SKIPPED,
         nodes=Nodes.SAVERS,
         native=Native.AS_IS,
+        passes_kwargs=True,
     )
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata
@@ -529,6 +542,7 @@ class NodeSpec:
         away=Away.SAVE_SKIPPED,
         nodes=Nodes.SAVERS,
         native=Native.AS_IS,
+        store_call=True,
     )
     def wait_for_save(self) -> None:
         """Worker, every step after the forward: submit saves; sync ones finish before return."""
@@ -621,17 +635,14 @@ def hooks_where(**row: Any) -> tuple[str, ...]:
 
 #: Each hook's combine rule (``tests/test_combine.py`` checks the chain against it).
 COMBINE: dict[str, Combine] = {name: h.combine for name, h in HOOKS.items()}
-PER_LAYER_HOOKS = hooks_where(every=Every.LAYER)
-STEP_HOOKS = frozenset(hooks_where(every=Every.STEP))
 LOAD_HOOKS = frozenset(hooks_where(recompute=Recompute.BLOCKS_RECOMPUTED))
 #: Under ``recompute`` a failure here costs only that call's effect: the node stays on.
 RECOVERABLE_HOOKS = frozenset(n for n, h in HOOKS.items() if h.recompute != Recompute.SWITCH_OFF)
 #: A node's ``Unavailable`` here is an outage, not a fault (its ``away`` says what it costs).
 AWAY_HOOKS = frozenset(n for n, h in HOOKS.items() if h.away != Away.FAULT)
-#: A node's lookup, load and save of a step: the calls that reach its store
-#: every time they are made, so one that returns normally ends an outage
-#: (``request_finished`` and the per-layer hooks need not touch the store).
-STORE_CALLS = ("get_num_new_matched_tokens", "start_load_kv", "wait_for_save")
+#: A node's lookup, load and save of a step (``request_finished`` and the
+#: per-layer hooks need not touch the store, so they end no outage).
+STORE_CALLS = frozenset(hooks_where(store_call=True))
 assert AWAY_HOOKS.issuperset(STORE_CALLS)
 
 
@@ -646,6 +657,8 @@ def markdown_table() -> str:
         doc = (getattr(NodeSpec, h.name).__doc__ or "").strip().splitlines()[0]
         rows.append(
             f"| `{h.signature}` | {h.process} | {h.every} | {h.combine} | {h.recompute} "
-            f"| {h.away} | {h.nodes} | {h.native} | {doc.replace('|', '/')} |"
+            f"| {h.away}{'; a return ends the outage' if h.store_call else ''} | {h.nodes} "
+            f"| {h.native}{' (and `**kwargs`)' if h.passes_kwargs else ''} "
+            f"| {doc.replace('|', '/')} |"
         )
     return "\n".join(rows) + "\n"

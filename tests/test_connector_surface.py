@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from composer.hookspecs import NodeSpec
+from composer.hookspecs import HOOKS, Every, NodeSpec, hooks_where
 from composer.testing.multiconnector import make_vllm_config, node_ids, pipeline_for
 from composer.vllm.connector import ComposedConnector
 from composer.vllm.registration import register
@@ -239,6 +239,59 @@ def test_keyword_arguments_reach_every_native_node(registered: None, nodes: int)
             ("save_kv_layer", ("layer.1", "kv", "attn"), KWARGS),
             ("start_load_kv", ("fc1",), KWARGS),
         ]
+
+
+def test_the_kwargs_column_is_vllms() -> None:
+    # The hooks whose vLLM method takes **kwargs are the ones the chain passes them on.
+    takes = {
+        name
+        for name in HOOKS
+        if hasattr(KVConnectorBase_V1, name)
+        and any(
+            p.kind is inspect.Parameter.VAR_KEYWORD
+            for p in inspect.signature(getattr(KVConnectorBase_V1, name)).parameters.values()
+        )
+    }
+    assert takes == set(hooks_where(passes_kwargs=True))
+
+
+SHADOWED = [
+    name
+    for name in hooks_where(every=Every.LAYER) + hooks_where(every=Every.STEP)
+    if name in ComposedConnector.__dict__ and name != "get_finished"
+]
+
+
+class _Recorder:
+    """A chain that records the one call it gets."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def record(*args: Any, **kwargs: Any) -> str:
+            self.calls.append((name, args, kwargs))
+            return f"{name} answered"
+
+        return record
+
+
+@pytest.mark.parametrize("name", SHADOWED)
+def test_the_methods_an_editor_follows_are_the_chains(registered: None, name: str) -> None:
+    # vLLM calls the chain's method itself (bound over the class's); the class's
+    # method, which an editor follows, must do exactly the same.
+    connector = composed([child(RecordingConnector)])
+    assert getattr(connector, name) == getattr(connector.chain, name)
+    method = getattr(ComposedConnector, name)
+    params = list(inspect.signature(method).parameters.values())[1:]
+    args = tuple(f"arg-{p.name}" for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+    kwargs = KWARGS if HOOKS[name].passes_kwargs else {}
+    recorder = _Recorder()
+    connector.chain = recorder  # type: ignore[assignment]
+    answer = method(connector, *args, **kwargs)
+    assert recorder.calls == [(name, args, kwargs)]
+    returns = inspect.signature(getattr(NodeSpec, name)).return_annotation not in (None, "None")
+    assert answer == (f"{name} answered" if returns else None)
 
 
 def test_a_node_switched_off_is_gone_from_the_next_call(registered: None) -> None:

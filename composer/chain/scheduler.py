@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer.chain.base import ChainBase
-from composer.chain.calls import Call
+from composer.chain.calls import Call, adapt
 from composer.chain.metadata import ChainMetadata, TransferParamsClash
 from composer.controls import unknown_names
 from composer.kv_caches import NULL_BLOCK
@@ -105,7 +105,7 @@ class SchedulerSide(ChainBase):
             # No node names it: none is built (a view per step costs).
             self.meta_wants_step = False
             self.meta_calls = [
-                (node_id, fn if argnames else _dropping_args(fn))
+                (node_id, adapt(fn, argnames, ("scheduler_output",)))
                 for node_id, fn, argnames in self.lists.own["build_connector_meta"]
             ]
 
@@ -505,8 +505,3 @@ def hold_and_params(
         writer.update(dict.fromkeys(node_params, node_id))
         params = {**(params or {}), **node_params}
     return holders, params
-
-
-def _dropping_args(fn: Call) -> Call:
-    """``fn`` (a hookimpl naming no argument) called with vLLM's."""
-    return lambda *args: fn()

@@ -13,7 +13,7 @@ from typing import Any
 from composer.chain.base import ChainBase
 from composer.chain.calls import Call, takes_kwargs
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata
-from composer.hookspecs import STORE_CALLS
+from composer.hookspecs import STORE_CALLS, hooks_where
 
 
 class WorkerSide(ChainBase):
@@ -42,15 +42,13 @@ class WorkerSide(ChainBase):
         ]
         self.kwargs_calls = {
             hook: [(node_id, fn, takes_kwargs(fn)) for node_id, fn in calls[hook]]
-            for hook in ("wait_for_layer_load", "save_kv_layer", "start_load_kv")
+            for hook in hooks_where(passes_kwargs=True)
         }
 
     # -- per layer, the hot path: one Python call per implementing node ------- #
 
-    def wait_for_layer_load(self, layer_name: str, **kwargs: Any) -> None:
+    def wait_for_layer_load(self, layer_name: str) -> None:
         """Every loading node that implements it, in pipeline order."""
-        if kwargs:  # (vLLM 0.32.0 passes none)
-            return self.call_passing_kwargs("wait_for_layer_load", (layer_name,), kwargs)
         for node_id, fn in self.layer_loads:
             try:
                 fn(layer_name)

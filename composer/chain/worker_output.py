@@ -15,23 +15,19 @@ from composer.chain.calls import Call
 
 
 class WorkerOutput(ChainBase):
-    #: (node id, callable, names connector_output?, names worker_meta?), in node order.
-    output_calls: list[tuple[str, Call, bool, bool]]
+    #: (node id, callable taking (connector_output, worker_meta)), in node order.
+    output_calls: list[tuple[str, Call]]
     #: Only native nodes, inside vLLM: their (node id, callable), for the loop
     #: MultiConnector runs (no argument choice); else None.
     output_native_only: list[tuple[str, Call]] | None
 
     def _bind_worker_output(self) -> None:
-        self.output_calls = [
-            (node_id, fn, "connector_output" in names, "worker_meta" in names)
-            for node_id, fn, names in self.lists.own["update_connector_output"]
-        ]
+        self.output_calls = self.calls["update_connector_output"]
+        own = self.lists.own["update_connector_output"]
         native_only = self.restore_worker_meta and all(
-            out and not meta for _, _, out, meta in self.output_calls
+            names == ("connector_output",) for _, _, names in own
         )
-        self.output_native_only = (
-            [(node_id, fn) for node_id, fn, _, _ in self.output_calls] if native_only else None
-        )
+        self.output_native_only = [(node_id, fn) for node_id, fn, _ in own] if native_only else None
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Each node gets its own worker metadata (see the module's docstring)."""
@@ -59,12 +55,12 @@ class WorkerOutput(ChainBase):
         per_node = getattr(chain_meta, "per_node", None) or {}
         swap = self.restore_worker_meta
         try:
-            for node_id, fn, takes_output, takes_meta in calls:
+            for node_id, fn in calls:
                 meta = per_node.get(node_id)
                 if swap:
                     connector_output.kv_connector_worker_meta = meta
                 try:
-                    _call_with(fn, takes_output, takes_meta, connector_output, meta)
+                    fn(connector_output, meta)
                 except Exception as exc:
                     self.fault(node_id, "update_connector_output", exc)
         finally:
@@ -81,15 +77,3 @@ class WorkerOutput(ChainBase):
         for node_id in sorted(gone - self.disabled):
             self.switch_off(node_id, "switched off in a worker")
         return True
-
-
-def _call_with(fn: Any, takes_output: bool, takes_meta: bool, output: Any, meta: Any) -> None:
-    """Call ``fn`` with the arguments its hookimpl names."""
-    if takes_output and takes_meta:
-        fn(output, meta)
-    elif takes_output:
-        fn(output)
-    elif takes_meta:
-        fn(meta)
-    else:
-        fn()

@@ -27,10 +27,10 @@ from composer.cli.common import (
     MissingRuntime,
     print_problems,
 )
+from composer.cli.logs import configure
 from composer.cli.parser import build_parser
 from composer.discovery import PluginConflict, PluginLoadError
 from composer.errors import PipelineInvalid, escape
-from composer.logs import configure
 
 __all__ = ["main"]
 

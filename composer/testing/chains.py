@@ -6,7 +6,7 @@ test module; ``Scripted`` answers each hook from its config (``returns``),
 records every call in ``CALLS`` and raises in the hook named ``fail_in``;
 :func:`drive` calls a hook through a chain the way vLLM calls it. Used by the
 project's own tests (the chain, fault policies, the combine table) and usable
-by a plugin's.
+by a plugin's (``Chain`` and ``NodeFailed`` are here for them).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from composer.chain import Chain, ChainMetadata
+from composer.chain import Chain as Chain  # (a plugin's tests build chains)
+from composer.chain import ChainMetadata
+from composer.chain.faults import NodeFailed as NodeFailed  # (a plugin's tests expect it)
 from composer.discovery import Registry, discover
 from composer.hookspecs import HOOKS, NodeSpec, hookimpl
 from composer.plugin import Plugin
@@ -254,4 +256,6 @@ def drive(chain: Chain, hook: str, req: Any = None) -> Any:
         "get_kv_connector_kv_cache_events": chain.get_kv_connector_kv_cache_events,
         "shutdown": chain.shutdown,
     }
+    if hook not in calls:
+        raise KeyError(f"drive() does not know how vLLM calls {hook!r}: add it to its table")
     return calls[hook]()

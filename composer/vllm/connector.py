@@ -253,8 +253,8 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     # worker: per step
     # ------------------------------------------------------------------ #
 
-    def wait_for_layer_load(self, layer_name: str, **kwargs: Any) -> None:
-        self.chain.wait_for_layer_load(layer_name, **kwargs)
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.chain.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
