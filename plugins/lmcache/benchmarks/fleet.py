@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from composer import kv_transfer_config, load_pipeline
-from composer.servers.valkey import ValkeyServer, ping, valkey_server
+from composer.servers import ValkeyServer, ping, valkey_server
 from composer.testing.engine import EngineResult, EngineSpec, run_engine
 from composer.testing.tiny_model import QWEN_05B_SHAPE, build_tiny_model, make_prompts
 

@@ -13,10 +13,16 @@ import torch
 from kvc_model_tracker import ModelHandle, ModelNotTracked, ModelTrackerConfig
 from kvc_model_tracker.node import ModelTrackerNode, summarize
 
-from composer import Plugin, PluginType, Registry, discover, hookimpl, load_pipeline
-from composer.chain import Chain
-from composer.chain.faults import NodeFailed
-from composer.errors import PipelineInvalid
+from composer import (
+    PipelineInvalid,
+    Plugin,
+    PluginType,
+    Registry,
+    discover,
+    hookimpl,
+    load_pipeline,
+)
+from composer.testing.chains import Chain, NodeFailed
 
 
 class TinyLM(torch.nn.Module):

@@ -19,16 +19,13 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Any
 
-from composer import NodeContext, Plugin, hookimpl
+from composer import NULL_BLOCK, NodeContext, Plugin, hookimpl
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.events import TierEvents, vllm_events_enabled
 from kvc_offload_cpu.index import BlockIndex, Entry
 from kvc_offload_cpu.keys import RequestKeys
 from kvc_offload_cpu.layout import GroupLayout, layout_from_kv_cache_config
 from kvc_offload_cpu.metadata import OffloadMetadata, OffloadWorkerMeta, SlotGen, Transfer
-
-#: vLLM's null block: positions outside a window hold it; never loaded or saved.
-NULL_BLOCK = 0
 
 
 class _Req:

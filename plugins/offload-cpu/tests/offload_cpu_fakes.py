@@ -21,10 +21,15 @@ from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.scheduler import SchedulerHalf
 from kvc_offload_cpu.worker import WorkerHalf
 
-from composer.kv_caches import CanonicalKVCaches, KVGroup, KVRegion
-from composer.plugin import NodeContext
-from composer.plugin_types import NodeRole
-from composer.views import RequestView, StepView
+from composer import (
+    CanonicalKVCaches,
+    KVGroup,
+    KVRegion,
+    NodeContext,
+    NodeRole,
+    RequestView,
+    StepView,
+)
 
 
 def corrupt(pool: Any, slot: int, offset: int = 0) -> None:

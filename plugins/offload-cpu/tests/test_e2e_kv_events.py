@@ -23,8 +23,7 @@ from typing import Any
 import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 
-from composer import kv_transfer_config, load_pipeline
-from composer.discovery import discover
+from composer import discover, kv_transfer_config, load_pipeline
 from composer.servers import LOOPBACK, free_port
 from composer.testing.engine import EngineResult, EngineSpec, plugin_env, run_engine
 from composer.testing.kv_events import Subscriber

@@ -52,12 +52,17 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
-from composer.chain import Chain
-from composer.discovery import discover
-from composer.kv_caches import CanonicalKVCaches, KVGroup, KVRegion
-from composer.plugin import NodeContext
-from composer.validation import load_pipeline
-from composer.views import RequestView, StepView
+from composer import (
+    CanonicalKVCaches,
+    KVGroup,
+    KVRegion,
+    NodeContext,
+    RequestView,
+    StepView,
+    discover,
+    load_pipeline,
+)
+from composer.testing.chains import Chain
 
 init_none_hash(sha256)  # what vLLM's EngineCore does with its default hash algorithm
 

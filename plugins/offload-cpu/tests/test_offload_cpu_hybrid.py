@@ -34,9 +34,15 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from composer.kv_caches import NULL_BLOCK, CanonicalKVCaches, KVGroup, KVRegion
-from composer.plugin import NodeContext
-from composer.views import RequestView, StepView
+from composer import (
+    NULL_BLOCK,
+    CanonicalKVCaches,
+    KVGroup,
+    KVRegion,
+    NodeContext,
+    RequestView,
+    StepView,
+)
 
 BLOCK, KV_HEADS, HEAD, WINDOW, NUM_BLOCKS = 32, 2, 32, 64, 64
 LAYERS = HYBRID_LAYERS

@@ -12,7 +12,7 @@ from kvc_offload_cpu.worker import WorkerHalf
 from offload_cpu_fakes import SLOT, canonical, kv_cache_config
 from pydantic import ByteSize
 
-from composer.plugin import NodeContext
+from composer import NodeContext
 
 GiB = 1024**3
 

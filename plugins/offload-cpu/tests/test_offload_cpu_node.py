@@ -99,7 +99,7 @@ def test_lookup_is_side_effect_free_and_respects_min_blocks() -> None:
     eng.finish("a")
     from offload_cpu_fakes import FakeRequest
 
-    from composer.views import RequestView
+    from composer import RequestView
 
     view = RequestView(FakeRequest("q", p))
     s = eng.sched
@@ -276,7 +276,7 @@ def test_saving_blocks_are_not_hits_until_confirmed() -> None:
     assert sum(len(t) for t in meta.saves) == 3
     from offload_cpu_fakes import FakeRequest
 
-    from composer.views import RequestView
+    from composer import RequestView
 
     assert eng.sched.get_num_new_matched_tokens(RequestView(FakeRequest("q", a)), 0)[0] == 0
 
@@ -358,7 +358,7 @@ def test_worker_meta_aggregates_and_needs_every_worker() -> None:
     one = w.build_connector_worker_meta()
     from offload_cpu_fakes import FakeRequest
 
-    from composer.views import RequestView
+    from composer import RequestView
 
     view = RequestView(FakeRequest("q", a))
     eng.sched.update_connector_output(one)

@@ -15,8 +15,7 @@ from kvc_offload_cpu.layout import layout_from_kv_cache_config
 from offload_cpu_fakes import BLOCK, PAGE, SLOT, canonical, corrupt, kv_cache_config
 from pydantic import ValidationError
 
-from composer import load_pipeline
-from composer.discovery import discover
+from composer import discover, load_pipeline
 
 
 def test_config_parses_sizes_and_forbids_unknown_keys() -> None:
@@ -63,7 +62,7 @@ def test_registered_through_the_entry_point_without_torch() -> None:
 
 
 def test_pipeline_validation_points_at_bad_plugin_options() -> None:
-    from composer.errors import PipelineInvalid
+    from composer import PipelineInvalid
 
     with pytest.raises(PipelineInvalid, match="capacity"):
         load_pipeline(
@@ -176,7 +175,7 @@ def test_host_pool_round_trip(slots: list[int], kind: str, blocks: str) -> None:
 
 
 def test_bench_runs_and_reports_ratios() -> None:
-    from kvc_offload_cpu.bench import main, run
+    from kvc_offload_cpu.throughput import main, run
 
     r = run(num_blocks=64, bytes_per_block=4096, batch=16, reps=2)
     for key in ("ratio_vs_plain", "ratio_vs_plain_wide", "ratio_checksums_vs_plain"):
