@@ -11,8 +11,10 @@ from composer.errors import PipelineInvalid, Problem, did_you_mean, one_of
 from composer.export import kv_transfer_config
 from composer.hookspecs import hookimpl, hookspec
 from composer.kv_caches import NULL_BLOCK, CanonicalKVCaches, KVGroup, KVRegion
+from composer.memory import available_memory
 from composer.model.kv_groups import ModelKV, ModelUnsupported
 from composer.pipeline import (
+    MAX_BYTE_SIZE,
     Int,
     Node,
     Number,
@@ -35,6 +37,7 @@ __all__ = [
     "Int",
     "KVGroup",
     "KVRegion",
+    "MAX_BYTE_SIZE",
     "ModelKV",
     "ModelUnsupported",
     "NULL_BLOCK",
@@ -57,6 +60,7 @@ __all__ = [
     "TierModel",
     "Unavailable",
     "VllmConnectorConfig",
+    "available_memory",
     "did_you_mean",
     "discover",
     "hookimpl",

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from composer import Int, Number, did_you_mean
 from kvc_lmcache.l2 import L2Adapter
+from kvc_lmcache.sizes import GB
 
 TCP_URL = re.compile(r"^tcp://(?P<host>[^:/\s]+):(?P<port>\d{1,5})$")
 HTTP_URL = re.compile(r"^https?://[^:/\s]+:\d{1,5}/?$")
@@ -71,7 +72,7 @@ class ServerConfig(BaseModel):
         default=True,
         description="With url: null, start and own a local server (loopback, free ports).",
     )
-    l1_size_gb: Number = Field(default=1.0, gt=0, description="Started server: --l1-size-gb.")
+    l1_size_gb: GB = Field(default=1.0, gt=0, description="Started server: --l1-size-gb.")
     eviction_policy: Literal["LRU", "ARC", "IsolatedLRU", "noop"] = Field(
         default="LRU", description="Started server: --eviction-policy."
     )
@@ -187,11 +188,9 @@ class LMCacheConfig(BaseModel):
 
     chunk_size: Int = Field(default=256, ge=1, description="Tokens per LMCache chunk.")
     local_cpu: bool = Field(default=True, description="in_process: keep chunks in CPU memory.")
-    max_local_cpu_size: Number = Field(
-        default=5.0, ge=0, description="in_process: GB of CPU cache."
-    )
+    max_local_cpu_size: GB = Field(default=5.0, ge=0, description="in_process: GB of CPU cache.")
     local_disk: str | None = Field(default=None, description="in_process: local disk cache path.")
-    max_local_disk_size: Number = Field(default=0.0, ge=0, description="in_process: GB on disk.")
+    max_local_disk_size: GB = Field(default=0.0, ge=0, description="in_process: GB on disk.")
     remote_url: str | None = Field(default=None, description="in_process: remote backend URL.")
     remote_serde: str | None = Field(default="naive", description="in_process: remote serde.")
     save_unfull_chunk: bool = Field(

@@ -27,7 +27,9 @@ from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from composer import NodeContext, Plugin, hookimpl
+from kvc_lmcache import memory
 from kvc_lmcache.config import LMCacheConfig
+from kvc_lmcache.sizes import GIB, shown
 
 #: The instance id LMCache's vLLM integration (and CacheBlend) looks the model up under.
 LMCACHE_ENGINE_NAME = "vllm-instance"
@@ -135,6 +137,22 @@ def group_view(scheduler_output: Any, group: int) -> Any:
     return view
 
 
+def check_cpu_buffer_fits(node_id: str, config: LMCacheConfig) -> None:
+    """Raise ``ValueError`` when the CPU buffer LMCache's engine allocates in this worker
+    process (``max_local_cpu_size``, whether or not ``local_cpu`` keeps chunks there;
+    LMCache 0.5.6's ``_Create_memory_allocator``) is more than the memory available now.
+    With ``gds_path`` it allocates a GDS buffer instead."""
+    if config.extra.get("gds_path") is not None:
+        return
+    size = int(config.max_local_cpu_size * GIB)
+    memory.check_fits(
+        f'lmcache node "{node_id}": max_local_cpu_size {shown(config.max_local_cpu_size)} '
+        f"({memory.human(size)} of CPU buffer in this vLLM worker process)",
+        size,
+        "lower max_local_cpu_size (each vLLM worker process allocates one)",
+    )
+
+
 class LMCacheInProcessNode(Plugin):
     def __init__(self, ctx: NodeContext) -> None:
         super().__init__(ctx)
@@ -145,6 +163,8 @@ class LMCacheInProcessNode(Plugin):
         self.group_layers: list[str] | None = None
         if self.group is not None:
             self.group_layers = select_group(ctx.kv_cache_config, self.group)
+        if ctx.process == "worker":
+            check_cpu_buffer_fits(ctx.node_id, config)
         role = KVConnectorRole.SCHEDULER if ctx.process == "scheduler" else KVConnectorRole.WORKER
         temp = child_vllm_config(config, ctx.vllm_config)
         self.parent = LMCacheParent(temp, role, ctx.kv_cache_config)

@@ -39,6 +39,7 @@ from pydantic import (
 )
 
 from composer import Int, Number, did_you_mean, one_of
+from kvc_lmcache.sizes import GB, Bytes
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 HOST_PORT = re.compile(r"^(?P<host>[^:\s,]+):(?P<port>\d{1,5})$")
@@ -160,7 +161,7 @@ class RespL2(_Credentials):
     host: str = Field(default="127.0.0.1", min_length=1, description="Redis/Valkey host.")
     port: Port = Field(default=6379, description="Redis/Valkey port.")
     num_workers: Int = Field(default=8, ge=1, description="C++ I/O worker threads.")
-    max_capacity_gb: Number = Field(
+    max_capacity_gb: GB = Field(
         default=0, ge=0, description="Capacity for LMCache's usage accounting; 0: none."
     )
     reconnect: bool = Field(
@@ -220,7 +221,7 @@ class ValkeyL2(_Credentials):
     request_timeout: Number = Field(default=5.0, gt=0, description="Seconds per request.")
     connection_timeout: Number = Field(default=10.0, gt=0, description="Seconds to connect.")
     ttl_seconds: Int | None = Field(default=None, ge=1, description="Per-key TTL; none: no expiry.")
-    max_capacity_gb: Number = Field(default=0, ge=0, description="LMCache-driven eviction; 0: off.")
+    max_capacity_gb: GB = Field(default=0, ge=0, description="LMCache-driven eviction; 0: off.")
 
     @field_validator("startup_nodes")
     @classmethod
@@ -279,7 +280,7 @@ class FsL2(_Sealed):
     relative_tmp_dir: str | None = Field(
         default=None, description="Sub-directory for files being written."
     )
-    read_ahead_size: Int | None = Field(default=None, ge=1, description="Read-ahead bytes.")
+    read_ahead_size: Bytes | None = Field(default=None, ge=1, description="Read-ahead bytes.")
     use_odirect: bool = Field(default=False, description="O_DIRECT reads and writes.")
 
     @field_validator("path")

@@ -148,6 +148,7 @@ class LMCacheServerNode(NativeConnectorNode):
                     startup_timeout=config.server.startup_timeout,
                     env=tuple(sorted(l2_env.items())),
                 ),
+                node_id=ctx.node_id,
             )
             self.server = self.shared.acquire()
             self.stats.gauges["server_started"] = int(self.shared.started)
@@ -187,6 +188,7 @@ class LMCacheServerNode(NativeConnectorNode):
         self.stats.gauges["server_alive"] = 1
         self.stats.gauges["server_outages"] = 0
         self.stats.gauges["server_restarts"] = 0
+        self.stats.gauges["server_restart_failures"] = 0
         self._down_since = 0.0
         #: time.monotonic() when the server last answered again after an outage,
         #: and when the node resumed (LMCache re-registered with it) after that.
@@ -196,13 +198,17 @@ class LMCacheServerNode(NativeConnectorNode):
         self._shut_down = False
         #: The retrieves LMCache was asked for, counted into tokens_loaded once done.
         self.loads = LoadCounter()
-        #: The started server's L2 tiers: their work and failures, from its /metrics.
+        #: The started server's L2 tiers: their work and failures, from its /metrics,
+        #: and their outages, told from those.
         self.l2_tiers = len(config.server.l2) if self.shared is not None else 0
+        self.l2_health = l2_stats.L2Health()
         self._ticks = 0
         if self.l2_tiers:
             self.stats.gauges["l2_adapters"] = self.l2_tiers
             for gauge in l2_stats.GAUGES:
                 self.stats.gauges[gauge] = 0
+            self.stats.gauges["l2_serving"] = 1
+            self.stats.gauges["l2_outages"] = 0
         self.watcher = self._make_watcher().start()
 
     # -- liveness ---------------------------------------------------------------- #
@@ -239,6 +245,15 @@ class LMCacheServerNode(NativeConnectorNode):
             if restarting is not None:
                 concurrent.futures.wait([restarting], timeout=RESTART_SETTLE_S)
                 self._restart_settled()
+            shared = self.shared
+            if shared is not None and self._restarting is None:
+                # Started again by the engine's other process while this one had
+                # no restart under way (its tries spent, or the next not due yet):
+                # take its pid, or the next tick would take the new pid for a
+                # restart between two probes and count a second outage.
+                pid = shared.pid()
+                if pid is not None and pid != self.server.pid:
+                    self.server = dataclasses.replace(self.server, pid=pid)
             # Requests sent during the outage went to the dead server (or were
             # lost with its connection): none will be answered. End their waits
             # before LMCache talks to the new one.
@@ -265,6 +280,8 @@ class LMCacheServerNode(NativeConnectorNode):
             self._down_since = time.monotonic()
             self._restart_tries = 0
             self._restart_at = self._down_since
+        # A server started again counts its L2 work from 0.
+        self.l2_health.new_server()
         self.stats.gauges["server_alive"] = 0
         self.stats.gauges["server_outages"] = self.down_events
         owned = self.shared is not None
@@ -311,6 +328,7 @@ class LMCacheServerNode(NativeConnectorNode):
             last = self._restart_tries >= limit
             backoff = RESTART_BACKOFF_S * 2 ** (self._restart_tries - 1)
             self._restart_at = time.monotonic() + backoff
+            self.stats.gauges["server_restart_failures"] += 1
             self.log.error(
                 "LMCache server restart failed"
                 + ("; no tries left: its store stays away until vLLM restarts" if last else ""),
@@ -336,10 +354,34 @@ class LMCacheServerNode(NativeConnectorNode):
         if not self.l2_tiers or http_url is None:
             return
         counts = l2_stats.scrape(http_url)
-        if counts is not None:
-            # Existing keys only: the chain reads this dict on another thread.
-            for gauge, value in counts.items():
-                self.stats.gauges[gauge] = value
+        if counts is None:
+            return
+        # Existing keys only: the chain reads this dict on another thread.
+        for gauge, value in counts.items():
+            self.stats.gauges[gauge] = value
+        change = self.l2_health.observe(counts, time.monotonic())
+        if change is None:
+            return
+        self.stats.gauges["l2_serving"] = int(change.serving)
+        self.stats.gauges["l2_outages"] = self.l2_health.outages
+        tiers = ", ".join(tier.describe() for tier in self.config.server.l2)
+        if not change.serving:
+            # The server itself answers: lookups, loads and saves go on, from and to L1.
+            self.log.warning(
+                "LMCache L2 store is failing: chunks stored to it are lost and what it "
+                "would serve is recomputed, until it serves again",
+                tiers=tiers,
+                failed=change.failures,
+                process=self.ctx.process,
+            )
+            return
+        self.log.warning(
+            "LMCache L2 store serves again",
+            tiers=tiers,
+            down_s=round(change.down_s, 1),
+            failed=change.failures,
+            process=self.ctx.process,
+        )
 
     def _server_tick(self, alive: bool) -> None:
         self._ticks += 1

@@ -42,6 +42,8 @@ from typing import Any
 
 from composer import Unavailable
 from composer.servers import LOOPBACK, free_port
+from kvc_lmcache import memory
+from kvc_lmcache.sizes import GIB, shown
 
 PR_SET_PDEATHSIG = 1
 
@@ -225,6 +227,20 @@ def start_server(
         time.sleep(0.25)
 
 
+def check_l1_fits(settings: ServerSettings, node_id: str) -> None:
+    """Raise :class:`ServerError` when the server's L1 is more than the memory available
+    now: it lives in this machine's memory, and LMCache allocates it at start or as it
+    fills (then an OOM kill minutes into serving)."""
+    size = int(settings.l1_size_gb * GIB)
+    memory.check_fits(
+        f'lmcache node "{node_id}": server.l1_size_gb {shown(settings.l1_size_gb)} '
+        f"({memory.human(size)}, the L1 of the `lmcache server` it starts)",
+        size,
+        "lower server.l1_size_gb",
+        error=ServerError,
+    )
+
+
 def stop_pid(pid: int, grace: float = 10.0) -> None:
     """SIGTERM, then SIGKILL after ``grace`` seconds. Only for servers this module started."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
@@ -271,13 +287,15 @@ class SharedServer:
     the last user stops it. Safe to release twice.
     """
 
-    def __init__(self, key: str, settings: ServerSettings) -> None:
+    def __init__(self, key: str, settings: ServerSettings, node_id: str = "lmcache") -> None:
         digest = hashlib.sha256(f"{key}|{settings!r}".encode()).hexdigest()[:16]
         root = state_dir()
         self.lock_file = root / f"{digest}.lock"
         self.state_file = root / f"{digest}.json"
         self.log_file = root / f"{digest}.log"
         self.settings = settings
+        #: The node that starts it, named in its errors.
+        self.node_id = node_id
         self.token = f"{os.getpid()}:{id(self)}"
         self.info: ServerInfo | None = None
         self.started = False
@@ -291,6 +309,7 @@ class SharedServer:
             else:
                 if info is not None and _is_server(info.pid, info.port):
                     stop_pid(info.pid)  # type: ignore[arg-type]  # ours, but no longer healthy
+                check_l1_fits(self.settings, self.node_id)
                 info = start_server(self.settings, self.log_file)
                 info.starter = self.token
                 self.started = True
@@ -328,6 +347,7 @@ class SharedServer:
                 raise ServerLeft("the process that started it has left: the engine is stopping")
             if _is_server(info.pid, info.port):
                 stop_pid(info.pid)  # type: ignore[arg-type]  # ours, but no longer healthy
+            check_l1_fits(self.settings, self.node_id)
             # Started from a thread that lives as long as this process (PR_SET_PDEATHSIG
             # stops the server when the thread that started it ends), not the caller's.
             new = _STARTER.submit(

@@ -5,12 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from kvc_lmcache.config import LMCacheConfig, lmcache_field_names
+from kvc_lmcache.sizes import GIB, MAX_BYTES, MAX_GB
+from pydantic import TypeAdapter, ValidationError
 
-from composer import discover, load_pipeline, validate_text
-from composer.errors import PipelineInvalid
+from composer import PipelineInvalid, PositiveByteSize, discover, load_pipeline, validate_text
 
 
 def errors(yaml: str) -> str:
@@ -177,3 +179,73 @@ def _root() -> str:
     from pathlib import Path
 
     return str(Path(__file__).resolve().parents[3])
+
+
+# -- sizes: at most 1 EiB, as the core bounds every size --------------------------- #
+
+ABSURD = """\
+version: 1
+nodes:
+  lm:
+    plugin: lmcache
+    config:
+      server:
+        l1_size_gb: 1e30
+        l2:
+          - {type: resp, max_capacity_gb: 2147483648}
+          - {type: valkey, startup_nodes: ["v:6379"], max_capacity_gb: 1.5e+12}
+          - {type: fs, path: /kv, read_ahead_size: 99999999999999999999999}
+  in:
+    plugin: lmcache
+    config: {mode: in_process, max_local_cpu_size: 1.0e+30, max_local_disk_size: 1073741825}
+"""
+TOO_LARGE_GB = "expected a size of at most 1073741824 GB, which is 1 EiB: no machine holds more"
+
+
+def test_sizes_no_machine_holds_are_refused_where_they_are_written() -> None:
+    assert errors(ABSURD).splitlines() == [
+        f'p.yaml:7:21: nodes.lm.config.server.l1_size_gb: {TOO_LARGE_GB} (got "1e30")',
+        f"p.yaml:9:13: nodes.lm.config.server.l2[0].resp.max_capacity_gb: {TOO_LARGE_GB} "
+        "(got 2147483648)",
+        f"p.yaml:10:13: nodes.lm.config.server.l2[1].valkey.max_capacity_gb: {TOO_LARGE_GB} "
+        "(got 1500000000000.0)",
+        "p.yaml:11:13: nodes.lm.config.server.l2[2].fs.read_ahead_size: expected a size of at "
+        "most 1152921504606846976 bytes, which is 1 EiB: no machine holds more "
+        "(got 99999999999999999999999)",
+        f"p.yaml:14:52: nodes.in.config.max_local_cpu_size: {TOO_LARGE_GB} (got 1e+30)",
+        f"p.yaml:14:82: nodes.in.config.max_local_disk_size: {TOO_LARGE_GB} (got 1073741825)",
+    ]
+
+
+def test_one_eib_is_the_largest_size() -> None:
+    config = LMCacheConfig.model_validate(
+        {
+            "server": {
+                "l1_size_gb": 2**30,
+                "l2": [{"type": "fs", "path": "/kv", "read_ahead_size": 2**60}],
+            }
+        }
+    )
+    assert config.server.l1_size_gb * 2**30 == MAX_BYTES
+    assert config.server.l2[0].read_ahead_size == MAX_BYTES  # type: ignore[union-attr]
+    with pytest.raises(ValidationError, match="at most 1073741824 GB"):
+        LMCacheConfig.model_validate({"mode": "in_process", "max_local_cpu_size": 2**30 + 0.5})
+
+
+def test_the_bound_is_the_cores() -> None:
+    """The core's own size type takes 1 EiB and refuses a byte more."""
+    assert MAX_GB * GIB == MAX_BYTES
+    assert TypeAdapter(PositiveByteSize).validate_python(MAX_BYTES) == MAX_BYTES
+    with pytest.raises(ValidationError, match="at most 1EiB"):
+        TypeAdapter(PositiveByteSize).validate_python(MAX_BYTES + 1)
+
+
+def test_kvc_validate_prints_the_absurd_sizes_and_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text(ABSURD)
+    kvc = Path(sys.executable).parent / "kvc"
+    run = subprocess.run(
+        [str(kvc), "validate", "p.yaml"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert run.returncode == 2, run.stderr
+    assert run.stdout.splitlines() == errors(ABSURD).splitlines()
+    assert run.stderr == "6 problems in 1 file\n"

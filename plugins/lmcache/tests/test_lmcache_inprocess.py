@@ -16,6 +16,7 @@ import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not 
 import pytest
 import torch  # noqa: E402
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
+from kvc_lmcache import memory  # noqa: E402
 from kvc_lmcache.inprocess import InvalidKVCacheGroup, LMCacheInProcessNode  # noqa: E402
 from lmcache.integration.vllm import vllm_v1_adapter  # noqa: E402
 from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
@@ -28,7 +29,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from composer import load_pipeline  # noqa: E402
-from composer.chain import Chain  # noqa: E402
+from composer.testing.chains import Chain  # noqa: E402
 
 BLOCK = 16
 
@@ -60,6 +61,9 @@ class EngineFreeManager:
 def no_cuda_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_v1_adapter, "LMCacheManager", EngineFreeManager)
     monkeypatch.setattr(vllm_v1_adapter, "VllmServiceFactory", lambda *a, **k: None)
+    # Without the engine no CPU buffer is allocated: the nodes here start on any
+    # machine, whatever its memory (the check has its own tests, at the end).
+    monkeypatch.setattr(memory, "available_memory", lambda: (2**60, 2**60))
 
 
 def vllm_config() -> Any:
@@ -208,3 +212,21 @@ def test_blending_requires_the_model_under_lmcaches_engine_name() -> None:
         node.initialize_worker_connector(None, None, None)
     handle.lmcache_instance_id = "vllm-instance"
     node.initialize_worker_connector(None, None, None)
+
+
+def test_a_cpu_buffer_past_the_memory_available_fails_at_the_workers_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(memory, "available_memory", lambda: (4 * 2**30, 16 * 2**30))
+    with pytest.raises(ValueError) as err:
+        chain("worker", {"max_local_cpu_size": 8})
+    assert str(err.value) == (
+        'lmcache node "lm": max_local_cpu_size 8 (8.0GiB of CPU buffer in this vLLM worker '
+        "process) is more than the 4.0GiB of memory available on this machine (16.0GiB in "
+        "all); lower max_local_cpu_size (each vLLM worker process allocates one)"
+    )
+    # The scheduler's half allocates none; a buffer that fits starts.
+    assert isinstance(
+        chain("scheduler", {"max_local_cpu_size": 8}).nodes["lm"], LMCacheInProcessNode
+    )
+    assert isinstance(chain("worker", {"max_local_cpu_size": 4}).nodes["lm"], LMCacheInProcessNode)

@@ -23,8 +23,7 @@ from kvc_lmcache.l2 import (
     adapter_fields,
 )
 
-from composer import validate_text
-from composer.errors import PipelineInvalid
+from composer import PipelineInvalid, validate_text
 
 
 def pipeline(l2: str) -> str:

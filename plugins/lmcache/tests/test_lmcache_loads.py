@@ -16,7 +16,7 @@ BLOCK = 32
 def metadata(*ops: tuple[str, str, LoadStoreOp]) -> LMCacheMPConnectorMetadata:
     meta = LMCacheMPConnectorMetadata()
     for req_id, direction, op in ops:
-        meta.add_request_metadata(LMCacheMPRequestMetadata(req_id, direction, op))  # type: ignore[arg-type]
+        meta.add_request_metadata(LMCacheMPRequestMetadata(req_id, direction, op))
     return meta
 
 
@@ -24,7 +24,7 @@ def retrieve(blocks: list[list[int]] | list[int], start: int = 0, skip: int = 0)
     first = blocks[0]
     n = len(first) if isinstance(first, list) else len(blocks)
     end = start + n * BLOCK
-    return LoadStoreOp(list(range(end)), blocks, start, end, skip)  # type: ignore[arg-type]
+    return LoadStoreOp(list(range(end)), blocks, start, end, skip)
 
 
 def test_a_finished_retrieve_counts_its_tokens_once() -> None:

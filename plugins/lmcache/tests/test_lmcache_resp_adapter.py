@@ -20,7 +20,7 @@ from kvc_lmcache.resp_adapter import ReconnectingRespClient
 # Installed by `make test`: missing must fail, not skip.
 from lmcache.lmcache_redis import LMCacheRedisClient
 
-from composer.servers.valkey import ValkeyServer, ping, valkey_server
+from composer.servers import ValkeyServer, ping, valkey_server
 
 
 def wait(client: Any, future: int, timeout: float = 10.0) -> tuple[int, bool, str, Any]:
@@ -29,7 +29,7 @@ def wait(client: Any, future: int, timeout: float = 10.0) -> tuple[int, bool, st
         select.select([client.event_fd()], [], [], 0.2)
         for done in client.drain_completions():
             if done[0] == future:
-                return tuple(done)  # type: ignore[return-value]
+                return tuple(done)
     raise AssertionError(f"future {future} never completed")
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 import pytest
+from kvc_lmcache import memory as memory_module
 from kvc_lmcache.config import LMCacheConfig
 from kvc_lmcache.node import check_chunk_size, mp_extra_config
 from kvc_lmcache.server import (
@@ -13,6 +14,7 @@ from kvc_lmcache.server import (
     ServerSettings,
     SharedServer,
     _alive,
+    check_l1_fits,
     check_server,
     healthy,
     lmcache_command,
@@ -121,3 +123,61 @@ def test_a_stale_state_file_never_signals_an_unrelated_process(state: Path) -> N
     finally:
         shared.release()
     assert not _alive(info.pid)
+
+
+# -- an L1 larger than this machine's memory: an error at start, not an OOM kill ----- #
+
+GiB = 2**30
+
+
+def _memory(monkeypatch: pytest.MonkeyPatch, available: int, total: int = 64 * GiB) -> None:
+    monkeypatch.setattr(memory_module, "available_memory", lambda: (available, total))
+
+
+def test_an_l1_past_this_machines_memory_fails_before_a_server_starts(state: Path) -> None:
+    l1_size_gb = 2**29  # valid (at most 1 EiB), and more than any machine here holds
+    _, total = memory_module.available_memory()
+    shared = SharedServer("engine-m/lm", ServerSettings(chunk_size=32, l1_size_gb=l1_size_gb), "lm")
+    with pytest.raises(ServerError) as info:
+        shared.acquire()
+    message = str(info.value)
+    assert message.startswith(
+        'lmcache node "lm": server.l1_size_gb 536870912 (512.0PiB, the L1 of the '
+        "`lmcache server` it starts) is more than the "
+    )
+    assert message.endswith(
+        f"of memory available on this machine ({memory_module.human(total)} in all); "
+        "lower server.l1_size_gb"
+    )
+    assert not shared.started and not shared.state_file.exists()
+
+
+@pytest.mark.parametrize(
+    ("l1_size_gb", "fits"), [(4.0, True), (4.0 + 1 / GiB, False), (0.5, True), (64.0, False)]
+)
+def test_the_l1_must_fit_in_the_memory_available_now(
+    monkeypatch: pytest.MonkeyPatch, l1_size_gb: float, fits: bool
+) -> None:
+    _memory(monkeypatch, available=4 * GiB)
+    settings = ServerSettings(chunk_size=32, l1_size_gb=l1_size_gb)
+    if fits:
+        check_l1_fits(settings, "lm")
+        return
+    with pytest.raises(
+        ServerError, match=r"of memory available on this machine \(64\.0GiB in all\)"
+    ):
+        check_l1_fits(settings, "lm")
+
+
+def test_a_restart_checks_the_memory_too(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server died; the memory it held went elsewhere meanwhile."""
+    import json
+
+    shared = SharedServer("engine-r/lm", ServerSettings(chunk_size=32, l1_size_gb=8), "lm")
+    dead = {"host": "127.0.0.1", "port": 1, "http_port": 2, "pid": None}
+    shared.state_file.write_text(
+        json.dumps({**dead, "users": [shared.token], "starter": shared.token})
+    )
+    _memory(monkeypatch, available=2 * GiB)
+    with pytest.raises(ServerError, match=r'^lmcache node "lm": server.l1_size_gb 8 \(8\.0GiB'):
+        shared.restart()

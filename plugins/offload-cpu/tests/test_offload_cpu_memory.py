@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import psutil
 import pytest
 from kvc_offload_cpu import memory as memory_module
 from kvc_offload_cpu.config import OffloadCPUConfig
@@ -30,7 +27,7 @@ def _start_worker(capacity: int) -> WorkerHalf:
 
 def test_a_capacity_past_this_machines_memory_fails_at_start_naming_node_and_sizes() -> None:
     capacity = 2**59  # valid (at most 1 EiB), and more than any machine here holds
-    _, total = memory_module.memory()
+    _, total = memory_module.available_memory()
     with pytest.raises(ValueError) as info:
         _start_worker(capacity)
     message = str(info.value)
@@ -46,7 +43,7 @@ def test_a_capacity_past_this_machines_memory_fails_at_start_naming_node_and_siz
 def test_the_pool_must_fit_in_the_memory_available_now(
     monkeypatch: pytest.MonkeyPatch, available: int, fits: bool
 ) -> None:
-    monkeypatch.setattr(memory_module, "memory", lambda: (available, 64 * GiB))
+    monkeypatch.setattr(memory_module, "available_memory", lambda: (available, 64 * GiB))
     if fits:
         assert _start_worker(4 * SLOT).pool is not None
         return
@@ -54,38 +51,3 @@ def test_the_pool_must_fit_in_the_memory_available_now(
         ValueError, match=r"of memory available on this machine \(64\.0GiB in all\)"
     ):
         _start_worker(4 * SLOT)
-
-
-def _limits(tmp_path: Path, v2: str | None, v1: str | None) -> tuple[Path, Path]:
-    paths = (tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes")
-    for path, text in zip(paths, (v2, v1), strict=True):
-        if text is not None:
-            path.write_text(text + "\n")
-    return paths
-
-
-@pytest.mark.parametrize(
-    ("v2", "v1", "limit"),
-    [
-        (None, None, None),  # no cgroup memory controller
-        ("max", None, None),  # cgroup v2, no limit
-        (str(GiB), None, GiB),  # cgroup v2 container
-        (None, str(2 * GiB), 2 * GiB),  # cgroup v1 container
-        (None, str(2**63 - 4096), 2**63 - 4096),  # cgroup v1 root: "no limit" as a number
-        (str(GiB), str(2 * GiB), GiB),  # v2 is asked first
-    ],
-)
-def test_a_containers_memory_limit_bounds_the_memory(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    v2: str | None,
-    v1: str | None,
-    limit: int | None,
-) -> None:
-    monkeypatch.setattr(memory_module, "CGROUP_LIMITS", _limits(tmp_path, v2, v1))
-    assert memory_module._container_limit() == limit
-    machine = psutil.virtual_memory()
-    available, total = memory_module.memory()
-    assert total == min(machine.total, limit or machine.total)
-    # Free memory moves between the two reads: what matters is that neither passes the limit.
-    assert available <= total
