@@ -4,10 +4,16 @@
 every engine test that compares tokens. A test module declares the rounds it
 needs as ``PLAIN_LLAMA_ROUNDS``; the rounds of every module collected run in
 one engine, on first use, instead of one engine per module.
+
+``figures("...")``: what a test measured (the time an outage took to resume,
+the requests it cost), listed under "figures measured" in the terminal summary
+with the test's id, whether the test then passes or fails: `make test` captures
+output, so a printed figure would be seen only under ``-s``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pytest
@@ -16,6 +22,7 @@ if TYPE_CHECKING:
     from composer.testing.engine import Prompt, SharedRuns
 
 _WANTED = pytest.StashKey["list[list[list[Prompt]]]"]()
+_FIGURES = pytest.StashKey[list[str]]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -45,3 +52,21 @@ def plain_llama(request: pytest.FixtureRequest) -> SharedRuns:
         timeout_s=600,
     )
     return SharedRuns(spec, request.config.stash.get(_WANTED, []))
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    lines = request.config.stash.setdefault(_FIGURES, [])
+
+    def add(text: str) -> None:
+        lines.append(f"{request.node.nodeid}: {text}")
+
+    return add
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    lines = terminalreporter.config.stash.get(_FIGURES, [])
+    if lines:
+        terminalreporter.write_sep("-", "figures measured")
+        for line in lines:
+            terminalreporter.write_line(line)

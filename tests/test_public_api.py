@@ -1,4 +1,5 @@
-"""Plugins use only the public namespaces: ``composer``, ``composer.vllm`` and ``composer.servers``.
+"""Plugins use only the public namespaces: ``composer``, ``composer.vllm`` and ``composer.servers``;
+their tests and benchmarks also ``composer.testing``'s modules (the test toolkit).
 
 The modules below them may move (they did); a plugin that imports one breaks
 with the move. Read with ``ast``, so no plugin module is imported here.
@@ -33,9 +34,10 @@ def _exports(package: str) -> set[str]:
 EXPORTS = {package: _exports(package) for package in PUBLIC}
 
 
-def private_uses(source: str, where: str) -> list[str]:
+def private_uses(source: str, where: str, *, testing: bool = False) -> list[str]:
     """``where:line: ...`` for each import of (or reference to) composer below its public
-    namespaces, and each name imported from one that it does not export."""
+    namespaces (``testing``: ``composer.testing``'s modules are public too), and each
+    name imported from one that it does not export."""
     found = []
     for node in ast.walk(ast.parse(source)):
         modules: list[tuple[str, list[str]]] = []
@@ -48,6 +50,8 @@ def private_uses(source: str, where: str) -> list[str]:
             modules = [(match[1], [])] if match else []
         for module, names in modules:
             if module.split(".")[0] != "composer":
+                continue
+            if testing and module.startswith("composer.testing"):
                 continue
             if module not in PUBLIC:
                 found.append(f"{where}:{node.lineno}: uses {module}; use one of {PUBLIC}")
@@ -67,10 +71,23 @@ def test_every_plugin_package_is_found() -> None:
     assert {pkg[1] for pkg in packages} >= {"offload-cpu", "lmcache", "model-tracker"}
 
 
+def _plugin_tests_and_benchmarks() -> list[Path]:
+    return sorted([*ROOT.glob("plugins/*/tests/*.py"), *ROOT.glob("plugins/*/benchmarks/*.py")])
+
+
 def test_plugins_use_only_the_public_namespaces() -> None:
     found = []
     for path in _plugin_modules():
         found += private_uses(path.read_text(), str(path.relative_to(ROOT)))
+    assert found == []
+
+
+def test_plugins_tests_and_benchmarks_use_only_the_public_namespaces() -> None:
+    paths = _plugin_tests_and_benchmarks()
+    assert {p.relative_to(ROOT).parts[1] for p in paths} >= {"offload-cpu", "lmcache"}
+    found = []
+    for path in paths:
+        found += private_uses(path.read_text(), str(path.relative_to(ROOT)), testing=True)
     assert found == []
 
 

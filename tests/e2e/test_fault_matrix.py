@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,7 @@ def test_matrix(
     tiny_model: str,
     engine_env: dict[str, str],
     tmp_path: Path,
+    figures: Callable[[str], None],
 ) -> None:
     config = _pipeline(policy, mode, tmp_path, CELLS)
     result = run_engine(
@@ -172,10 +174,10 @@ def test_matrix(
     # The tier really served: repeats of cells whose fault came late were hits.
     served = sum(r.cached_tokens for rnd in result.rounds[1::2] for r in rnd)
     assert served > 0
-    _assert_reported_is_delivered(result)
+    _assert_reported_is_delivered(result, figures)
 
 
-def _assert_reported_is_delivered(result: EngineResult) -> None:
+def _assert_reported_is_delivered(result: EngineResult, figures: Callable[[str], None]) -> None:
     """Request by request: what KV Composer says a node served (``served_by``,
     ``tokens``) is what vLLM kept (``kept-tokens``' count), and a failed load is named;
     node by node: the settled counters on ``/metrics`` add up to those requests'."""
@@ -183,7 +185,7 @@ def _assert_reported_is_delivered(result: EngineResult) -> None:
     assert not wrong, f"(round, request, reported, kept): {wrong}"
     miscounted = kept.counted_vs_reported(result.rounds, result.metrics)
     assert not miscounted, f"node: (counted on /metrics, reported): {miscounted}"
-    print(f"\nrequests whose failed load vLLM's cached_tokens counts: {vllm_counts_failed}")
+    figures(f"requests whose failed load vLLM's cached_tokens counts: {vllm_counts_failed}")
 
 
 @pytest.mark.parametrize(
@@ -217,7 +219,9 @@ HYBRID_CELLS = HYBRID_SUBSET * 2
 HYBRID_ROUNDS = ROUNDS[: 2 * len(HYBRID_CELLS)] + ROUNDS[-2:]
 
 
-def test_hybrid_model_subset(engine_env: dict[str, str], tmp_path: Path) -> None:
+def test_hybrid_model_subset(
+    engine_env: dict[str, str], tmp_path: Path, figures: Callable[[str], None]
+) -> None:
     """A Gemma-3-shaped model (sliding-window and full-attention KV cache groups, vLLM's
     hybrid manager on): every fault is recomputed, per request (vLLM takes no failed
     block ids with several groups). Each cell's repeat must give the tokens its first
@@ -248,4 +252,4 @@ def test_hybrid_model_subset(engine_env: dict[str, str], tmp_path: Path) -> None
         repeats = [2 * i + 1 for i, m in enumerate(HYBRID_MODES) if m == mode]
         served = sum(r.cached_tokens for i in repeats for r in result.rounds[i])
         assert served > 0, mode
-    _assert_reported_is_delivered(result)
+    _assert_reported_is_delivered(result, figures)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +173,7 @@ def test_every_request_of_the_slice_is_answered(runs: dict[str, Any], policy: st
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_the_simulator_predicts_the_served_fraction(
-    runs: dict[str, Any], policy: str, tiny_model: str
+    runs: dict[str, Any], policy: str, tiny_model: str, figures: Callable[[str], None]
 ) -> None:
     result = runs[policy]
     pipeline = load_pipeline(PIPELINE)
@@ -190,8 +190,8 @@ def test_the_simulator_predicts_the_served_fraction(
         groups=shape.groups,
     )
     measured = result.fraction(result.prefix_cache_tokens + result.connector_tokens)
-    print(
-        f"\n{policy}: measured {100 * measured:.2f}%, predicted "
+    figures(
+        f"{policy}: measured {100 * measured:.2f}%, predicted "
         f"{100 * predicted.fraction_served:.2f}%; requests by engine {result.engine_requests} "
         f"(predicted {predicted.engine_requests})"
     )

@@ -4,6 +4,7 @@ settings, served-token fraction per node within 5 percentage points."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,11 @@ MAX_MODEL_LEN = 4096
 
 
 def test_simulated_hit_rate_matches_a_real_engine(
-    tiny_model: str, engine_env: dict[str, str], offload_pipeline: Path, tmp_path: Path
+    tiny_model: str,
+    engine_env: dict[str, str],
+    offload_pipeline: Path,
+    tmp_path: Path,
+    figures: Callable[[str], None],
 ) -> None:
     # Its 64 MiB tier is smaller than the slice's working set (~6,400 blocks of 16 KiB):
     # LRU evicts, so the prediction has to get the eviction order right, not only the sharing.
@@ -74,8 +79,8 @@ def test_simulated_hit_rate_matches_a_real_engine(
     assert result.connector_tokens == result.node_tokens["cpu"]
     assert evictions > 0
     gap = abs(measured - node.fraction_served)
-    print(
-        f"\npredicted {100 * node.fraction_served:.2f}% measured {100 * measured:.2f}% "
+    figures(
+        f"predicted {100 * node.fraction_served:.2f}% measured {100 * measured:.2f}% "
         f"gap {100 * gap:.2f} pp ({len(prompts)} requests, {evictions:.0f} evictions)"
     )
     assert gap <= 0.05, (node.fraction_served, measured)

@@ -125,6 +125,14 @@ class ServerConfig(BaseModel):
         default_factory=list,
         description="More `lmcache server` flags for a started server.",
     )
+    command_prefix: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Started server: a command it runs under, on every start and restart "
+            "(e.g. [numactl, --cpunodebind=1] or [taskset, -c, 2-3]); it must exec the "
+            "command that follows it, so that the node watches the server itself."
+        ),
+    )
 
     @field_validator("url")
     @classmethod

@@ -145,6 +145,7 @@ class LMCacheServerNode(NativeConnectorNode):
                         *event_log_args(ctx.vllm_config, config),
                         *config.server.extra_args,
                     ),
+                    command_prefix=tuple(config.server.command_prefix),
                     startup_timeout=config.server.startup_timeout,
                     env=tuple(sorted(l2_env.items())),
                 ),

@@ -71,6 +71,8 @@ class ServerSettings:
     #: --supported-transfer-mode of the server.
     transfer_mode: str = "auto"
     extra_args: tuple[str, ...] = ()
+    #: What the server runs under (``numactl ...``); it execs the server.
+    command_prefix: tuple[str, ...] = ()
     startup_timeout: float = 120.0
     #: More environment for the server (L2 credentials: kept off its argv and out of repr).
     env: tuple[tuple[str, str], ...] = field(default=(), repr=False)
@@ -109,7 +111,7 @@ def lmcache_command() -> list[str]:
 
 def server_argv(settings: ServerSettings, host: str, port: int, http_port: int) -> list[str]:
     return [
-        *lmcache_command(), "server",
+        *settings.command_prefix, *lmcache_command(), "server",
         "--host", host, "--port", str(port),
         "--http-host", host, "--http-port", str(http_port),
         "--chunk-size", str(settings.chunk_size),

@@ -17,14 +17,16 @@ plain engine's.
   R with B's L1 emptied again: served from Valkey, vLLM never restarted.
   Rounds 5-8 do it all again (S computed while Valkey dies, R not served,
   T saved to the restarted Valkey and served from it): an outage and a
-  return, twice, each return's reconnect timed.
+  return, twice, each return's reconnect timed. Two last rounds of one
+  request each show every KV block lent back; no request of B waited
+  anywhere near ``mq_timeout``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +34,18 @@ import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not 
 import pytest
 import valkey
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
+from fleet_checks import blocks_not_back, recomputed, served, stalled
 
-from composer import kv_transfer_config, load_pipeline
-from composer.discovery import discover
-from composer.servers.valkey import ValkeyServer, valkey_server
-from composer.testing.engine import EngineResult, EngineSpec, SharedRuns, plugin_env, run_engine
+from composer import discover, kv_transfer_config, load_pipeline
+from composer.servers import ValkeyServer, valkey_server
+from composer.testing.engine import (
+    EngineResult,
+    EngineSpec,
+    Prompt,
+    SharedRuns,
+    plugin_env,
+    run_engine,
+)
 from composer.testing.tiny_model import build_tiny_model, make_prompts
 
 pytestmark = pytest.mark.e2e
@@ -44,13 +53,23 @@ pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
 BLOCK = 32
 N = 3
-P = make_prompts(N, words=120, seed=61)  # computed by A only
-Q = make_prompts(N, words=120, seed=62)  # computed by B while Valkey is killed
-R = make_prompts(N, words=120, seed=63)  # computed by B after Valkey is back
-S = make_prompts(N, words=120, seed=64)  # computed by B while Valkey is killed again
-T = make_prompts(N, words=120, seed=65)  # computed by B after Valkey is back again
+MAX_TOKENS = 8
+MQ_TIMEOUT = 30.0
+
+
+def _prompts(n: int, seed: int) -> list[Prompt]:
+    return list(make_prompts(n, words=120, seed=seed))
+
+
+P = _prompts(N, 61)  # computed by A only
+Q = _prompts(N, 62)  # computed by B while Valkey is killed
+R = _prompts(N, 63)  # computed by B after Valkey is back
+S = _prompts(N, 64)  # computed by B while Valkey is killed again
+T = _prompts(N, 65)  # computed by B after Valkey is back again
+#: Two last rounds of one request each (see ``fleet_checks.blocks_not_back``).
+SENTINELS = [[p] for p in _prompts(2, 66)]
 A_ROUNDS = [P, P]
-B_ROUNDS = [P, Q, P, R, R, S, R, T, T]
+B_ROUNDS = [P, Q, P, R, R, S, R, T, T, *SENTINELS]
 #: The reference: B's rounds without a connector (the shared ``plain_llama`` engine).
 PLAIN_LLAMA_ROUNDS = B_ROUNDS
 #: Request ordinal (1-based) -> what the fleet-faults node does first.
@@ -76,7 +95,7 @@ def _lmcache(valkey_server: ValkeyServer) -> dict[str, Any]:
             "chunk_size": BLOCK,
             "server": {
                 "l1_size_gb": 0.25,
-                "mq_timeout": 30,
+                "mq_timeout": MQ_TIMEOUT,
                 "l2": [
                     {
                         "type": "resp",
@@ -139,14 +158,14 @@ def runs(
     env = {"KVC_LMCACHE_STATE_DIR": str(state), **plugin_env(HERE, "kvc_fleet_faults")}
     out: dict[str, Any] = {}
 
-    def run(rounds: list[list[str]], kv: dict[str, Any] | None) -> EngineResult:
+    def run(rounds: list[list[Prompt]], kv: dict[str, Any] | None) -> EngineResult:
         return run_engine(
             EngineSpec(
                 model=model,
                 rounds=rounds,
                 kv_transfer_config=kv,
                 env=env,
-                max_tokens=8,
+                max_tokens=MAX_TOKENS,
                 enforce_eager=True,
                 in_process=True,
             )
@@ -187,13 +206,6 @@ def _stop_valkey(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _served(result: EngineResult, r: int) -> list[str | None]:
-    return [
-        (x.kv_transfer_params or {}).get("kv_composer", {}).get("served_by")
-        for x in result.rounds[r]
-    ]
-
-
 def test_tokens_equal_a_plain_engine_in_every_round(runs: dict[str, Any]) -> None:
     plain = runs["plain"]
     # The plain engine ran B's rounds; A's are P twice, B's round 0.
@@ -212,19 +224,19 @@ def test_a_saves_its_prompts_to_valkey(runs: dict[str, Any]) -> None:
 
 
 def test_the_cpu_tier_in_front_serves_a_repeat_on_the_same_engine(runs: dict[str, Any]) -> None:
-    assert _served(runs["a"], 0) == [None] * N
-    assert _served(runs["a"], 1) == ["cpu"] * N
+    assert served(runs["a"], 0) == [None] * N
+    assert served(runs["a"], 1) == ["cpu"] * N
 
 
 def test_b_serves_from_valkey_what_only_a_computed(runs: dict[str, Any]) -> None:
-    assert _served(runs["b"], 0) == ["lmcache"] * N
+    assert served(runs["b"], 0) == ["lmcache"] * N
     for r in runs["b"].rounds[0]:
         # Every whole chunk of the prompt; the last partial one is computed.
         assert r.cached_tokens == (r.prompt_tokens - 1) // BLOCK * BLOCK, r
 
 
 def test_valkey_was_killed_in_flight_and_restarted_by_the_faults_node(
-    runs: dict[str, Any],
+    runs: dict[str, Any], figures: Callable[[str], None]
 ) -> None:
     done = runs["b/report"]["done"]
     actions = [a for _, a, _ in done]
@@ -240,15 +252,24 @@ def test_valkey_was_killed_in_flight_and_restarted_by_the_faults_node(
         for ordinal, action, _ in done
         if action == "restart_valkey"
     ]
+    # Requests computed that a Valkey that never went away would have served,
+    # from the kill to the round after the return (then served again).
+    cost = [recomputed(runs["b"], B_ROUNDS, range(o, o + 3)) for o in OUTAGE_ROUNDS]
+    figures(
+        "Valkey behind LMCache, per outage: "
+        + "; ".join(
+            f"reconnected {s:.2f} s after the restarted Valkey answered, {c} requests recomputed"
+            for s, c in zip(resumed, cost, strict=True)
+        )
+    )
     assert len(resumed) == 2 and all(s >= 0 for s in resumed)
-    print("\nValkey behind LMCache, reconnected (s): " + ", ".join(f"{s:.2f}" for s in resumed))
 
 
 @pytest.mark.parametrize("outage", OUTAGE_ROUNDS)
 def test_nothing_is_served_from_a_dead_valkey(runs: dict[str, Any], outage: int) -> None:
     # The round after the kill repeats earlier prompts with B's L1 emptied: only
     # Valkey held them.
-    assert _served(runs["b"], outage + 1) == [None] * N
+    assert served(runs["b"], outage + 1) == [None] * N
     assert [r.cached_tokens for r in runs["b"].rounds[outage + 1]] == [0] * N
 
 
@@ -283,6 +304,23 @@ def test_the_node_counts_the_tokens_it_loaded(runs: dict[str, Any]) -> None:
 def test_hits_resume_once_valkey_is_back_without_restarting_vllm(
     runs: dict[str, Any], outage: int
 ) -> None:
-    assert _served(runs["b"], outage + 2) == [None] * N
-    assert _served(runs["b"], outage + 3) == ["lmcache"] * N
+    assert served(runs["b"], outage + 2) == [None] * N
+    assert served(runs["b"], outage + 3) == ["lmcache"] * N
     assert runs["keys_after_b"] > 0
+
+
+def test_no_request_of_b_is_lost_or_stalls(runs: dict[str, Any]) -> None:
+    latency = runs["b/report"]["latency"]
+    assert len(latency) == sum(len(rnd) for rnd in B_ROUNDS)
+    # A functional hang check: a wait on a dead Valkey (or on the lmcache server
+    # waiting on it) lasts mq_timeout.
+    slow = stalled(latency, MQ_TIMEOUT)
+    assert not slow, f"requests that waited on a dead store: {slow}"
+    assert runs["b"].clean_exit
+
+
+def test_every_kv_block_of_b_comes_back(runs: dict[str, Any]) -> None:
+    free = runs["b/report"]["free_blocks"]
+    assert len(free) == sum(len(rnd) for rnd in B_ROUNDS)
+    problem = blocks_not_back(free, runs["b"], BLOCK, MAX_TOKENS)
+    assert problem is None, problem

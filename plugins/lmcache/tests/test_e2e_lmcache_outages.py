@@ -24,7 +24,7 @@ and resume times.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,7 @@ from kvc_lmcache.server import (
     stop_pid,
 )
 
-from composer import kv_transfer_config, load_pipeline
-from composer.discovery import discover
+from composer import discover, kv_transfer_config, load_pipeline
 from composer.testing import kept as kept_tokens
 from composer.testing.engine import (
     EngineResult,
@@ -384,10 +383,11 @@ def test_chaos_every_kv_block_comes_back(runs: dict[str, Any]) -> None:
     )
 
 
-def test_chaos_the_node_restarts_its_server_and_resumes_each_time(runs: dict[str, Any]) -> None:
+def test_chaos_the_node_restarts_its_server_and_resumes_each_time(
+    runs: dict[str, Any], figures: Callable[[str], None]
+) -> None:
     report = runs["chaos/report"]["scheduler"]
     outages = report["outages"]
-    print(f"\nLMCache server outages: {outages}")
     assert len(outages) == OUTAGES
     pids = [o["killed_pid"] for o in outages] + [outages[-1]["restarted_pid"]]
     assert len(set(pids)) == OUTAGES + 1, "a new server process after each kill"
@@ -403,8 +403,8 @@ def test_chaos_the_node_restarts_its_server_and_resumes_each_time(runs: dict[str
     # Each outage logged where it starts and where it ends, in each chain half.
     log = runs["chaos"].log
     assert log.count("node's store is away") == log.count("node's store is back") >= OUTAGES
-    print(
-        "\nLMCache server outages (s): "
+    figures(
+        "LMCache server outages (s): "
         + "; ".join(
             f"restarted {o['back_at'] - o['killed_at']:.2f}, resumed "
             f"{o['resumed_at'] - o['back_at']:.2f} later"
@@ -413,7 +413,9 @@ def test_chaos_the_node_restarts_its_server_and_resumes_each_time(runs: dict[str
     )
 
 
-def test_chaos_the_served_fraction_recovers_after_each_outage(runs: dict[str, Any]) -> None:
+def test_chaos_the_served_fraction_recovers_after_each_outage(
+    runs: dict[str, Any], figures: Callable[[str], None]
+) -> None:
     result = runs["chaos"]
     before = _fraction(result, 3)  # B, repeated before any outage
     assert before > 0.5
@@ -428,7 +430,7 @@ def test_chaos_the_served_fraction_recovers_after_each_outage(runs: dict[str, An
         )
         for kill in KILL_ROUNDS
     ]
-    print(f"\nrequests computed that the tier had served before, per outage: {cost}")
+    figures(f"requests computed that the tier had served before, per outage: {cost}")
     for kill in KILL_ROUNDS:
         assert _served(result, kill) == [None] * len(A), "a dead server serves nothing"
         # The restarted server is empty: B is computed and saved again, then served.

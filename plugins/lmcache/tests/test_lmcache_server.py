@@ -44,6 +44,17 @@ def test_argv_binds_loopback_and_names_every_required_flag() -> None:
     assert flags["--supported-transfer-mode"] == "auto"
 
 
+def test_a_command_prefix_runs_the_server_under_it() -> None:
+    prefix = ("taskset", "-c", "0")
+    settings = ServerSettings(chunk_size=64, command_prefix=prefix)
+    argv = server_argv(settings, "127.0.0.1", 5, 6)
+    assert argv[: len(prefix) + len(lmcache_command()) + 1] == [
+        *prefix,
+        *lmcache_command(),
+        "server",
+    ]
+
+
 def test_connector_extra_config() -> None:
     config = LMCacheConfig.model_validate({"server": {"mq_timeout": 5, "transfer_mode": "auto"}})
     assert mp_extra_config(config, "127.0.0.1", 7000) == {
