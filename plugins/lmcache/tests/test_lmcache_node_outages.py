@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import structlog
 from kvc_lmcache import l2_stats
 from kvc_lmcache import node as node_module
 from kvc_lmcache.config import LMCacheConfig
@@ -162,9 +163,16 @@ def make(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Rig]]:
         rigs.append(Rig(node, fake, clock, logs))
         return rigs[-1]
 
-    # The node binds its logger when it is made: inside the capture.
-    with capture_logs() as logs:
-        yield build
+    # The node binds its logger when it is made: inside the capture, and at
+    # structlog's defaults (a command run earlier in this process may have left
+    # a level filter that drops the node's info lines).
+    saved = structlog.get_config()
+    structlog.reset_defaults()
+    try:
+        with capture_logs() as logs:
+            yield build
+    finally:
+        structlog.configure(**saved)
 
 
 def counts(
