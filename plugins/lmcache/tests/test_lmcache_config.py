@@ -176,8 +176,6 @@ def test_the_example_validates_without_heavy_imports() -> None:
 
 
 def _root() -> str:
-    from pathlib import Path
-
     return str(Path(__file__).resolve().parents[3])
 
 
