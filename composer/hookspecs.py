@@ -295,6 +295,41 @@ class NodeSpec:
     def get_handshake_metadata(self) -> Any | None:
         """Worker, once: out-of-band handshake metadata. Combine: first non-None, in node order."""
 
+    # -- sleep mode (worker, around vLLM's sleep and wake-up) ------------------ #
+
+    @hook(
+        Process.WORKER,
+        Every.ON_DEMAND,
+        Combine.CALL_EACH,
+        native=Native.AS_IS,
+        skip_if_default=True,
+    )
+    def unregister_kv_caches(self) -> None:
+        """Worker, before vLLM sleeps: end transfers, drop views of vLLM's KV caches.
+
+        What a tier stores stays. Also before vLLM discards its KV cache. vLLM has drained its own transfers; its KV memory is released (and later
+        remapped) after the call. The chain calls it once per sleep, however
+        often vLLM does. A node that implements ``register_kv_caches`` without
+        this hook and ``restore_kv_caches`` cannot sleep (``kvc serve
+        --enable-sleep-mode`` refuses the pipeline).
+        """
+
+    @hook(
+        Process.WORKER,
+        Every.ON_DEMAND,
+        Combine.CALL_EACH,
+        native=Native.DIRECT,
+        skip_if_default=True,
+    )
+    def restore_kv_caches(
+        self, kv_caches: CanonicalKVCaches, raw: dict[str, torch.Tensor]
+    ) -> None:
+        """Worker, after vLLM wakes up: the KV caches again, as in ``register_kv_caches``.
+
+        Their contents are gone (vLLM recomputes or reloads what it needs); a
+        node takes its views and registrations again. Once per wake-up.
+        """
+
     # -- phase 2: scheduler side, per request -------------------------------- #
 
     @hook(Process.SCHEDULER, Every.ONCE, Combine.CALL_EACH, native=Native.AS_IS)

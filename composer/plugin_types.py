@@ -44,6 +44,10 @@ class Capabilities(BaseModel):
     requires_piecewise_cudagraph: bool = False
     transfer_params_keys: frozenset[str] = frozenset()
     """``kv_transfer_params`` keys this node writes; two nodes may not share one."""
+    sleep_mode: bool | None = None
+    """Follows vLLM's sleep mode (its KV cache memory released, then remapped). None:
+    judged from the node's worker class, yes unless it implements
+    ``register_kv_caches`` without ``unregister_kv_caches`` and ``restore_kv_caches``."""
 
 
 #: A node class, or ``"module:Class"`` so that validating a pipeline never imports

@@ -302,6 +302,14 @@ class WorkerSide(ChainBase):
                 return meta
         return None
 
+    # -- sleep mode: on demand ---------------------------------------------- #
+
+    def unregister_kv_caches(self) -> None:
+        self.results("unregister_kv_caches")
+
+    def restore_kv_caches(self, canonical: Any, raw: dict[str, Any]) -> None:
+        self.results("restore_kv_caches", canonical, raw)
+
 
 def _received(results: Any, done: set[str], failed: set[str]) -> None:
     """Requests every node finished loading; the failed ones are recomputed by vLLM."""

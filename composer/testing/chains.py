@@ -205,6 +205,8 @@ def drive(chain: Chain, hook: str, req: Any = None) -> Any:
         "register_kv_caches": lambda: chain.register_kv_caches(None, {}),
         "set_host_xfer_buffer_ops": lambda: chain.set_host_xfer_buffer_ops(None),
         "get_handshake_metadata": chain.get_handshake_metadata,
+        "unregister_kv_caches": chain.unregister_kv_caches,
+        "restore_kv_caches": lambda: chain.restore_kv_caches(None, {}),
         "bind_kv_cache_manager": lambda: chain.bind_kv_cache_manager(None),
         "bind_gpu_block_pool": lambda: chain.bind_gpu_block_pool(None),
         "on_new_request": lambda: chain.on_new_request(req),

@@ -146,6 +146,30 @@ def node_class_problems(node: ResolvedNode) -> list[str]:
     return out
 
 
+#: What a node that holds vLLM's KV caches implements to follow vLLM's sleep mode.
+SLEEP_HOOKS = ("unregister_kv_caches", "restore_kv_caches")
+
+
+def cannot_sleep(node: ResolvedNode) -> str:
+    """Why a plugin node cannot follow vLLM's sleep mode, or "" if it can (its
+    plugin type's ``sleep_mode``, else its worker class: imports it). A ``vllm``
+    node's connector class answers for itself (:mod:`composer.vllm.pipeline_source`)."""
+    declared = node.capabilities.sleep_mode
+    if declared is not None:
+        return "" if declared else f'plugin type "{node.plugin.name}" declares sleep_mode=False'
+    if "worker" not in node.plugin.processes:
+        return ""  # nothing of it touches vLLM's KV caches
+    hooks = _impl_names(node.plugin.node_class("worker", node.config))
+    missing = [h for h in SLEEP_HOOKS if h not in hooks]
+    if "register_kv_caches" not in hooks or not missing:
+        return ""
+    return (
+        f'plugin "{node.plugin.name}" holds vLLM\'s KV caches (register_kv_caches) but '
+        f"implements no {' / '.join(missing)}, so its views would outlive the memory "
+        "vLLM releases while asleep"
+    )
+
+
 def class_problems(cls: type) -> list[str]:
     """A node class's problems: base class, hook names and arguments, options."""
     from composer.plugin import Plugin

@@ -48,11 +48,13 @@ from composer.vllm.pipeline_source import (
     required_kvcache_layout,
     requires_piecewise,
     runtime_pipeline,
+    sleep_mode_refusals,
 )
+from composer.vllm.surface import check_surface
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -83,6 +85,8 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # A member a later vLLM added is named here; a gate refuses the engine.
+        check_surface(ComposedConnector, KVConnectorBase_V1, log)
         assert vllm_config.kv_transfer_config is not None
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.pipeline = runtime_pipeline(extra)
@@ -128,6 +132,9 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         }
         self._call_the_chain_directly()
         self._model_delivered = False
+        #: vLLM's KV caches as registered (sleep mode restores the views from them).
+        self._kv_caches: dict[str, torch.Tensor] | None = None
+        self._asleep = False
         log.info(
             "composed connector ready",
             process=process,
@@ -231,6 +238,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             bytes_per_block=canonical.bytes_per_block,
         )
         before = {name: t.data_ptr() for name, t in kv_caches.items()}
+        self._kv_caches = kv_caches
         self.chain.register_kv_caches(canonical, kv_caches)
         moved = sorted(name for name, t in kv_caches.items() if t.data_ptr() != before[name])
         if moved:
@@ -242,6 +250,29 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
                 "other nodes would read and write stale memory. Configure that node not to "
                 "relocate vLLM's KV cache."
             )
+
+    # ------------------------------------------------------------------ #
+    # worker: sleep mode (vLLM 0.33 and later call these)
+    # ------------------------------------------------------------------ #
+
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM sleeps or discards its KV cache. vLLM may call it again while
+        asleep (a discard after a sleep): the nodes hear it once."""
+        if self._kv_caches is None or self._asleep:
+            return
+        self._asleep = True
+        self.canonical_kv_caches = None
+        self.chain.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """After vLLM wakes up with its KV cache: the same tensors, remapped in place."""
+        if self._kv_caches is None or not self._asleep:
+            return
+        from composer.vllm.canonical import build
+
+        self.canonical_kv_caches = build(self._kv_caches, self._kv_cache_config)
+        self.chain.restore_kv_caches(self.canonical_kv_caches, self._kv_caches)
+        self._asleep = False
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
         self.chain.set_host_xfer_buffer_ops(copy_operation)
@@ -407,6 +438,16 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             pipeline_from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config),
             vllm_config,
         )
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """MultiConnector's rule: every node must (a ``vllm`` node's connector class
+        answers for it); each node that cannot is named, with why."""
+        pipeline = pipeline_from_extra_config(kv_transfer_config.kv_connector_extra_config)
+        refusals = sleep_mode_refusals(pipeline)
+        for node, why in refusals:
+            log.error("this pipeline cannot sleep", node=node.id, why=why)
+        return not refusals
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

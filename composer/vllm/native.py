@@ -104,6 +104,12 @@ class NativeConnectorNode(Plugin):
         self.connector.register_kv_caches(raw)
 
     @hookimpl
+    def restore_kv_caches(self) -> None:
+        # vLLM's connectors take their registrations again from what
+        # register_kv_caches gave them (vLLM remaps the same tensors).
+        self.connector.restore_kv_caches()
+
+    @hookimpl
     def on_new_request(self, request: Any) -> None:
         self.connector.on_new_request(request.raw)
 

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 @lru_cache(maxsize=16)
 def _load(source: str) -> ResolvedPipeline:
-    spec = json.loads(source)
-    return load_pipeline(spec)
+    spec, kv_role = json.loads(source)
+    return load_pipeline(spec, kv_role=kv_role)
 
 
 def _pipeline_key(extra: dict[str, Any]) -> str:
@@ -37,8 +37,9 @@ def _pipeline_key(extra: dict[str, Any]) -> str:
             'ComposedConnector needs kv_connector_extra_config["pipeline"]: '
             "a pipeline file path or the pipeline inline (see `kvc export`)"
         )
-    # Not sorted: node order is the default load order, as in the file.
-    return json.dumps(spec)
+    # Not sorted: node order is the default load order, as in the file. The P/D side
+    # a referenced file runs as (see composer.export) is part of what is loaded.
+    return json.dumps([spec, extra.get("kv_role")])
 
 
 def pipeline_from_extra_config(extra: dict[str, Any]) -> ResolvedPipeline:
@@ -129,6 +130,32 @@ def requires_piecewise(pipeline: ResolvedPipeline) -> bool:
             if connector_cls.requires_piecewise_for_cudagraph(child.kv_connector_extra_config):
                 return True
     return False
+
+
+def sleep_mode_refusals(pipeline: ResolvedPipeline) -> list[tuple[ResolvedNode, str]]:
+    """The nodes that cannot follow vLLM's sleep mode, each with why; the pipeline
+    can sleep when there are none (MultiConnector's rule: every child must).
+
+    A ``vllm`` node answers with its connector class's own ``supports_sleep_mode``
+    (vLLM releases without it have no sleep-mode gate, nor hooks to tell a
+    connector); any other node as :func:`~composer.validation.deep_check.cannot_sleep` says.
+    """
+    from composer.validation.deep_check import cannot_sleep
+
+    out: list[tuple[ResolvedNode, str]] = []
+    for node in pipeline.nodes:
+        if node.plugin.name != "vllm":
+            why = cannot_sleep(node)
+        else:
+            child = native_transfer_config(node, pipeline)
+            connector_cls = KVConnectorFactory.get_connector_class(child)
+            gate = getattr(connector_cls, "supports_sleep_mode", None)
+            why = ""
+            if gate is not None and not gate(child):
+                why = f"{connector_cls.__name__}.supports_sleep_mode says no for this config"
+        if why:
+            out.append((node, why))
+    return out
 
 
 def deep_check_at_start(pipeline: ResolvedPipeline) -> None:

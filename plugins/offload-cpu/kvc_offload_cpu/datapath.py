@@ -24,6 +24,7 @@ import array
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import mmap
 import os
 import threading
@@ -174,6 +175,33 @@ class HostPool:
         self._stream: Any = None
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
             self._stream = torch.cuda.Stream(device=self.device)
+
+    # -- sleep mode: vLLM's KV memory away and back -------------------------- #
+
+    def detach(self) -> None:
+        """Forget vLLM's KV tensors (vLLM releases their memory while asleep). The
+        slots keep their bytes; a copy before :meth:`attach` raises, never touches
+        the released memory."""
+        self.plans = [
+            dataclasses.replace(
+                p, region=torch.empty((0, p.width), dtype=torch.int8, device="meta")
+            )
+            for p in self.plans
+        ]
+
+    def attach(self, regions: list[torch.Tensor]) -> None:
+        """vLLM's KV tensors again (after its wake-up), one per plan, as laid out before."""
+        if len(regions) != len(self.plans):
+            raise ValueError(f"{len(regions)} KV cache regions, the pool has {len(self.plans)}")
+        for plan, region in zip(self.plans, regions, strict=True):
+            if int(region.shape[1]) != plan.width or region.device != self.device:
+                raise ValueError(
+                    f"a KV cache region came back as {tuple(region.shape)} on {region.device}, "
+                    f"the pool's is [*, {plan.width}] on {self.device}"
+                )
+        self.plans = [
+            dataclasses.replace(p, region=r) for p, r in zip(self.plans, regions, strict=True)
+        ]
 
     # -- prefault: map the pool's pages ahead of the saves ------------------- #
 

@@ -83,8 +83,8 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
 
     # -- setup --------------------------------------------------------------- #
 
-    @hookimpl
-    def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
+    @staticmethod
+    def _plans(kv_caches: CanonicalKVCaches) -> list[RegionPlan]:
         # One plan per region any group uses; with vLLM's hybrid manager every
         # group's blocks live in the same regions, so a slot holds one group's block.
         users: dict[int, set[int]] = {}
@@ -97,7 +97,12 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
             region = kv_caches.regions[rid].tensor
             plans.append(RegionPlan(frozenset(users[rid]), region, offset, int(region.shape[1])))
             offset += int(region.shape[1])
-        slot_bytes = offset
+        return plans
+
+    @hookimpl
+    def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
+        plans = self._plans(kv_caches)
+        slot_bytes = sum(p.width for p in plans)
         #: Groups whose blocks vLLM frees while the request runs (windows): their
         #: saves finish inside wait_for_save, before a later step can reuse a block.
         self._inline_groups = frozenset(
@@ -138,6 +143,22 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
             pinned=pin,
             device=str(device),
         )
+
+    # -- sleep mode ----------------------------------------------------------- #
+
+    @hookimpl
+    def unregister_kv_caches(self) -> None:
+        # vLLM releases its KV memory once this returns: every copy that reads or
+        # writes it finishes first, and the pool lets go of it. What the pool
+        # holds stays valid: the scheduler half's index still serves it.
+        self.drain()
+        if self.pool is not None:
+            self.pool.detach()
+
+    @hookimpl
+    def restore_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
+        if self.pool is not None:
+            self.pool.attach([p.region for p in self._plans(kv_caches)])
 
     # -- per step ------------------------------------------------------------ #
 

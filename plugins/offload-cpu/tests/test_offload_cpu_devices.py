@@ -93,3 +93,49 @@ def test_a_load_has_read_its_slots_when_it_returns(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(_cpu(region[batch : 2 * batch]), _cpu(region[:batch]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("save_mode", ["sync", "async"])
+def test_sleep_mode_keeps_the_pool_and_lets_go_of_vllms_memory(device: str, save_mode: str) -> None:
+    """vLLM's sleep mode (0.33+): ``unregister_kv_caches``, vLLM's KV memory released
+    and its contents lost, ``restore_kv_caches`` on wake-up. A save still in flight
+    finishes first; while asleep the pool holds no view of vLLM's memory (a copy
+    raises); after wake-up what the pool held loads back bit-exact."""
+    eng = Engine(num_blocks=256, device=device, save_mode=save_mode, events=False)
+    pool = eng.worker.pool
+    assert pool is not None
+    p = prompt(2, 100)
+    eng.add("a", p)
+    eng.prefill("a")  # an async save is now queued on the worker's thread
+    saved = [_cpu(eng.block_bytes("a", b)) for b in range(3)]
+    eng.finish("a")
+
+    eng.worker.unregister_kv_caches()
+    assert all(f.done() for f, _ in eng.worker._futures)
+    assert all(plan.region.device.type == "meta" for plan in pool.plans)
+    with pytest.raises((RuntimeError, NotImplementedError, ValueError, IndexError)):
+        pool.save([0], [1], [0], with_checksums=False)
+    eng.caches.regions[0].tensor.fill_(-7)  # vLLM's KV memory, remapped: its bytes are gone
+
+    eng.worker.restore_kv_caches(eng.caches)
+    assert [plan.region.data_ptr() for plan in pool.plans] == [
+        r.tensor.data_ptr() for r in eng.caches.regions
+    ]
+    eng.settle(4)
+    assert len(eng.index) == 3
+    ext, _ = eng.add("b", p)
+    assert ext == 96
+    eng.prefill("b", forward=False)  # only the load writes the blocks
+    got = [_cpu(eng.block_bytes("b", b)) for b in range(3)]
+    assert all(torch.equal(g, s) for g, s in zip(got, saved, strict=True))
+    assert not eng.errors
+
+
+def test_a_restore_in_another_shape_is_refused() -> None:
+    eng = Engine(num_blocks=64, events=False)
+    assert eng.worker.pool is not None
+    eng.worker.unregister_kv_caches()
+    other = Engine(num_blocks=64, layout="layer", events=False)
+    with pytest.raises(ValueError, match="KV cache region"):
+        eng.worker.restore_kv_caches(other.caches)
