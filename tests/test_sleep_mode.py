@@ -153,6 +153,7 @@ def test_the_first_party_tiers_can_sleep() -> None:
             cpu={"plugin": "offload-cpu", "config": {"capacity": "64MiB"}},
             tracker={"plugin": "model-tracker"},
             lmcache={"plugin": "lmcache", "config": {"mode": "server"}},
+            lmcache_in_process={"plugin": "lmcache", "config": {"mode": "in_process"}},
         )
     )
     assert found == []
@@ -384,3 +385,81 @@ def test_the_installed_vllm_has_no_unknown_member() -> None:
     with structlog.testing.capture_logs() as logs:
         assert check_surface(ComposedConnector, KVConnectorBase_V1, structlog.get_logger()) == []
     assert logs == []
+
+
+# --------------------------------------------------------------------------- #
+# kvc serve --enable-sleep-mode: refused before launch, located
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("args", "asked"),
+    [
+        (["MODEL"], False),
+        (["MODEL", "--enable-sleep-mode"], True),
+        (["MODEL", "--enable_sleep_mode"], True),
+        (["MODEL", "--enable-sleep-mode=true"], True),
+        (["MODEL", "--enable-sleep-mode=false"], False),
+        (["MODEL", "--enable-sleep-mode", "--no-enable-sleep-mode"], False),
+        (["MODEL", "--no-enable-sleep-mode", "--enable-sleep-mode"], True),
+    ],
+)
+def test_the_sleep_mode_flag_is_read_as_vllm_reads_it(args: list[str], asked: bool) -> None:
+    from composer.cli.serve import sleep_mode_asked
+
+    assert sleep_mode_asked(args) is asked
+
+
+SLEEPLESS = """\
+version: 1
+nodes:
+  cpu:
+    plugin: t-sleeps
+  mirror:
+    plugin: t-registers
+  transport:
+    plugin: vllm
+    config:
+      connector: RefusesSleep
+      module_path: {module}
+"""
+
+
+def test_serve_refuses_a_pipeline_that_cannot_sleep_naming_each_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from composer.cli import serve as serve_module
+
+    file = tmp_path / "sleepless.yaml"
+    file.write_text(SLEEPLESS.format(module=__name__.rpartition(".")[2]))
+    launched: list[list[str]] = []
+    monkeypatch.setattr(serve_module.os, "execv", lambda path, argv: launched.append(argv))
+    assert serve_module.serve(str(file), ["MODEL", "--enable-sleep-mode"]) == 2
+    err = capsys.readouterr().err
+    assert launched == [] and "Traceback" not in err
+    assert f"{file}:6:13: nodes.mirror.plugin: node \"mirror\" cannot follow" in err
+    assert "implements no unregister_kv_caches / restore_kv_caches" in err
+    assert f"{file}:8:13: nodes.transport.plugin:" in err
+    assert "RefusesSleep.supports_sleep_mode says no" in err
+    assert "cpu" not in err.replace(str(file), "")
+    # Without sleep mode the same pipeline launches.
+    serve_module.serve(str(file), ["MODEL"])
+    assert len(launched) == 1
+
+
+def test_validate_says_the_same_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from composer.cli import main
+
+    file = tmp_path / "sleepless.yaml"
+    file.write_text(SLEEPLESS.format(module=__name__.rpartition(".")[2]))
+    assert main(["validate", str(file)]) == 0  # sleep mode not asked for
+    capsys.readouterr()
+    assert main(["validate", "--enable-sleep-mode", str(file)]) == 2
+    out = capsys.readouterr().out
+    assert f"{file}:6:13: nodes.mirror.plugin:" in out
+    assert f"{file}:8:13: nodes.transport.plugin:" in out
+    sleeps = tmp_path / "sleeps.yaml"
+    sleeps.write_text("version: 1\nnodes:\n  cpu: {plugin: t-sleeps}\n")
+    assert main(["validate", "--enable-sleep-mode", str(sleeps)]) == 0

@@ -71,6 +71,22 @@ def deep_check(
     return problems
 
 
+def sleep_mode_problems(pipeline: ResolvedPipeline, *, marks: Marks | None = None) -> list[Problem]:
+    """One located problem per node that cannot follow vLLM's sleep mode (imports
+    vLLM where the pipeline has ``vllm`` nodes: their connector classes answer)."""
+    from composer.vllm.pipeline_source import sleep_mode_refusals
+
+    return [
+        _located(
+            pipeline,
+            marks or Marks(),
+            node,
+            f'node "{node.id}" cannot follow vLLM\'s sleep mode (--enable-sleep-mode): {why}',
+        )
+        for node, why in sleep_mode_refusals(pipeline)
+    ]
+
+
 def _located(
     pipeline: ResolvedPipeline, marks: Marks, node: ResolvedNode, message: str
 ) -> Problem:

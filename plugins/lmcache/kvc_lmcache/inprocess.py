@@ -75,6 +75,10 @@ def child_vllm_config(config: LMCacheConfig, vllm_config: Any) -> Any:
     return temp
 
 
+def _nothing() -> None:
+    return None
+
+
 class LMCacheParent(KVConnectorBase_V1):
     """What the impl expects of its parent connector: metadata and ``register_kv_caches``."""
 
@@ -197,6 +201,17 @@ class LMCacheInProcessNode(Plugin):
         if self.group_layers is not None:
             raw = {name: t for name, t in raw.items() if name in self.group_layers}
         self.parent.register_kv_caches(raw)
+
+    # Sleep mode: as vLLM's own LMCacheConnectorV1 (0.33), which leaves both to
+    # LMCache's adapter: vLLM's do-nothing default where the adapter has none.
+
+    @hookimpl
+    def unregister_kv_caches(self) -> None:
+        getattr(self.impl, "unregister_kv_caches", _nothing)()
+
+    @hookimpl
+    def restore_kv_caches(self) -> None:
+        getattr(self.impl, "restore_kv_caches", _nothing)()
 
     @hookimpl
     def bind_connector_metadata(self, metadata: Any) -> None:
