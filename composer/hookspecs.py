@@ -307,7 +307,8 @@ class NodeSpec:
     def unregister_kv_caches(self) -> None:
         """Worker, before vLLM sleeps: end transfers, drop views of vLLM's KV caches.
 
-        What a tier stores stays. Also before vLLM discards its KV cache. vLLM has drained its own transfers; its KV memory is released (and later
+        What a tier stores stays. Also called before vLLM discards its KV cache.
+        vLLM has drained its own transfers; its KV memory is released (and later
         remapped) after the call. The chain calls it once per sleep, however
         often vLLM does. A node that implements ``register_kv_caches`` without
         this hook and ``restore_kv_caches`` cannot sleep (``kvc serve

@@ -29,7 +29,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
 )
 
-from composer import Capabilities, CanonicalKVCaches, Plugin, PluginType, hookimpl
+from composer import CanonicalKVCaches, Capabilities, Plugin, PluginType, hookimpl
 from composer.pipeline import ResolvedPipeline
 from composer.testing.multiconnector import make_vllm_config
 from composer.validation import load_pipeline

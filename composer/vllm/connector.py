@@ -62,6 +62,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from composer.kv_caches import CanonicalKVCaches
+
 log = structlog.get_logger("kv_composer")
 
 
@@ -134,6 +136,8 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self._model_delivered = False
         #: vLLM's KV caches as registered (sleep mode restores the views from them).
         self._kv_caches: dict[str, torch.Tensor] | None = None
+        #: The canonical view of them the nodes got (None while vLLM sleeps).
+        self.canonical_kv_caches: CanonicalKVCaches | None = None
         self._asleep = False
         log.info(
             "composed connector ready",

@@ -106,8 +106,9 @@ class NativeConnectorNode(Plugin):
     @hookimpl
     def restore_kv_caches(self) -> None:
         # vLLM's connectors take their registrations again from what
-        # register_kv_caches gave them (vLLM remaps the same tensors).
-        self.connector.restore_kv_caches()
+        # register_kv_caches gave them (vLLM remaps the same tensors). vLLM 0.33+:
+        # on earlier releases the chain calls no connector without the method.
+        cast(Any, self.connector).restore_kv_caches()
 
     @hookimpl
     def on_new_request(self, request: Any) -> None:
