@@ -25,10 +25,11 @@ from pathlib import Path
 from composer import load_pipeline
 from composer.bench import report as bench_report
 from composer.bench import run as bench_run
+from composer.bench import spec as bench_spec
 from composer.bench.fleet import POLICIES
 from composer.bench.replay import make_prompts, vocab_size_of
 from composer.bench.servers import Config, ServerSpec
-from composer.model.size import model_shape
+from composer.simulate.shape import model_shape
 from composer.simulate.fleet import simulate_fleet
 from composer.testing.tiny_model import build_tiny_model
 from composer.trace import multi_turn, read_trace, write_trace
@@ -91,7 +92,7 @@ def main() -> int:
     print(f"slice: {len(trace)} requests ({trace_path}); {ENGINES} engines; {ROUNDS} rounds")
     code = 0
     for concurrency in (1, CONCURRENCY):
-        spec = bench_run.BenchSpec(
+        spec = bench_spec.BenchSpec(
             trace=trace,
             configs=[Config.parse(str(PIPELINE))],
             server=ServerSpec(

@@ -22,6 +22,7 @@ from pathlib import Path
 from composer.bench import report as bench_report
 from composer.bench import run as bench_run
 from composer.bench import servers as bench_servers
+from composer.bench import spec as bench_spec
 from composer.testing.tiny_model import build_tiny_model
 from composer.trace import read_trace
 
@@ -47,7 +48,7 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 def main() -> int:
     model = str(build_tiny_model())
-    spec = bench_run.BenchSpec(
+    spec = bench_spec.BenchSpec(
         trace=read_trace(TRACE, limit=REQUESTS),
         configs=[bench_servers.Config.parse(c) for c in CONFIGS],
         server=bench_servers.ServerSpec(

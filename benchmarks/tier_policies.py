@@ -33,8 +33,9 @@ from benchmarks.router_fleet import BLOCK, MAX_LEN, OUTPUT, SCALE, TRACE, fleet_
 from composer import load_pipeline
 from composer.bench import report as bench_report
 from composer.bench import run as bench_run
+from composer.bench import spec as bench_spec
 from composer.bench.servers import Config, ServerSpec
-from composer.model.size import model_shape
+from composer.simulate.shape import model_shape
 from composer.simulate import simulate
 from composer.testing.tiny_model import build_tiny_model
 from composer.trace import read_trace
@@ -124,7 +125,7 @@ def main() -> int:
         trace_block_tokens=512 // SCALE,
         groups=shape.groups,
     )
-    spec = bench_run.BenchSpec(
+    spec = bench_spec.BenchSpec(
         trace=sliced,
         configs=configs,
         server=ServerSpec(

@@ -13,6 +13,7 @@ from composer.hookspecs import hookimpl, hookspec
 from composer.kv_caches import NULL_BLOCK, CanonicalKVCaches, KVGroup, KVRegion
 from composer.memory import available_memory
 from composer.model.kv_groups import ModelKV, ModelUnsupported
+from composer.model.support import no_kv_blocks
 from composer.pipeline import (
     MAX_BYTE_SIZE,
     Int,
@@ -27,7 +28,6 @@ from composer.plugin import NodeContext, Plugin, Unavailable
 from composer.plugin_types import Capabilities, EmptyConfig, NodeRole, PluginType
 from composer.simulate import SimKVGroup, TierModel
 from composer.validation import load_pipeline, validate_text
-from composer.validation.model_check import no_kv_blocks
 from composer.views import RequestView, StepView
 
 __all__ = [

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from composer.hookspecs import hookimpl
+from composer.model.support import default_support
 from composer.pipeline import Port
 from composer.plugin_types import Capabilities, PluginType
 
@@ -70,8 +71,6 @@ def _capabilities(config: VllmConnectorConfig) -> Capabilities:
 
 
 def model_support(config: VllmConnectorConfig, model: Any) -> str:
-    from composer.validation.model_check import default_support
-
     return default_support(_capabilities(config), model)
 
 

@@ -55,7 +55,7 @@ class Capabilities(BaseModel):
 #: returning the class (a plugin whose class depends on a config option), or its
 #: ``"module:function"``.
 ClassRef = str | type | Callable[[Any], type]
-#: What a node serves of a model's KV cache groups (see :mod:`composer.validation.model_check`):
+#: What a node serves of a model's KV cache groups (see :mod:`composer.model.support`):
 #: ``(node config, ModelKV) -> one line``, raising ``composer.ModelUnsupported``
 #: to refuse; or its ``"module:function"``, imported only when a model is checked.
 ModelSupport = str | Callable[[Any, Any], str]
@@ -103,7 +103,7 @@ class PluginType:
     simulator: str | None
     #: What a node serves of a model's KV cache groups (``kvc validate --model``).
     #: None: judged from ``capabilities.hma``
-    #: (see :func:`composer.validation.model_check.default_support`).
+    #: (see :func:`composer.model.support.default_support`).
     model_support: ModelSupport | None
     #: Filled by discovery: the distribution that registered it.
     package: str

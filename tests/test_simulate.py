@@ -23,7 +23,7 @@ from kvc_offload_cpu.simulate import OffloadCPUModel
 
 from composer.cli import main
 from composer.discovery import discover
-from composer.model.size import model_shape
+from composer.simulate.shape import model_shape
 from composer.pipeline import ResolvedPipeline
 from composer.simulate import VLLM_CACHE_ID, Result, SimKVGroup, SimulateError, simulate
 from composer.trace import KeyMaker, TraceRequest, read_trace

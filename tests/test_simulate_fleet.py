@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from composer import load_pipeline
-from composer.simulate import SimKVGroup, SimulateError, _Replay
+from composer.simulate import SimKVGroup, SimulateError
+from composer.simulate.replay import _Replay
 from composer.simulate.fleet import ROUTERS, _router, simulate_fleet
 from composer.trace import (
     KeyMaker,

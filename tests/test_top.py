@@ -112,7 +112,7 @@ def test_once_prints_one_view_from_two_scrapes() -> None:
 def test_top_scrape_and_replay_import_neither_torch_nor_vllm() -> None:
     code = (
         "import sys, composer.cli.top, composer.bench.replay, composer.bench.run, composer.scrape, "
-        "composer.cli, composer.simulate, composer.simulate.report, composer.model.size; "
+        "composer.cli, composer.simulate, composer.simulate.report, composer.simulate.shape; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

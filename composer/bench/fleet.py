@@ -38,9 +38,9 @@ from pathlib import Path
 
 from composer import scrape
 from composer.bench.replay import BenchError, Prompt, replay, served_model
-from composer.bench.report import RunResult, pool
-from composer.bench.run import BenchSpec, bench_prompts, engine_counters
+from composer.bench.report import RunResult, engine_counters, pool
 from composer.bench.servers import Config, ServerSpec, server
+from composer.bench.spec import BenchSpec, bench_prompts
 from composer.servers.loopback import LOOPBACK, free_port
 from composer.servers.vllm_router import vllm_router
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composer import scrape
 from composer.bench.replay import Record
 
 
@@ -192,3 +193,22 @@ def write_report(results: Sequence[RunResult], workdir: Path, plot: bool = True)
         plot_ttft_cdf(png, results)
         written.append(png)
     return written
+
+
+def engine_counters(samples: list[scrape.Sample]) -> dict[str, float]:
+    """What a run reads from one engine's ``/metrics``, before and after."""
+    out = {
+        "requests": scrape.total(samples, "vllm:request_success_total"),
+        "prompt": scrape.total(samples, "vllm:prompt_tokens_total"),
+        "prefix": scrape.total(samples, "vllm:prefix_cache_hits_total"),
+        "preemptions": scrape.total(samples, "vllm:num_preemptions_total"),
+        # vLLM's own count of the prompt tokens its KV connector loaded (all nodes).
+        "connector": scrape.total(
+            samples, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        ),
+    }
+    for node, view in scrape.nodes(samples).items():
+        out[f"node:{node}"] = view.counters.get("tokens_loaded", 0.0)
+        out[f"bytes_loaded:{node}"] = view.counters.get("bytes_loaded", 0.0)
+        out[f"bytes_saved:{node}"] = view.counters.get("bytes_saved", 0.0)
+    return out

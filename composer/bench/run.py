@@ -13,41 +13,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from composer import scrape
-from composer.bench.replay import (
-    BenchError,
-    Prompt,
-    make_prompts,
-    replay,
-    served_model,
-    vocab_size_of,
-)
-from composer.bench.report import RunResult, pool
-from composer.bench.servers import Config, ServerSpec, server
-from composer.trace import TraceRequest
-
-
-def engine_counters(samples: list[scrape.Sample]) -> dict[str, float]:
-    """What a run reads from one engine's ``/metrics``, before and after."""
-    out = {
-        "requests": scrape.total(samples, "vllm:request_success_total"),
-        "prompt": scrape.total(samples, "vllm:prompt_tokens_total"),
-        "prefix": scrape.total(samples, "vllm:prefix_cache_hits_total"),
-        "preemptions": scrape.total(samples, "vllm:num_preemptions_total"),
-        # vLLM's own count of the prompt tokens its KV connector loaded (all nodes).
-        "connector": scrape.total(
-            samples, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-        ),
-    }
-    for node, view in scrape.nodes(samples).items():
-        out[f"node:{node}"] = view.counters.get("tokens_loaded", 0.0)
-        out[f"bytes_loaded:{node}"] = view.counters.get("bytes_loaded", 0.0)
-        out[f"bytes_saved:{node}"] = view.counters.get("bytes_saved", 0.0)
-    return out
+from composer.bench.fleet import run_fleet
+from composer.bench.replay import BenchError, Prompt, replay, served_model
+from composer.bench.report import RunResult, engine_counters, pool
+from composer.bench.servers import server
+from composer.bench.spec import BenchSpec, bench_prompts
 
 
 def measure(
@@ -119,39 +92,11 @@ def _progress(name: str, total: int, enabled: bool) -> Iterator[Callable[[], Non
         yield lambda: bar.advance(task)
 
 
-@dataclass
-class BenchSpec:
-    trace: Sequence[TraceRequest]
-    configs: Sequence[Config]
-    server: ServerSpec | None
-    url: str | None = None
-    scale: int = 16
-    concurrency: int | None = None
-    speedup: float = 1.0
-    max_output_tokens: int | None = None
-    vocab_size: int | None = None
-    workdir: Path = Path("kvc-bench")
-    progress: bool = True
-    #: Run the configurations this many times, in alternating order (ABCD, DCBA, ...),
-    #: pooling each configuration's requests: a drifting machine load then favours none.
-    rounds: int = 1
-    #: Engines behind vLLM's router (``kvc bench --fleet``; 0: one server per configuration).
-    fleet: int = 0
-    #: The router's policies a fleet is run with (:data:`composer.bench.fleet.POLICIES`).
-    policies: Sequence[str] = ()
-    #: With ``concurrency``: seconds between a request's end and the next one's
-    #: start, so that a router's load counts have settled (one request at a time
-    #: is then one at a time to the router too).
-    pause_s: float = 0.0
-
-
 def run(spec: BenchSpec) -> list[RunResult]:
     """Every configuration (or the server at ``url``), one after the other."""
     if spec.url is None and spec.server is None:
         raise BenchError("kvc bench needs --model (to start servers) or --url")
     if spec.fleet:
-        from composer.bench.fleet import run_fleet
-
         return run_fleet(spec)
     prompts, skipped = bench_prompts(spec)
     spec.workdir.mkdir(parents=True, exist_ok=True)
@@ -177,23 +122,3 @@ def run(spec: BenchSpec) -> list[RunResult]:
                 pool(pooled[config.name], result) if config.name in pooled else result
             )
     return [pooled[c.name] for c in spec.configs]
-
-
-def bench_prompts(spec: BenchSpec) -> tuple[list[Prompt], int]:
-    """The trace's prompts, and how many of its requests do not fit --max-model-len."""
-    vocab = spec.vocab_size
-    if vocab is None and spec.server is not None:
-        vocab = vocab_size_of(spec.server.model)
-    if vocab is None:
-        raise BenchError("--vocab-size is needed: the model's vocabulary size is not known")
-    max_len = spec.server.max_model_len if spec.server is not None else None
-    prompts, skipped = make_prompts(
-        spec.trace,
-        scale=spec.scale,
-        vocab_size=vocab,
-        max_output_tokens=spec.max_output_tokens,
-        max_model_len=max_len,
-    )
-    if not prompts:
-        raise BenchError("no request of the trace fits --max-model-len")
-    return prompts, len(skipped)

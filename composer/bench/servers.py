@@ -22,6 +22,7 @@ from typing import Any
 from composer.bench.replay import BenchError
 from composer.servers.loopback import LOOPBACK, free_port
 from composer.servers.process import stop_group
+from composer.servers.vllm_serve import vllm_command
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,6 @@ def server_command(config: Config, spec: ServerSpec, port: int) -> list[str]:
         args += ["--num-gpu-blocks-override", str(spec.num_blocks)]
     args += spec.extra_args
     if config.pipeline is None:
-        from composer.cli.serve import vllm_command
-
         return [*vllm_command(), "serve", *args]
     kvc = Path(sys.executable).with_name("kvc")
     launcher = [str(kvc)] if kvc.exists() else [sys.executable, "-m", "composer.cli"]

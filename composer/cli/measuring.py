@@ -22,7 +22,7 @@ from composer.errors import escape
 from composer.pipeline import ResolvedPipeline
 
 if TYPE_CHECKING:
-    from composer.bench.run import BenchSpec
+    from composer.bench.spec import BenchSpec
     from composer.trace import TraceRequest
 
 
@@ -74,7 +74,7 @@ def _sizes(args: argparse.Namespace, pipeline: ResolvedPipeline) -> dict[str, An
             ) from None
         return {"bytes_per_block": bpb, "block_size": args.block_size}
     if args.model_config is not None:
-        from composer.model.size import model_shape
+        from composer.simulate.shape import model_shape
 
         shape = model_shape(args.model_config, args.block_size, pipeline)
         return {
@@ -168,8 +168,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_spec(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> BenchSpec:
     from composer.bench.replay import BenchError, trace_block_tokens
-    from composer.bench.run import BenchSpec
     from composer.bench.servers import Config, ServerSpec
+    from composer.bench.spec import BenchSpec
 
     trace_block_tokens(args.scale)  # refused before any server starts
     if (args.model is None) == (args.url is None):

@@ -32,13 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer.pipeline import ResolvedPipeline
-from composer.simulate import (
-    VLLM_CACHE_ID,
-    SimKVGroup,
-    SimulateError,
-    _check_options,
-    _Replay,
-)
+from composer.simulate.replay import _check_options, _Replay
+from composer.simulate.tiers import VLLM_CACHE_ID, SimKVGroup, SimulateError
 from composer.trace import MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest, conversation
 
 #: The router's credit for a block a node holds (vllm-router 0.1.17's default

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from composer.simulate import VLLM_CACHE_ID, NodeResult, Result, SimulateError
+from composer.simulate.replay import NodeResult, Result
+from composer.simulate.tiers import VLLM_CACHE_ID, SimulateError
 
 
 def _size(n: int | None) -> str:

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from typing import Any, get_args
 
 from composer.pipeline import LoadPolicy, ResolvedPipeline
-from composer.simulate import Result, SimulateError, simulate
+from composer.simulate.replay import Result, simulate
+from composer.simulate.tiers import SimulateError
 from composer.trace import TraceRequest
 
 

@@ -71,11 +71,15 @@ def deep_check(
     return problems
 
 
-def sleep_mode_problems(pipeline: ResolvedPipeline, *, marks: Marks | None = None) -> list[Problem]:
-    """One located problem per node that cannot follow vLLM's sleep mode (imports
-    vLLM where the pipeline has ``vllm`` nodes: their connector classes answer)."""
-    from composer.vllm.pipeline_source import sleep_mode_refusals
-
+def sleep_mode_problems(
+    pipeline: ResolvedPipeline,
+    refusals: Iterable[tuple[ResolvedNode, str]],
+    *,
+    marks: Marks | None = None,
+) -> list[Problem]:
+    """One located problem per node that cannot follow vLLM's sleep mode, from
+    :func:`composer.vllm.pipeline_source.sleep_mode_refusals` (where a ``vllm``
+    node's connector class answers: it needs vLLM)."""
     return [
         _located(
             pipeline,
@@ -83,7 +87,7 @@ def sleep_mode_problems(pipeline: ResolvedPipeline, *, marks: Marks | None = Non
             node,
             f'node "{node.id}" cannot follow vLLM\'s sleep mode (--enable-sleep-mode): {why}',
         )
-        for node, why in sleep_mode_refusals(pipeline)
+        for node, why in refusals
     ]
 
 

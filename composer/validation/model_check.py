@@ -4,7 +4,8 @@
 (predicted from ``config.json`` by :func:`composer.model.kv_groups.predict`), works out
 the groups vLLM will actually run (its hybrid KV cache manager is off unless
 every node supports it) and asks each node's plugin type what it serves
-(``PluginType.model_support``). A refusal is a located :class:`Problem`.
+(``PluginType.model_support``, or the rules of :mod:`composer.model.support`).
+A refusal is a located :class:`Problem`.
 :func:`check_at_engine_start` asks the same of the groups a running engine has.
 """
 
@@ -13,13 +14,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel
-
 from composer.errors import Path, Problem
 from composer.loader import Marks
 from composer.model.kv_groups import ModelKV, ModelUnsupported, from_kv_cache_config
-from composer.pipeline import ResolvedNode, ResolvedPipeline
-from composer.plugin_types import Capabilities, PluginTypeError, resolve_ref
+from composer.model.support import node_support
+from composer.pipeline import ResolvedPipeline
 
 #: vLLM turns its hybrid manager off for chunked local attention unless this is set
 #: (``VllmConfig.__post_init__``: a latency regression otherwise).
@@ -41,42 +40,6 @@ class ModelCheck:
     #: Warnings: the pipeline runs, but not the way a reader may expect.
     notes: tuple[str, ...] = ()
     problems: tuple[Problem, ...] = ()
-
-
-def default_support(capabilities: Capabilities, model: ModelKV) -> str:
-    """What a node with no ``model_support`` serves, judged from its HMA capability."""
-    if len(model.groups) <= 1:
-        return "serves the model's one KV cache group"
-    if capabilities.hma:
-        return f"serves every KV cache group ({model.kinds_label})"
-    if "mamba" in model.kinds:
-        raise ModelUnsupported(
-            f"does not support vLLM's hybrid KV cache manager, which the {model.kinds_label} "
-            f"groups of {model.label} need: vLLM cannot start (\"Failed to promote local KV "
-            'cache specs to one unified type"); remove the node or serve another model'
-        )
-    return (
-        "warning: does not support vLLM's hybrid KV cache manager, so vLLM turns it off: "
-        "one group, sliding-window layers keep the whole context"
-    )
-
-
-def no_kv_blocks(config: BaseModel, model: ModelKV) -> str:
-    """``model_support`` of a node that never touches KV blocks (a service node)."""
-    return "touches no KV blocks"
-
-
-def node_support(node: ResolvedNode, model: ModelKV) -> str:
-    """The node's line for ``model``; raises :class:`ModelUnsupported` to refuse it."""
-    ref = node.plugin.model_support
-    if ref is None:
-        return default_support(node.capabilities, model)
-    support = resolve_ref(ref)
-    if not callable(support):
-        raise PluginTypeError(
-            f'plugin type "{node.plugin.name}": model_support {ref!r} is not a function'
-        )
-    return str(support(node.config, model))
 
 
 def _hma_off_reason(pipeline: ResolvedPipeline, model: ModelKV) -> tuple[str, list[Path]]:

@@ -39,9 +39,9 @@ from composer.bench.fleet import (
     run_policy,
 )
 from composer.bench.replay import Prompt, make_prompts, send, served_model, vocab_size_of
-from composer.bench.run import BenchSpec
 from composer.bench.servers import Config, ServerSpec
-from composer.model.size import model_shape
+from composer.bench.spec import BenchSpec
+from composer.simulate.shape import model_shape
 from composer.servers.vllm_router import vllm_router
 from composer.simulate.fleet import simulate_fleet
 from composer.trace import multi_turn, read_trace

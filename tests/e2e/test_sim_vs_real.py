@@ -13,7 +13,7 @@ from composer import scrape, simulate
 from composer.bench import replay
 from composer.bench import run as bench_run
 from composer.bench import servers as bench_servers
-from composer.model.size import bytes_per_block_from_config
+from composer.simulate.shape import bytes_per_block_from_config
 from composer.trace import read_trace
 from composer.validation import load_pipeline
 

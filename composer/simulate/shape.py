@@ -13,7 +13,8 @@ from pathlib import Path
 
 from composer.model.kv_groups import ModelConfigError, ModelKV, predict
 from composer.pipeline import ResolvedPipeline
-from composer.simulate import SimKVGroup, SimulateError
+from composer.simulate.tiers import SimKVGroup, SimulateError
+from composer.validation.model_check import check_model
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,6 @@ def model_shape(
 
 def _as_run(pipeline: ResolvedPipeline, model: ModelKV, notes: list[str]) -> ModelKV:
     """The groups vLLM runs for ``pipeline`` (one, when its hybrid manager is off)."""
-    from composer.validation.model_check import check_model
-
     check = check_model(pipeline, model)
     if check.problems:
         raise SimulateError(str(check.problems[0]))

@@ -1,0 +1,129 @@
+"""Every import in ``composer/`` points down: no circle, no arrow from a lower layer to a
+higher one, deferred imports (inside functions) included. A deferred import is for
+lightness (``import composer`` and ``kvc validate`` load neither torch nor vLLM),
+never to break a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "composer"
+
+#: The layers, bottom first: a module may import its own layer's and lower ones'.
+#: Data flows up: YAML (loader) -> validated model (pipeline, validation) ->
+#: resolved graph -> chain -> vLLM adapter (vllm); the commands (cli) on top.
+LAYERS: list[set[str]] = [
+    {"loader", "controls", "stats", "trace", "scrape", "memory", "kv_caches", "servers"},
+    {"errors", "views", "plugin_types"},
+    {"hookspecs", "plugin", "pipeline"},
+    {"model"},
+    {"builtin"},
+    {"discovery", "export"},
+    {"validation"},
+    {"chain", "simulate", "bench"},
+    {"vllm"},
+    {"composer"},  # the public namespace (composer/__init__.py)
+    {"testing"},
+    {"cli"},
+]
+LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for inner in node.body:
+                lines |= {n.lineno for n in ast.walk(inner) if hasattr(n, "lineno")}
+    return lines
+
+
+def _imported(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module.split(".")
+            if MODULES[module].name != "__init__.py":
+                package = package[:-1]
+            package = package[: len(package) - (node.level - 1)]
+            base = ".".join([*package, *([node.module] if node.module else [])])
+        # ``from composer import scrape`` imports the module composer.scrape.
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+    out = []
+    for name in names:
+        while name not in MODULES and "." in name:
+            name = name.rsplit(".", 1)[0]
+        if name in MODULES and name != module:
+            out.append(name)
+    return out
+
+
+def _edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_checking_lines(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom) and node.lineno not in skip:
+                edges.setdefault(module, set()).update(_imported(module, node))
+    return edges
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "composer"
+
+
+def test_every_module_has_a_layer() -> None:
+    assert sorted({_unit(m) for m in MODULES} - set(LAYER)) == []
+
+
+def test_no_import_points_up() -> None:
+    upward = sorted(
+        f"{a} -> {b}"
+        for a, targets in _edges().items()
+        for b in targets
+        if LAYER[_unit(a)] < LAYER[_unit(b)]
+    )
+    assert upward == []
+
+
+def test_no_import_circle() -> None:
+    edges = _edges()
+    circles: list[list[str]] = []
+
+    def visit(module: str, path: list[str], done: set[str]) -> None:
+        for target in sorted(edges.get(module, ())):
+            if target in path:
+                circles.append([*path[path.index(target) :], target])
+            elif target not in done:
+                visit(target, [*path, target], done)
+        done.add(module)
+
+    done: set[str] = set()
+    for module in sorted(MODULES):
+        if module not in done:
+            visit(module, [module], done)
+    assert circles == []
+
+
+def test_the_check_sees_a_circle_and_an_upward_arrow() -> None:
+    tree = ast.parse("from composer.cli.serve import serve\nimport composer.bench.run\n")
+    found = [t for node in tree.body for t in _imported("composer.bench.fleet", node)]  # type: ignore[arg-type]
+    assert found == ["composer.cli.serve", "composer.bench.run"]
+    assert LAYER[_unit(found[0])] > LAYER["bench"]
