@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from types import ModuleType
 from typing import Any, TypeVar
@@ -14,6 +14,7 @@ import pluggy
 from pydantic import BaseModel, ValidationError
 
 from composer import builtin
+from composer.errors import did_you_mean
 from composer.hookspecs import PROJECT, DiscoverySpec
 from composer.plugin_types import PluginType
 
@@ -64,9 +65,12 @@ def call_plugin(plugin: str, what: str, fn: Callable[..., _T], *args: Any) -> _T
 
 @dataclass(frozen=True)
 class Registry:
-    """The plugin types available to a pipeline, by name."""
+    """The plugin types available to a pipeline: ``registry["offload-cpu"]``, ``"x" in
+    registry``, and ``for ptype in registry`` (in name order)."""
 
     types: Mapping[str, PluginType]
+    #: Installed entry points not loaded, and why (the variable that switched them off).
+    switched_off: Mapping[str, str] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> PluginType:
         return self.types[name]
@@ -74,8 +78,26 @@ class Registry:
     def __contains__(self, name: object) -> bool:
         return name in self.types
 
+    def __iter__(self) -> Iterator[PluginType]:
+        return iter(self.types[name] for name in self.names())
+
+    def __len__(self) -> int:
+        return len(self.types)
+
     def names(self) -> list[str]:
         return sorted(self.types)
+
+    def why_unknown(self, name: str) -> str:
+        """What to tell a user who names plugin ``name``, which is not here."""
+        if name in self.switched_off:
+            return (
+                f'plugin "{name}" is installed but switched off by {self.switched_off[name]}'
+            )
+        text = f'unknown plugin "{name}"{did_you_mean(name, self.names())}'
+        if self.switched_off:  # an entry point may register types of other names
+            off = ", ".join(f'"{ep}" ({why})' for ep, why in sorted(self.switched_off.items()))
+            text += f"; plugin packages switched off, whose types are not known: {off}"
+        return text
 
 
 def _split(value: str | None) -> set[str] | None:
@@ -107,14 +129,15 @@ def discover(
     sources: dict[str, tuple[str, str]] = {}
     pm.register(builtin, name="builtin")
     sources["builtin"] = ("kv-composer", _version("kv-composer"))
+    switched_off: dict[str, str] = {}
     if entry_points:
-        _register_entry_points(pm, sources, allowed, denied)
+        switched_off = _register_entry_points(pm, sources, allowed, denied)
     for i, obj in enumerate([*_env_modules(), *extra]):
         name = getattr(obj, "__name__", f"extra-{i}")
         pm.register(obj, name=name)
         sources[name] = ("", "")
     pm.check_pending()
-    return _collect_types(pm, sources)
+    return replace(_collect_types(pm, sources), switched_off=switched_off)
 
 
 def _register_entry_points(
@@ -122,11 +145,21 @@ def _register_entry_points(
     sources: dict[str, tuple[str, str]],
     allowed: set[str] | None,
     denied: set[str],
-) -> None:
+) -> dict[str, str]:
+    """Load the allowed entry points; returns the others' names, each with why not."""
+    skipped: dict[str, str] = {}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         dist = ep.dist.name if ep.dist else ""
         names = {ep.name, dist}
-        if names & denied or (allowed is not None and not names & allowed):
+        if names & denied:
+            by_env = names & (_split(os.environ.get(DENY_ENV)) or set())
+            skipped[ep.name] = f"{DENY_ENV}={os.environ[DENY_ENV]}" if by_env else "deny="
+            continue
+        if allowed is not None and not names & allowed:
+            by_env = os.environ.get(ALLOW_ENV) is not None
+            skipped[ep.name] = (
+                f"{ALLOW_ENV}={os.environ[ALLOW_ENV]} (not listed)" if by_env else "allow="
+            )
             continue
         if pm.has_plugin(ep.name):
             continue
@@ -140,6 +173,7 @@ def _register_entry_points(
             ) from exc
         pm.register(module, name=ep.name)
         sources[ep.name] = (dist, ep.dist.version if ep.dist else "")
+    return skipped
 
 
 def _env_modules() -> list[ModuleType]:

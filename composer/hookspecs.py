@@ -432,7 +432,7 @@ class NodeSpec:
     ) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, once per finished request: (hold blocks until saved?, kv_transfer_params).
 
-        Combine: blocks are held until every node that said True reports the
+        ``None`` is ``(False, None)``: nothing held, no params. Combine: blocks are held until every node that said True reports the
         request in ``get_finished``; transfer params are merged and a key
         written by two nodes is an error.
         """

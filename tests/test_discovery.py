@@ -153,3 +153,36 @@ def test_cli_lists_entry_point_plugins(site: Path, capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "fake-disk  (kvc-fake-tiers 1.2.3)\n" in out
     assert "  config: (no options)\n" in out
+
+
+def test_a_registry_walks_its_plugin_types_in_name_order(site: Path) -> None:
+    registry = discover()
+    assert [p.name for p in registry] == registry.names()
+    assert all(isinstance(p, PluginType) for p in registry)
+    assert len(registry) == len(registry.names())
+
+
+@pytest.mark.parametrize("how", ["deny env", "deny argument", "allow env"])
+def test_a_plugin_switched_off_is_named_as_such_not_as_unknown(
+    site: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    from composer import PipelineInvalid, load_pipeline
+
+    if how == "deny env":
+        monkeypatch.setenv(DENY_ENV, "fake-tiers")
+        registry, why = discover(), f"{DENY_ENV}=fake-tiers"
+    elif how == "deny argument":
+        registry, why = discover(deny=["kvc-fake-tiers"]), "deny="
+    else:
+        monkeypatch.setenv(ALLOW_ENV, "other")
+        registry, why = discover(), f"{ALLOW_ENV}=other (not listed)"
+    assert registry.switched_off["fake-tiers"] == why
+    assert registry.why_unknown("fake-tiers") == (
+        f'plugin "fake-tiers" is installed but switched off by {why}'
+    )
+    with pytest.raises(PipelineInvalid) as caught:
+        load_pipeline({"version": 1, "nodes": {"a": {"plugin": "fake-disk"}}}, registry=registry)
+    assert (
+        f'unknown plugin "fake-disk"; plugin packages switched off, whose types are not '
+        f'known: "fake-tiers" ({why})'
+    ) in str(caught.value)

@@ -43,6 +43,8 @@ YAML_EXAMPLES = {
     "fleet-cpu-events.yaml": (["cpu"], "ComposedConnector"),
     # Also each engine of plugins/offload-cpu/tests/test_e2e_ranges.py.
     "tiers-ranges.yaml": (["fast", "slow"], "ComposedConnector"),
+    # Also the prefill and the decode engine of tests/e2e/test_pd_e2e.py.
+    "pd-nixl.yaml": (["cpu", "nixl"], "ComposedConnector"),
 }
 #: tier_controls.py runs against a real `kvc serve` in tests/e2e/test_serve_e2e.py.
 PY_EXAMPLES = {"compose.py", "tier_controls.py"}
@@ -69,6 +71,13 @@ def test_yaml_example_validates(name: str) -> None:
     nodes, runs_as = YAML_EXAMPLES[name]
     assert [n.id for n in pipeline.nodes] == nodes
     assert kv_transfer_config(pipeline)["kv_connector"] == runs_as
+
+
+@pytest.mark.parametrize("side", ["producer", "consumer"])
+def test_pd_example_serves_each_side(side: str) -> None:
+    pipeline = load_pipeline(EXAMPLES / "pd-nixl.yaml", env={}, kv_role=side)
+    assert kv_transfer_config(pipeline)["kv_role"] == f"kv_{side}"
+    assert pipeline.node("nixl").role == "transport"
 
 
 def test_native_example_exports_plain_multiconnector() -> None:
@@ -165,10 +174,13 @@ def test_readme_error_example_output_is_what_kvc_prints(
     assert (out + err).splitlines() == shown
 
 
-def test_readme_python_api_example_runs() -> None:
+def test_readme_python_api_example_runs(tmp_path: Path) -> None:
+    """Run where a user would: beside their pipeline.yaml (the README's first pipeline)."""
     (code,) = [b for b in _blocks("python") if b.startswith("import json\n")]
+    (first,) = [b for b in _blocks("yaml") if "# the node with the longest hit" in b]
+    (tmp_path / "pipeline.yaml").write_text(first)
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=README.parent
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

@@ -15,9 +15,9 @@ from composer.cli import top
 RECORDED = Path(__file__).parent / "data" / "metrics" / "kvc-serve-offload-cpu.prom"
 
 
-def _text(renderable: object) -> str:
+def _text(renderable: object, width: int = 160) -> str:
     out = io.StringIO()
-    Console(file=out, width=160).print(renderable)
+    Console(file=out, width=width).print(renderable)
     return out.getvalue()
 
 
@@ -142,3 +142,15 @@ def test_the_state_says_disabled_store_away_or_on() -> None:
         samples = scrape.parse(RECORDED.read_text() + extra)
         cells = _cpu_cells(_text(top.render(top.Snapshot(0.0, samples), None, "recorded")))
         assert cells[10] == state
+
+
+def test_a_plugins_own_counters_are_shown_largest_first() -> None:
+    # The README's one-file plugin counts "prompts" (self.stats.extra.add("prompts")).
+    def own(event: str, value: int) -> str:
+        labels = f'event="{event}",engine="0",model_name="m",node="cpu",plugin="offload-cpu"'
+        return f"vllm:kv_composer_events_total{{{labels}}} {value}\n"
+
+    samples = scrape.parse(RECORDED.read_text() + own("prompts", 12) + own("hits_a", 2))
+    cells = _cpu_cells(_text(top.render(top.Snapshot(0.0, samples)), width=240))
+    assert cells[11] == "prompts 12, hits_a 2, misses 1, +2 more"
+    assert scrape.nodes(samples)["cpu"].events["prompts"] == 12

@@ -5,7 +5,8 @@ Reads the server's Prometheus ``/metrics`` (the per-node series of
 requests looked up, hit rates per request and per prompt token (each request
 counted once: vLLM may ask a node about one request several times, so hits
 per lookup misread), tokens loaded, load and save bandwidth (bytes/s between
-two scrapes), pool use, errors, whether it is switched off; and vLLM's own
+two scrapes), pool use, errors, whether it is switched off, and the plugin's own
+counters (``self.stats.extra``: the largest first); and vLLM's own
 prefix-cache hit rate and request queue. Standard library and ``rich`` only:
 never torch or vLLM.
 """
@@ -58,6 +59,14 @@ def _state(view: scrape.NodeView) -> Text:
     return Text("on", style="green")
 
 
+def _own(view: scrape.NodeView, shown: int = 3) -> str:
+    """The node's own counters (``self.stats.extra`` of its plugin), the largest first."""
+    ranked = sorted(view.events.items(), key=lambda kv: (-kv[1], kv[0]))
+    cells = [f"{k} {v:,.0f}" if float(v).is_integer() else f"{k} {v:.3g}" for k, v in ranked]
+    more = f", +{len(cells) - shown} more" if len(cells) > shown else ""
+    return ", ".join(cells[:shown]) + more
+
+
 def _percent(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
@@ -82,6 +91,7 @@ def render(now: Snapshot, before: Snapshot | None = None, source: str = "") -> G
         ("pool use", "right"),
         ("errors", "right"),
         ("state", "left"),
+        ("own counters", "left"),
     ):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for node, view in sorted(views.items()):
@@ -101,6 +111,7 @@ def render(now: Snapshot, before: Snapshot | None = None, source: str = "") -> G
             f"{100 * pool:.1f}%" if pool is not None else "-",
             Text(f"{errors:,.0f}", style="red" if errors else ""),
             _state(view),
+            _own(view),
         )
     queries = scrape.total(now.samples, "vllm:prefix_cache_queries_total")
     hits = scrape.total(now.samples, "vllm:prefix_cache_hits_total")
