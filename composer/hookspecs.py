@@ -20,7 +20,18 @@ does with a failure, which nodes it is dispatched to, and how the built-in
 ``vllm`` node forwards it. :data:`HOOKS` holds those rows; the chain's call
 lists, fault policy and step timing, the native node's forwarding, the README's
 hook table (:func:`markdown_table`) and the combine and fault tests all read it.
-Adding a hook is one method here and one row in the README.
+
+Adding a hook (as vLLM adds a connector method), each step checked by a test:
+
+1. its spec here, with its row (``@hook(...)``); paste :func:`markdown_table`
+   into the README;
+2. the chain's method of the same name (``chain/``: the side of the process
+   that calls it), which ``ComposedConnector``'s method of that name calls;
+3. its vLLM arguments in :func:`composer.testing.chains.sample_args`, with
+   which the combine and fault tests drive it;
+4. for the ``vllm`` node: nothing when its row says ``as is``; a hookimpl on
+   ``NativeConnectorNode`` taking vLLM's arguments when ``direct``, or
+   converting them when ``adapted``.
 """
 
 from __future__ import annotations
@@ -432,9 +443,10 @@ class NodeSpec:
     ) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, once per finished request: (hold blocks until saved?, kv_transfer_params).
 
-        ``None`` is ``(False, None)``: nothing held, no params. Combine: blocks are held until every node that said True reports the
-        request in ``get_finished``; transfer params are merged and a key
-        written by two nodes is an error.
+        ``None`` is ``(False, None)``: nothing held, no params. Combine: blocks
+        are held until every node that said True reports the request in
+        ``get_finished``; transfer params are merged and a key written by two
+        nodes is an error.
         """
 
     @hook(

@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from composer.hookspecs import HOOKS, Every, NodeSpec, hooks_where
+from composer.hookspecs import HOOKS, Every, Native, NodeSpec, hooks_where
 from composer.testing.multiconnector import make_vllm_config, node_ids, pipeline_for
 from composer.vllm.connector import ComposedConnector
 from composer.vllm.registration import register
@@ -327,3 +327,39 @@ def test_a_native_nodes_stats_leave_the_engine_able_to_be_rebuilt(registered: No
         own = rebuilt.data[node_id]["node"]
         assert type(own) is RecordedStats and own.data == {"moved": [1, 2]}
     assert rebuilt.reduce()["RecordingConnector"] == {"Moved": 3}
+
+
+#: Hooks whose connector method does more than call the chain's (why, in its code):
+#: the canonical view built, vLLM's default where no node answers, the model found.
+NOT_ONLY_THE_CHAIN = {
+    "initialize_worker_connector",
+    "register_kv_caches",
+    "unregister_kv_caches",
+    "restore_kv_caches",
+    "bind_kv_cache_manager",
+}
+
+
+@pytest.mark.parametrize("name", sorted(set(HOOKS) - NOT_ONLY_THE_CHAIN))
+def test_each_hook_reaches_the_chains_method_of_its_name(registered: None, name: str) -> None:
+    """One calling convention: vLLM's method of a hook calls the chain's method of
+    the same name, with vLLM's arguments."""
+    connector = composed([child(RecordingConnector)])
+    method = getattr(ComposedConnector, name)
+    params = list(inspect.signature(method).parameters.values())[1:]
+    args = tuple(f"arg-{p.name}" for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+    recorder = _Recorder()
+    connector.chain = recorder  # type: ignore[assignment]
+    method(connector, *args)
+    assert [c[0] for c in recorder.calls] == [name]
+    assert recorder.calls[0][1] == args
+
+
+@pytest.mark.parametrize(
+    "name", hooks_where(native=Native.DIRECT) + hooks_where(native=Native.ADAPTED)
+)
+def test_a_hook_the_vllm_node_converts_has_its_hookimpl(name: str) -> None:
+    from composer.vllm.native import NativeConnectorNode
+
+    impl = getattr(NativeConnectorNode, name, None)
+    assert impl is not None and hasattr(impl, "kv_composer_impl"), name

@@ -116,3 +116,12 @@ def test_every_lifecycle_hookspec_has_a_row_and_every_row_a_hookspec() -> None:
     assert set(HOOKS) == set(NODE_HOOKS)
     for name, row in HOOKS.items():
         assert row.signature == NODE_HOOKS[name]
+
+
+def test_the_recipe_for_a_hook_holds_for_every_hook() -> None:
+    """The steps of hookspecs' "Adding a hook": a chain method and sample arguments."""
+    from composer.chain import Chain
+    from composer.testing.chains import request, sample_args
+
+    assert sorted(h for h in HOOKS if not callable(getattr(Chain, h, None))) == []
+    assert sorted(set(HOOKS) ^ set(sample_args(request()))) == []

@@ -344,7 +344,7 @@ class _HybridModule:
 def test_hit_sources_are_asked_of_each_range_and_summed() -> None:
     c = chain({"fast": 8, "slow": 16})
     c.get_num_new_matched_tokens(request(), 0)
-    assert c.ask_chosen("get_external_cache_hit_sources", request(), 16) == {"fast": 8, "slow": 8}
+    assert c.get_external_cache_hit_sources(request(), 16) == {"fast": 8, "slow": 8}
 
 
 def _with_params(params: dict[str, Any]) -> Any:

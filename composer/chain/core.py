@@ -174,9 +174,6 @@ class Chain(SchedulerSide, WorkerOutput, WorkerSide, Reports, FaultPolicy):
 
     # -- either process ------------------------------------------------------------ #
 
-    def broadcast(self, hook: str, *args: Any) -> None:
-        self.results(hook, *args)
-
     def reset_cache(self) -> bool:
         return all(r is not False for _, r in self.results("reset_cache"))
 

@@ -336,7 +336,23 @@ class SchedulerSide(ChainBase):
             if len(loads) > 1:
                 settle_ranges(loads)
 
-    def ask_chosen(self, hook: str, request: Any, *args: Any) -> Any:
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...] | None:
+        """The KV cache groups the request's load restores (None: vLLM's default)."""
+        return self._ask_chosen("get_loaded_kv_cache_group_ids", request)
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int] | None:
+        """The loaded tokens by cache source (None: vLLM's default)."""
+        return self._ask_chosen("get_external_cache_hit_sources", request, num_external_tokens)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.results("set_xfer_handshake_metadata", metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        self.results("set_xfer_handshake_metadata_pp_aware", metadata)
+
+    def _ask_chosen(self, hook: str, request: Any, *args: Any) -> Any:
         """Ask only the nodes serving ``request`` (one per range); None when none answers.
 
         Several ranges: each node is asked about its own tokens (the hit sources'

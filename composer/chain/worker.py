@@ -230,6 +230,14 @@ class WorkerSide(ChainBase):
             results.failed_recving.update(self.failed_recving)
             self.failed_recving = set()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM's older call: :meth:`get_transfer_results` as (sending, receiving)."""
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def reset_capture_state(self) -> None:
+        self.results("reset_capture_state")
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.num_groups > 1:  # failed per request instead (see get_transfer_results)
             self._fail_lost_blocks()

@@ -22,7 +22,7 @@ from composer.chain import Chain as Chain  # (a plugin's tests build chains)
 from composer.chain import ChainMetadata
 from composer.chain.faults import NodeFailed as NodeFailed  # (a plugin's tests expect it)
 from composer.discovery import Registry, discover
-from composer.hookspecs import HOOKS, NodeSpec, hookimpl
+from composer.hookspecs import HOOKS, Combine, NodeSpec, hookimpl
 from composer.plugin import Plugin
 from composer.plugin_types import Capabilities, PluginType
 from composer.validation import load_pipeline
@@ -194,70 +194,67 @@ def metadata(**fields: Any) -> ChainMetadata:
     return ChainMetadata(**{"per_node": {}, "loads": {}, **fields})
 
 
-def drive(chain: Chain, hook: str, req: Any = None) -> Any:
-    """Call ``hook`` through ``chain`` as vLLM calls it; the chain's answer."""
-    req = req if req is not None else request()
+def sample_args(req: Any) -> dict[str, tuple[Any, ...]]:
+    """vLLM's arguments to each hook, as the chain's method of that name takes them
+    (fresh objects each call: the chain keeps some)."""
     step = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set())
-    lookup = chain.get_num_new_matched_tokens
-    calls: dict[str, Any] = {
-        "initialize_worker_connector": lambda: chain.initialize_worker_connector(None, None, None),
-        "get_mem_pool_context": chain.get_mem_pool_context,
-        "register_kv_caches": lambda: chain.register_kv_caches(None, {}),
-        "set_host_xfer_buffer_ops": lambda: chain.set_host_xfer_buffer_ops(None),
-        "get_handshake_metadata": chain.get_handshake_metadata,
-        "unregister_kv_caches": chain.unregister_kv_caches,
-        "restore_kv_caches": lambda: chain.restore_kv_caches(None, {}),
-        "bind_kv_cache_manager": lambda: chain.bind_kv_cache_manager(None),
-        "bind_gpu_block_pool": lambda: chain.bind_gpu_block_pool(None),
-        "on_new_request": lambda: chain.on_new_request(req),
-        "get_num_new_matched_tokens": lambda: lookup(req, 0),
-        "update_state_after_alloc": lambda: chain.update_state_after_alloc(req, Blocks(), 8),
-        # Asked of the node serving the request only (chosen by a lookup first).
-        "get_loaded_kv_cache_group_ids": lambda: (
-            lookup(req, 0),
-            chain.ask_chosen("get_loaded_kv_cache_group_ids", req),
-        )[1],
-        "get_external_cache_hit_sources": lambda: (
-            lookup(req, 0),
-            chain.ask_chosen("get_external_cache_hit_sources", req, 8),
-        )[1],
-        "build_connector_meta": lambda: chain.build_connector_meta(step),
-        "update_connector_output": lambda: chain.update_connector_output(
-            SimpleNamespace(kv_connector_worker_meta=None)
-        ),
-        "request_finished": lambda: chain.request_finished(req, [10, 11]),
-        "request_finished_all_groups": lambda: chain.request_finished_all_groups(req, ([10],)),
-        "register_finished_partial_tail": lambda: chain.register_finished_partial_tail(
-            req, [10], None
-        ),
-        "take_events": lambda: list(chain.take_events()),
-        "has_pending_block_frees": chain.has_pending_block_frees,
-        "has_pending_push_work": chain.has_pending_push_work,
-        "get_finished_count": chain.get_finished_count,
-        "set_xfer_handshake_metadata": lambda: chain.broadcast("set_xfer_handshake_metadata", {}),
-        "set_xfer_handshake_metadata_pp_aware": lambda: chain.broadcast(
-            "set_xfer_handshake_metadata_pp_aware", {}
-        ),
-        "reset_cache": chain.reset_cache,
-        "handle_preemptions": lambda: chain.handle_preemptions(metadata(loads={"bad": {10, 11}})),
-        "bind_connector_metadata": lambda: chain.bind_connector_metadata(
-            metadata(loads={"bad": {10, 11}})
-        ),
-        "start_load_kv": lambda: chain.start_load_kv(None),
-        "wait_for_layer_load": lambda: chain.wait_for_layer_load("layer0"),
-        "save_kv_layer": lambda: chain.save_kv_layer("layer0", None, None),
-        "wait_for_save": chain.wait_for_save,
-        "finish_forward": chain.finish_forward,
-        "reset_capture_state": lambda: chain.broadcast("reset_capture_state"),
-        "clear_connector_metadata": chain.clear_connector_metadata,
-        "get_finished": lambda: chain.get_transfer_results(set()),
-        "get_transfer_results": lambda: chain.get_transfer_results(set()),
-        "get_block_ids_with_load_errors": chain.get_block_ids_with_load_errors,
-        "build_connector_worker_meta": chain.build_connector_worker_meta,
-        "get_kv_connector_stats": chain.take_stats,
-        "get_kv_connector_kv_cache_events": chain.get_kv_connector_kv_cache_events,
-        "shutdown": chain.shutdown,
+    loading = metadata(loads={"bad": {10, 11}})
+    return {
+        "initialize_worker_connector": (None, None, None),
+        "get_mem_pool_context": (),
+        "register_kv_caches": (None, {}),
+        "set_host_xfer_buffer_ops": (None,),
+        "get_handshake_metadata": (),
+        "unregister_kv_caches": (),
+        "restore_kv_caches": (None, {}),
+        "bind_kv_cache_manager": (None,),
+        "bind_gpu_block_pool": (None,),
+        "on_new_request": (req,),
+        "get_num_new_matched_tokens": (req, 0),
+        "update_state_after_alloc": (req, Blocks(), 8),
+        "get_loaded_kv_cache_group_ids": (req,),
+        "get_external_cache_hit_sources": (req, 8),
+        "build_connector_meta": (step,),
+        "update_connector_output": (SimpleNamespace(kv_connector_worker_meta=None),),
+        "request_finished": (req, [10, 11]),
+        "request_finished_all_groups": (req, ([10],)),
+        "register_finished_partial_tail": (req, [10], None),
+        "take_events": (),
+        "has_pending_block_frees": (),
+        "has_pending_push_work": (),
+        "get_finished_count": (),
+        "set_xfer_handshake_metadata": ({},),
+        "set_xfer_handshake_metadata_pp_aware": ({},),
+        "reset_cache": (),
+        "handle_preemptions": (loading,),
+        "bind_connector_metadata": (loading,),
+        "start_load_kv": (None,),
+        "wait_for_layer_load": ("layer0",),
+        "save_kv_layer": ("layer0", None, None),
+        "wait_for_save": (),
+        "finish_forward": (),
+        "reset_capture_state": (),
+        "clear_connector_metadata": (),
+        "get_finished": (set(),),
+        "get_transfer_results": (set(),),
+        "get_block_ids_with_load_errors": (),
+        "build_connector_worker_meta": (),
+        "get_kv_connector_stats": (),
+        "get_kv_connector_kv_cache_events": (),
+        "shutdown": (),
     }
-    if hook not in calls:
-        raise KeyError(f"drive() does not know how vLLM calls {hook!r}: add it to its table")
-    return calls[hook]()
+
+
+def drive(chain: Chain, hook: str, req: Any = None) -> Any:
+    """Call ``hook`` through ``chain`` as vLLM calls it (the chain's method of the hook's
+    name, with :func:`sample_args`); the chain's answer. A hook asked of the node
+    serving the request (``Combine.CHOSEN_NODE``) follows the lookup that chooses it."""
+    req = req if req is not None else request()
+    args = sample_args(req)
+    if hook not in args:
+        raise KeyError(f"sample_args() has no arguments for {hook!r}: add them to its table")
+    combine = HOOKS[hook].combine
+    if combine is Combine.CHOSEN_NODE:
+        chain.get_num_new_matched_tokens(req, 0)
+    out = getattr(chain, hook)(*args[hook])
+    return list(out) if combine is Combine.CONCATENATE else out

@@ -334,11 +334,10 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         return self.chain.metadata is not None
 
     def reset_capture_state(self) -> None:
-        self.chain.broadcast("reset_capture_state")
+        self.chain.reset_capture_state()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        results = self.chain.get_transfer_results(finished_req_ids)
-        return results.finished_sending or None, results.finished_recving or None
+        return self.chain.get_finished(finished_req_ids)
 
     def shutdown(self) -> None:
         self.chain.shutdown()
@@ -364,15 +363,13 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         return self.chain.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        groups = self.chain.ask_chosen("get_loaded_kv_cache_group_ids", request)
+        groups = self.chain.get_loaded_kv_cache_group_ids(request)
         return groups if groups is not None else super().get_loaded_kv_cache_group_ids(request)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
-        sources = self.chain.ask_chosen(
-            "get_external_cache_hit_sources", request, num_external_tokens
-        )
+        sources = self.chain.get_external_cache_hit_sources(request, num_external_tokens)
         if sources is not None:
             return sources
         return super().get_external_cache_hit_sources(request, num_external_tokens)
@@ -421,12 +418,12 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
-        self.chain.broadcast("set_xfer_handshake_metadata", metadata)
+        self.chain.set_xfer_handshake_metadata(metadata)
 
     def set_xfer_handshake_metadata_pp_aware(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
-        self.chain.broadcast("set_xfer_handshake_metadata_pp_aware", metadata)
+        self.chain.set_xfer_handshake_metadata_pp_aware(metadata)
 
     def reset_cache(self) -> bool | None:
         return self.chain.reset_cache()
