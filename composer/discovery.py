@@ -152,13 +152,14 @@ def _register_entry_points(
         dist = ep.dist.name if ep.dist else ""
         names = {ep.name, dist}
         if names & denied:
-            by_env = names & (_split(os.environ.get(DENY_ENV)) or set())
-            skipped[ep.name] = f"{DENY_ENV}={os.environ[DENY_ENV]}" if by_env else "deny="
+            env_denied = names & (_split(os.environ.get(DENY_ENV)) or set())
+            skipped[ep.name] = f"{DENY_ENV}={os.environ[DENY_ENV]}" if env_denied else "deny="
             continue
         if allowed is not None and not names & allowed:
-            by_env = os.environ.get(ALLOW_ENV) is not None
             skipped[ep.name] = (
-                f"{ALLOW_ENV}={os.environ[ALLOW_ENV]} (not listed)" if by_env else "allow="
+                f"{ALLOW_ENV}={os.environ[ALLOW_ENV]} (not listed)"
+                if ALLOW_ENV in os.environ
+                else "allow="
             )
             continue
         if pm.has_plugin(ep.name):
