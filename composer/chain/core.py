@@ -2,8 +2,10 @@
 
 This module creates the nodes and (re)binds the call lists; the parts live
 beside it: :mod:`.calls` (binding the call lists), and the hooks, each a method
-looping over its list: :mod:`.scheduler` and :mod:`.worker_output` (scheduler
-side), :mod:`.worker` (worker side), :mod:`.reports` (stats and events); then
+looping over its list: :mod:`.scheduler` (scheduler side: its per-step and
+once-only hooks, over :mod:`.loads`, planning a request's load, and :mod:`.holds`,
+holding a finished request's blocks) and :mod:`.worker_output` (the workers'
+output, on the scheduler), :mod:`.worker` (worker side), :mod:`.reports` (stats and events); then
 :mod:`.fault_policy` and :mod:`.faults` (a node's failure), :mod:`.metadata`
 (what crosses between the two processes). How each hook's results
 combine, which nodes it goes to and when it is timed are its row of

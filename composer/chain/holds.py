@@ -1,0 +1,152 @@
+"""Holding blocks: a finished request's blocks stay held while any node still saves
+from them, and its nodes' ``kv_transfer_params`` are merged, a key written by two
+nodes an error. What the request's loads delivered is settled here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from composer.chain.base import ChainBase
+from composer.chain.loads import PlannedLoad
+from composer.chain.metadata import TransferParamsClash
+from composer.pipeline import ResolvedNode
+from composer.views import RequestView
+
+#: What a request_finished call that raised stands for.
+FAULTED = object()
+
+
+class BlockHolding(ChainBase):
+    """The scheduler half's hooks of a finished request."""
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        view = RequestView(request)
+        results = self.results("request_finished", view, block_ids, default=FAULTED)
+        return self._finish(request, results)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if not self.pipeline.hma:
+            assert len(block_ids) == 1, (
+                "HMA with several KV cache groups needs every node to support it"
+            )
+            return self.request_finished(request, block_ids[0])
+        view = RequestView(request)
+        results: list[tuple[str, Any]] = []
+        all_groups = dict(self.calls["request_finished_all_groups"])
+        one_group = dict(self.calls["request_finished"])
+        for node_id in self.nodes:
+            # A node that implements only request_finished still hears of every
+            # finished request (its first group's blocks), as vLLM tells a non-HMA one.
+            groups = self._groups_for(node_id, block_ids)
+            arg: Any = groups
+            hook, fn = "request_finished_all_groups", all_groups.get(node_id)
+            if fn is None:
+                hook, fn, arg = "request_finished", one_group.get(node_id), groups[0]
+            if fn is None:
+                continue
+            try:
+                results.append((node_id, fn(view, arg)))
+            except Exception as exc:
+                away = self.fault(node_id, hook, exc)
+                results.append((node_id, None if away else FAULTED))
+        return self._finish(request, results)
+
+    def _groups_for(self, node_id: str, block_ids: tuple[list[int], ...]) -> tuple[list[int], ...]:
+        rnode: ResolvedNode = self.pipeline.node(node_id)
+        group = getattr(rnode.config, "kv_cache_group", None)
+        if rnode.capabilities.kv_cache_groups == "one" and isinstance(group, int):
+            return (block_ids[group],)
+        return block_ids
+
+    def _finish(
+        self, request: Any, results: Iterable[tuple[str, Any]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        holders, params = hold_and_params(results)
+        if holders:
+            self.new_holds[request.request_id] = tuple(holders)
+        loads = self.served.pop(request.request_id, [])
+        for load in loads:
+            self._settle(load)
+        refused = self.refused.pop(request.request_id, None)
+        if self.pipeline.annotate_outputs or refused:
+            note = self._note(loads) if self.pipeline.annotate_outputs else {}
+            if refused:
+                note["error"] = f"tier controls: {refused}"
+            params = {**(params or {}), "kv_composer": note}
+        self.chosen.pop(request.request_id, None)
+        return bool(holders), params
+
+    def _note(self, loads: list[PlannedLoad]) -> dict[str, Any]:
+        """What the request's ``kv_transfer_params`` say about its load (annotate_outputs)."""
+        served = [x for x in loads if x.delivered]
+        note: dict[str, Any] = {
+            # One node, or the ranges' nodes joined by "+" ("cpu+lmcache").
+            "served_by": "+".join(x.node for x in served) or None,
+            "tokens": sum(x.delivered for x in loads),
+        }
+        ranges = self.pipeline.load_policy == "ranges"
+        if ranges:
+            note["ranges"] = [
+                {"node": x.node, "start": x.computed, "tokens": x.delivered} for x in loads
+            ]
+        failed = [
+            {"node": x.node, "tokens": x.tokens - x.delivered}
+            for x in loads
+            if x.delivered < x.tokens
+        ]
+        if failed:
+            # One node's load: the node and its tokens; ranges: a list of those.
+            note["failed"] = failed if ranges else failed[0]
+        return note
+
+    def _settle(self, load: PlannedLoad) -> None:
+        """Count what ``load`` delivered on its node's stats."""
+        stats, delivered = self.stats[load.node], load.delivered
+        stats.tokens_hit += delivered
+        if delivered:
+            stats.count_served(delivered)
+        if delivered < load.tokens:
+            stats.extra.add("loads_failed")
+            stats.extra.add("tokens_load_failed", load.tokens - delivered)
+
+    def register_finished_partial_tail(self, request: Any, block_ids: Any, offloads: Any) -> bool:
+        view = RequestView(request)
+        results = self.results(
+            "register_finished_partial_tail", view, block_ids, offloads, default=False
+        )
+        return any(r for _, r in results)
+
+
+def hold_and_params(
+    results: Iterable[tuple[str, Any]],
+) -> tuple[list[str], dict[str, Any] | None]:
+    """The nodes holding the blocks, and the merged ``kv_transfer_params``."""
+    holders: list[str] = []
+    params: dict[str, Any] | None = None
+    writer: dict[str, str] = {}
+    for node_id, result in results:
+        if result is FAULTED:
+            # It may still be saving from these blocks: they stay held until
+            # its worker half is switched off (the fault switched it off).
+            holders.append(node_id)
+            continue
+        hold, node_params = result if result is not None else (False, None)
+        if hold:
+            holders.append(node_id)
+        if node_params is None:
+            continue
+        clash = sorted(set(writer) & set(node_params))
+        if clash:
+            raise TransferParamsClash(
+                f"kv_transfer_params key(s) {clash} written by node "
+                f'"{writer[clash[0]]}" and node "{node_id}"'
+            )
+        writer.update(dict.fromkeys(node_params, node_id))
+        params = {**(params or {}), **node_params}
+    return holders, params

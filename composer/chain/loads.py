@@ -1,0 +1,289 @@
+"""Load planning: which nodes serve a request, each for which tokens, and what arrived.
+
+The load policy plans a request's load as ranges of tokens, each from one node
+(:class:`Range`): ``first_hit`` and ``longest_hit`` pick one node (the first, or
+the longest hit, in load order); ``ranges`` asks each node in load order for
+what it holds after the previous nodes' hits, so ``[0, a)`` comes from the
+first node holding it, ``[a, b)`` from the next, and vLLM computes the rest.
+Each node is told only its own range. Which blocks it loads travels to the
+workers with the step's metadata, so a failing load there becomes load errors.
+What the node served is settled by what vLLM reports back (:class:`PlannedLoad`):
+only the tokens that arrived count, in ``served_by`` and in the node's counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from composer.chain.base import ChainBase
+from composer.controls import unknown_names
+from composer.kv_caches import NULL_BLOCK
+from composer.views import RequestView
+
+
+@dataclass(frozen=True)
+class Range:
+    """One node's part of a request's load: ``tokens`` tokens after ``start``."""
+
+    node: str
+    #: The computed tokens the node was asked from (vLLM's, or the previous ranges' end).
+    start: int
+    tokens: int
+    load_async: bool
+
+
+@dataclass
+class PlannedLoad:
+    """A request's load as planned, and what arrived of it.
+
+    vLLM reports a load's failure back to the scheduler: a sync load's (and an
+    async one's) failed blocks as ``invalid_block_ids``, and it recomputes from
+    the first of them on; an async load that failed as a whole (several KV
+    cache groups, or a node switched off) in ``failed_recving``. Every
+    failure path of the chain ends there (a node's fault, its store away, a
+    checksum refusal, a switch-off: their blocks are load errors)."""
+
+    node: str
+    #: The computed tokens before this node's range, and the tokens it loads.
+    computed: int
+    tokens: int
+    #: Per KV cache group, the blocks the load writes, in order (from block
+    #: ``computed // block_size``; null blocks of a sliding window included).
+    blocks: tuple[tuple[int, ...], ...]
+    #: Tokens that arrived: the planned ones until a failure is reported.
+    delivered: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.delivered = self.tokens
+
+    def failed(self, invalid: set[int], block_size: int) -> None:
+        """``invalid`` blocks failed: vLLM recomputes from the first the load wrote."""
+        first = self.computed // block_size if block_size else 0
+        for group in self.blocks:
+            for i, block in enumerate(group):
+                if block != NULL_BLOCK and block in invalid:
+                    kept = max(0, (first + i) * block_size - self.computed)
+                    self.delivered = min(self.delivered, kept)
+                    break
+
+    def cut(self, position: int) -> None:
+        """vLLM recomputes from token ``position`` on (an earlier range failed there)."""
+        self.delivered = min(self.delivered, max(0, position - self.computed))
+
+
+def settle_ranges(loads: list[PlannedLoad]) -> None:
+    """vLLM recomputes a request from its first failed token on: ranges after a
+    failed one arrived in vain."""
+    failed = [x.computed + x.delivered for x in loads if x.delivered < x.tokens]
+    if failed:
+        position = min(failed)
+        for load in loads:
+            load.cut(position)
+
+
+class LoadPlanning(ChainBase):
+    """The scheduler half's lookups and loads (the hooks asked per request before it runs)."""
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        view = RequestView(request)
+        if self.pipeline.load_policy == "ranges":
+            plan = self._plan_ranges(view, num_computed_tokens)
+        else:
+            plan = self._plan_one(view, num_computed_tokens)
+        if plan is None:
+            # Still looking up: vLLM asks again later (MultiConnector's rule).
+            return None, False
+        rid = view.request_id
+        self.converted.discard(rid)  # (vLLM may ask again: the last answer counts)
+        if not plan:
+            self.chosen.pop(rid, None)
+            return 0, False
+        self.chosen[rid] = plan
+        load_async = any(r.load_async for r in plan)
+        if self.num_groups > 1 and not load_async:
+            # vLLM takes failed loads of several groups only per request, from
+            # async loads: the node loads as it likes, the chain reports it done.
+            load_async = True
+        if load_async and not all(r.load_async for r in plan):
+            # Sync ranges of an async load: the chain reports them done.
+            self.converted.add(rid)
+        return sum(r.tokens for r in plan), load_async
+
+    def _plan_one(self, view: RequestView, num_computed_tokens: int) -> list[Range] | None:
+        """first_hit / longest_hit: every node is asked; one serves."""
+        longest = self.pipeline.load_policy == "longest_hit"
+        chosen: Range | None = None
+        allowed = self.load_allowed(view)
+        for node_id, fn in self.calls["get_num_new_matched_tokens"]:
+            tokens, load_async = self._lookup(node_id, fn, view, num_computed_tokens, allowed)
+            if tokens is None:
+                return None
+            if tokens > 0:
+                self.stats[node_id].hits += 1
+                if chosen is None or (longest and tokens > chosen.tokens):
+                    chosen = Range(node_id, num_computed_tokens, tokens, load_async)
+        return [chosen] if chosen is not None else []
+
+    def _plan_ranges(self, view: RequestView, num_computed_tokens: int) -> list[Range] | None:
+        """ranges: each node, in load order, is asked for what it holds after the
+        ranges before it; a node's hit extends the load by its own range."""
+        plan: list[Range] = []
+        start = num_computed_tokens
+        allowed = self.load_allowed(view)
+        for node_id, fn in self.calls["get_num_new_matched_tokens"]:
+            tokens, load_async = self._lookup(node_id, fn, view, start, allowed)
+            if tokens is None:
+                return None
+            if tokens > 0:
+                self.stats[node_id].hits += 1
+                plan.append(Range(node_id, start, tokens, load_async))
+                start += tokens
+        return plan
+
+    def load_allowed(self, view: RequestView) -> frozenset[str] | None:
+        """The nodes the request may load from (its ``kv_load_tiers``); None: any.
+
+        What is wrong with its controls (:mod:`composer.controls`) is said in the
+        request's finished ``kv_transfer_params``."""
+        if not view.kv_transfer_params:
+            return None
+        controls = view.controls
+        error = unknown_names(controls, [n.id for n in self.pipeline.nodes])
+        if error is not None and view.request_id not in self.refused:
+            self.refused[view.request_id] = error
+            self.log.warning("request's tier controls", request=view.request_id, error=error)
+        return controls.load
+
+    def _lookup(
+        self,
+        node_id: str,
+        fn: Callable[..., Any],
+        view: RequestView,
+        num_computed_tokens: int,
+        allowed: frozenset[str] | None,
+    ) -> tuple[int | None, bool]:
+        """The node's hit; a node the request may not load from (``allowed``) is
+        still asked, as vLLM's connector API expects of every connector before
+        ``update_state_after_alloc`` (LMCache's keeps the request's state from its
+        lookup), and its hit counts as none."""
+        self.stats[node_id].lookups += 1
+        try:
+            tokens, load_async = fn(view, num_computed_tokens)
+        except Exception as exc:
+            self.fault(node_id, "get_num_new_matched_tokens", exc)
+            return 0, False
+        if node_id in self.outages:
+            self.store_back(node_id)
+        if allowed is not None and node_id not in allowed and tokens is not None:
+            return 0, False
+        return tokens, load_async
+
+    def chosen_node(self, request_id: str) -> str | None:
+        """The node serving the request's first range."""
+        plan = self.chosen.get(request_id)
+        return plan[0].node if plan else None
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        view = RequestView(request)
+        rid = view.request_id
+        block_ids = blocks.get_block_ids() if blocks is not None else ()
+        tokens: dict[str, int] = {}
+        if num_external_tokens > 0 and rid in self.chosen:
+            tokens = self._plan_loads(rid, block_ids, num_external_tokens)
+            view.loads = tuple((x.node, x.computed, x.tokens) for x in self.served[rid])
+        if not getattr(request, "num_preemptions", 0):
+            # Once per request, at its admission (as vLLM counts its external prefix
+            # cache hits): vLLM asks again about a request it could not schedule yet.
+            # What a node served is counted when the request finishes: settled.
+            for node_id, _ in self.calls["get_num_new_matched_tokens"]:
+                self.stats[node_id].count_request(view.num_prompt_tokens)
+        for node_id, fn in self.calls["update_state_after_alloc"]:
+            try:
+                fn(view, block_ids, tokens.get(node_id, 0), blocks)
+            except Exception as exc:
+                self.fault(node_id, "update_state_after_alloc", exc)
+
+    def _plan_loads(
+        self, request_id: str, block_ids: Any, num_external_tokens: int
+    ) -> dict[str, int]:
+        """Record which blocks each range's node loads (for the workers' load
+        errors and for settling what it served); returns each node's tokens."""
+        plan = self.chosen[request_id]
+        size, left = self.block_size, num_external_tokens
+        converted = request_id in self.converted
+        self.converted.discard(request_id)
+        loads: list[PlannedLoad] = []
+        ranges: list[tuple[str, frozenset[int], bool]] = []
+        for r in plan:
+            tokens = min(r.tokens, left)
+            if tokens <= 0:
+                break
+            left -= tokens
+            first = r.start // size if size else 0
+            last = -(-(r.start + tokens) // size) if size else None
+            ordered = tuple(tuple(group[first:last]) for group in block_ids)
+            loads.append(PlannedLoad(r.node, r.start, tokens, ordered))
+            blocks = frozenset(b for group in ordered for b in group if b != NULL_BLOCK)
+            self.pending_loads.setdefault(r.node, set()).update(blocks)
+            ranges.append((r.node, blocks, converted and not r.load_async))
+        self.served[request_id] = loads
+        if self.num_groups > 1 or converted or any(r.load_async for r in plan):
+            # Async for vLLM: the workers track it, so that it is reported done when
+            # every range is, and failed when one is (or its node is switched off).
+            self.new_async_loads[request_id] = tuple(ranges)
+        return {load.node: load.tokens for load in loads}
+
+    def settle_loads(self, invalid_block_ids: set[int], failed_recving: set[str]) -> None:
+        """Loads vLLM reported failed (from ``update_connector_output``)."""
+        for request_id, loads in self.served.items():
+            for load in loads:
+                if request_id in failed_recving:
+                    load.delivered = 0
+                elif invalid_block_ids:
+                    load.failed(invalid_block_ids, self.block_size)
+            if len(loads) > 1:
+                settle_ranges(loads)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...] | None:
+        """The KV cache groups the request's load restores (None: vLLM's default)."""
+        return self._ask_chosen("get_loaded_kv_cache_group_ids", request)
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int] | None:
+        """The loaded tokens by cache source (None: vLLM's default)."""
+        return self._ask_chosen("get_external_cache_hit_sources", request, num_external_tokens)
+
+    def _ask_chosen(self, hook: str, request: Any, *args: Any) -> Any:
+        """Ask only the nodes serving ``request`` (one per range); None when none answers.
+
+        Several ranges: each node is asked about its own tokens (the hit sources'
+        counts are summed, the KV cache groups united)."""
+        plan = self.chosen.get(request.request_id) or []
+        fns = dict(self.calls[hook])
+        answers = []
+        for r in plan:
+            fn = fns.get(r.node)
+            if fn is None:
+                continue
+            own = (r.tokens, *args[1:]) if args and len(plan) > 1 else args
+            try:
+                answer = fn(RequestView(request), *own)
+            except Exception as exc:
+                self.fault(r.node, hook, exc)
+                continue
+            if answer is not None:
+                answers.append(answer)
+        if len(answers) <= 1:
+            return answers[0] if answers else None
+        if isinstance(answers[0], dict):
+            summed: dict[Any, int] = {}
+            for answer in answers:
+                for key, n in answer.items():
+                    summed[key] = summed.get(key, 0) + n
+            return summed
+        return tuple(sorted({g for answer in answers for g in answer}))
