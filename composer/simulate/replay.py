@@ -128,12 +128,7 @@ def simulate(
     _check_options(bytes_per_block, block_size, trace_block_tokens, vllm_cache_blocks)
     groups = tuple(groups or (SimKVGroup("attention", bytes_per_block),))
     notes = list(notes)
-    unit = 1
-    if not exact and trace_block_tokens % block_size == 0:
-        if any(g.window for g in groups):
-            notes.append("window groups keep single blocks: every block replayed (as --exact)")
-        else:
-            unit = trace_block_tokens // block_size
+    unit = _unit(groups, block_size, trace_block_tokens, exact, notes)
     keymaker = KeyMaker(block_size * unit, trace_block_tokens)
     run = _Replay(
         pipeline, overrides or {}, keymaker, unit, bytes_per_block, vllm_cache_blocks, groups
@@ -157,6 +152,19 @@ def simulate(
         prefill_tokens_computed=prompt_total - served_total,
         fraction_served=served_total / prompt_total if prompt_total else 0.0,
     )
+
+
+def _unit(
+    groups: Sequence[SimKVGroup], block_size: int, trace_block_tokens: int, exact: bool,
+    notes: list[str],
+) -> int:
+    """vLLM blocks replayed as one (a whole trace block where it can be, see :func:`simulate`)."""
+    if exact or trace_block_tokens % block_size:
+        return 1
+    if any(g.window for g in groups):
+        notes.append("window groups keep single blocks: every block replayed (as --exact)")
+        return 1
+    return trace_block_tokens // block_size
 
 
 def _check_options(

@@ -41,6 +41,31 @@ def format_result(result: Result) -> str:
         )
     lines += [f"note: {n}" for n in result.notes]
     lines.append("")
+    lines += _node_table(result)
+    lines += [
+        "",
+        f"prefill tokens saved {result.tokens_served:,} of {result.prompt_tokens:,}; "
+        f"computed {result.prefill_tokens_computed:,}",
+    ]
+    for n in result.nodes:
+        if n.window_saving is not None:
+            lines.append(
+                f"{n.id}: window saving {100 * n.window_saving:.1f}% (bytes it keeps of the "
+                "requests' blocks, of what a full-attention model of this shape would keep)"
+            )
+        if n.note:
+            lines.append(f"{n.id}: serves no hits: {n.note}")
+    unmodelled = [n.id for n in result.nodes if not n.modelled]
+    if unmodelled:
+        lines.append(
+            f"not modelled (no simulator for their plugin; counted as misses): "
+            f"{', '.join(unmodelled)}"
+        )
+    return "\n".join(lines)
+
+
+def _node_table(result: Result) -> list[str]:
+    """One row per node (what it served, loaded, saved), then the totals."""
     header = ("node", "plugin", "capacity", "served", "hits", "tokens served", "loaded",
               "saved", "saved/request", "evictions")
     rows: list[tuple[str, ...]] = []
@@ -65,28 +90,10 @@ def format_result(result: Result) -> str:
         _size(sum(n.bytes_saved for n in result.nodes if n.id != VLLM_CACHE_ID)), "", "",
     ))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    lines += [
-        "",
-        f"prefill tokens saved {result.tokens_served:,} of {result.prompt_tokens:,}; "
-        f"computed {result.prefill_tokens_computed:,}",
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *rows]
     ]
-    for n in result.nodes:
-        if n.window_saving is not None:
-            lines.append(
-                f"{n.id}: window saving {100 * n.window_saving:.1f}% (bytes it keeps of the "
-                "requests' blocks, of what a full-attention model of this shape would keep)"
-            )
-        if n.note:
-            lines.append(f"{n.id}: serves no hits: {n.note}")
-    unmodelled = [n.id for n in result.nodes if not n.modelled]
-    if unmodelled:
-        lines.append(
-            f"not modelled (no simulator for their plugin; counted as misses): "
-            f"{', '.join(unmodelled)}"
-        )
-    return "\n".join(lines)
 
 
 def format_sweep(field_name: str, values: Sequence[str], results: Sequence[Result]) -> str:

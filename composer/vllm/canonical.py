@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -130,3 +132,20 @@ def _rows(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
     flat = _storage_bytes(t)
     offset = t.data_ptr() - flat.data_ptr()
     return flat.as_strided((num_blocks, _row_bytes(t)), (t.stride(0) * t.element_size(), 1), offset)
+
+
+@contextlib.contextmanager
+def refuse_moves(kv_caches: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Raise if the body moves vLLM's KV tensors: a node that re-homes them (into
+    shared memory, say) leaves every other node's canonical view pointing at
+    memory vLLM no longer uses."""
+    before = {name: t.data_ptr() for name, t in kv_caches.items()}
+    yield
+    moved = sorted(name for name, t in kv_caches.items() if t.data_ptr() != before[name])
+    if moved:
+        raise RuntimeError(
+            f"a node moved vLLM's KV cache tensors during register_kv_caches "
+            f"({len(moved)} layers, e.g. {moved[0]}); the canonical view handed to the "
+            "other nodes would read and write stale memory. Configure that node not to "
+            "relocate vLLM's KV cache."
+        )

@@ -32,7 +32,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from composer.chain import Chain, ChainMetadata, ChainWorkerMetadata
 from composer.hookspecs import Every, hooks_where
-from composer.validation.model_check import check_at_engine_start
 from composer.vllm.metrics import (
     ComposedPromMetrics,  # noqa: F401  (re-exported: known as the connector's)
     ComposedStats,  # noqa: F401  (re-exported: known as the connector's)
@@ -42,7 +41,7 @@ from composer.vllm.metrics import (
 )
 from composer.vllm.native import NativeConnectorNode
 from composer.vllm.pipeline_source import (
-    deep_check_at_start,
+    engine_pipeline,
     native_classes,
     pipeline_from_extra_config,
     required_kvcache_layout,
@@ -89,29 +88,8 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         # A member a later vLLM added is named here; a gate refuses the engine.
         check_surface(ComposedConnector, KVConnectorBase_V1, log)
-        assert vllm_config.kv_transfer_config is not None
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        self.pipeline = runtime_pipeline(extra)
-        deep_check_at_start(self.pipeline)
+        self.pipeline = engine_pipeline(vllm_config, kv_cache_config)
         process = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        # vLLM turns its hybrid manager off unless every node supports HMA
-        # (all_nodes_support_hma, as for MultiConnector), or unless the user
-        # turned it on explicitly (--no-disable-hybrid-kv-cache-manager): then
-        # several KV cache groups could reach nodes that cannot take them.
-        hma_on = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
-        if hma_on and len(kv_cache_config.kv_cache_groups) > 1 and not self.pipeline.hma:
-            lacking = [n.id for n in self.pipeline.nodes if not n.capabilities.hma]
-            raise ValueError(
-                f"this model has {len(kv_cache_config.kv_cache_groups)} KV cache groups and "
-                f"vLLM's hybrid KV cache manager is on, but nodes {lacking} do not support it: "
-                "pass --disable-hybrid-kv-cache-manager, or use nodes with HMA support"
-            )
-        # What a node cannot serve of these groups stops the engine here, with the
-        # message `kvc validate --model` gives, not deep inside the node.
-        model_config = vllm_config.model_config  # (None in a bare VllmConfig)
-        check_at_engine_start(
-            self.pipeline, kv_cache_config, model_name=model_config.model if model_config else ""
-        )
         stats_type = _StatsType()
         self.chain = Chain(
             self.pipeline,
@@ -230,7 +208,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         return cast("AbstractContextManager | None", self.chain.get_mem_pool_context())
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from composer.vllm.canonical import build
+        from composer.vllm.canonical import build, refuse_moves
 
         canonical = build(kv_caches, self._kv_cache_config)
         self.canonical_kv_caches = canonical
@@ -241,19 +219,9 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             num_blocks=canonical.num_blocks,
             bytes_per_block=canonical.bytes_per_block,
         )
-        before = {name: t.data_ptr() for name, t in kv_caches.items()}
         self._kv_caches = kv_caches
-        self.chain.register_kv_caches(canonical, kv_caches)
-        moved = sorted(name for name, t in kv_caches.items() if t.data_ptr() != before[name])
-        if moved:
-            # A node re-homed vLLM's KV tensors (e.g. into shared memory): every
-            # other node's canonical view now points at memory vLLM no longer uses.
-            raise RuntimeError(
-                f"a node moved vLLM's KV cache tensors during register_kv_caches "
-                f"({len(moved)} layers, e.g. {moved[0]}); the canonical view handed to the "
-                "other nodes would read and write stale memory. Configure that node not to "
-                "relocate vLLM's KV cache."
-            )
+        with refuse_moves(kv_caches):
+            self.chain.register_kv_caches(canonical, kv_caches)
 
     # ------------------------------------------------------------------ #
     # worker: sleep mode (vLLM 0.33 and later call these)

@@ -19,6 +19,7 @@ from composer.builtin import VllmConnectorConfig
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.validation import load_pipeline
 from composer.validation.deep_check import deep_check
+from composer.validation.model_check import check_at_engine_start
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -156,6 +157,34 @@ def sleep_mode_refusals(pipeline: ResolvedPipeline) -> list[tuple[ResolvedNode, 
         if why:
             out.append((node, why))
     return out
+
+
+def engine_pipeline(vllm_config: VllmConfig, kv_cache_config: Any) -> ResolvedPipeline:
+    """The pipeline a starting engine runs, refused (``ValueError``) with the messages
+    ``kvc validate`` gives where it cannot serve this engine's KV cache groups."""
+    assert vllm_config.kv_transfer_config is not None
+    pipeline = runtime_pipeline(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    deep_check_at_start(pipeline)
+    # vLLM turns its hybrid manager off unless every node supports HMA
+    # (all_nodes_support_hma, as for MultiConnector), or unless the user
+    # turned it on explicitly (--no-disable-hybrid-kv-cache-manager): then
+    # several KV cache groups could reach nodes that cannot take them.
+    groups = len(kv_cache_config.kv_cache_groups)
+    hma_on = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    if hma_on and groups > 1 and not pipeline.hma:
+        lacking = [n.id for n in pipeline.nodes if not n.capabilities.hma]
+        raise ValueError(
+            f"this model has {groups} KV cache groups and vLLM's hybrid KV cache manager "
+            f"is on, but nodes {lacking} do not support it: pass "
+            "--disable-hybrid-kv-cache-manager, or use nodes with HMA support"
+        )
+    # What a node cannot serve of these groups stops the engine here, with the
+    # message `kvc validate --model` gives, not deep inside the node.
+    model_config = vllm_config.model_config  # (None in a bare VllmConfig)
+    check_at_engine_start(
+        pipeline, kv_cache_config, model_name=model_config.model if model_config else ""
+    )
+    return pipeline
 
 
 def deep_check_at_start(pipeline: ResolvedPipeline) -> None:
