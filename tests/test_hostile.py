@@ -1,7 +1,8 @@
 """Every hostile file in ``tests/hostile/``: exit 2, located, bounded, nothing forged.
 
-Each file is validated by the installed ``kvc`` in its own process under
-RLIMIT_AS = 512 MiB, two at a time. The 2 s budget is CPU time (user + system)
+Each file is validated by ``kvc validate`` in its own process under RLIMIT_AS =
+512 MiB, two at a time (forked from one interpreter that imported KV Composer
+once: :mod:`hostile_forks`). The 2 s budget is CPU time (user + system)
 of the process: the machine running the tests is shared, and wall-clock time
 there measures the neighbours; a hang is still caught, by a kill at 10 s of
 wall-clock time. A crash, hang, memory blow-up or traceback shows up as a
@@ -11,13 +12,10 @@ wrong exit code, a kill or a line that is not ``file:line:col: ...``.
 from __future__ import annotations
 
 import importlib.util
-import os
+import json
 import re
-import resource
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -55,79 +53,29 @@ class Run:
     max_rss_kib: int
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-
-
-# ``kvc validate`` run in-process, writing the process's own peak resident memory
-# (VmHWM) to argv[1] at exit. A child's ru_maxrss from wait4 cannot be used: Linux
-# carries the parent's peak across fork and exec, and pytest's own grows past
-# 512 MiB once engines ran in it.
-_MEASURED_KVC = """
-import atexit, sys
-def _peak(path=sys.argv[1]):
-    with open('/proc/self/status') as status:
-        kib = next(line.split()[1] for line in status if line.startswith('VmHWM:'))
-    with open(path, 'w') as out:
-        out.write(kib)
-atexit.register(_peak)
-sys.argv = ['kvc', 'validate', sys.argv[2]]
-from composer.cli import main
-sys.exit(main())
-"""
-
-
 def _run_all(kvc: str, names: list[str], outputs: Path) -> dict[str, Run]:
-    """Run ``kvc validate`` on each file, ``WORKERS`` at a time, each under the limits.
-
-    ``os.wait4`` reaps each child itself, for its own CPU time.
-    """
+    """``kvc validate`` on each file, ``WORKERS`` at a time, each in its own process
+    under the limits (:mod:`hostile_forks` forks them from one interpreter)."""
     python = str(Path(kvc).parent / "python")
+    runner = Path(__file__).with_name("hostile_forks.py")
+    command = [python, str(runner), str(outputs), str(MEMORY_LIMIT), str(HANG_LIMIT_S)]
+    # Every file could hang: the whole run is bounded as the files are.
+    budget = HANG_LIMIT_S * len(names) / WORKERS + 60
+    subprocess.run(
+        [*command, str(WORKERS), *names], cwd=ROOT, check=True, timeout=budget,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    measured = json.loads((outputs / "results.json").read_text())
     results: dict[str, Run] = {}
-    pending = list(names)
-    running: dict[int, tuple[str, subprocess.Popen[bytes], float]] = {}
-    while pending or running:
-        while pending and len(running) < WORKERS:
-            name = pending.pop(0)
-            out = os.open(outputs / f"{name}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            err = os.open(outputs / f"{name}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            try:
-                proc = subprocess.Popen(
-                    [python, "-c", _MEASURED_KVC, str(outputs / f"{name}.rss"),
-                     f"tests/hostile/{name}"],
-                    cwd=ROOT,
-                    stdout=out,
-                    stderr=err,
-                    stdin=subprocess.DEVNULL,
-                    preexec_fn=_limit_memory,
-                )
-            finally:
-                os.close(out)
-                os.close(err)
-            running[proc.pid] = (name, proc, time.monotonic())
-        time.sleep(0.005)
-        for pid, (name, proc, started) in list(running.items()):
-            done_pid, status, usage = os.wait4(pid, os.WNOHANG)
-            elapsed = time.monotonic() - started
-            if done_pid == 0 and elapsed <= HANG_LIMIT_S:
-                continue
-            code: int | None
-            if done_pid == 0:
-                os.kill(pid, signal.SIGKILL)
-                _, status, usage = os.wait4(pid, 0)
-                code = None
-            else:
-                code = os.waitstatus_to_exitcode(status)
-            proc.returncode = code if code is not None else -9
-            texts = [
-                (outputs / f"{name}.{kind}").read_bytes().decode("utf-8", "replace")
-                for kind in ("out", "err")
-            ]
-            cpu = usage.ru_utime + usage.ru_stime
-            rss_file = outputs / f"{name}.rss"
-            rss = int(rss_file.read_text()) if rss_file.exists() else MEMORY_LIMIT // 1024
-            results[name] = Run(code, texts[0], texts[1], elapsed, cpu, rss)
-            del running[pid]
+    for name in names:
+        code, elapsed, cpu = measured[name]
+        texts = [
+            (outputs / f"{name}.{kind}").read_bytes().decode("utf-8", "replace")
+            for kind in ("out", "err")
+        ]
+        rss_file = outputs / f"{name}.rss"
+        rss = int(rss_file.read_text()) if rss_file.exists() else MEMORY_LIMIT // 1024
+        results[name] = Run(code, texts[0], texts[1], elapsed, cpu, rss)
     return results
 
 
