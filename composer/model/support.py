@@ -40,6 +40,8 @@ def no_kv_blocks(config: BaseModel, model: ModelKV) -> str:
 def node_support(node: ResolvedNode, model: ModelKV) -> str:
     """The node's line for ``model``; raises :class:`ModelUnsupported` to refuse it."""
     ref = node.plugin.model_support
+    if ref is None and node.role == "service":
+        return no_kv_blocks(node.config, model)
     if ref is None:
         return default_support(node.capabilities, model)
     support = resolve_ref(ref)

@@ -126,6 +126,14 @@ def check_graph(
         ptype = registry[plugin]
         role = node.get("role") or ptype.default_role
         roles[node_id] = role if isinstance(role, str) else ptype.default_role
+        # Checked whether or not the node's config is valid: every problem at once.
+        # (A role that is no role at all has been reported by the Pipeline model.)
+        if roles[node_id] in get_args(NodeRole) and roles[node_id] not in ptype.roles:
+            reporter.add(
+                ("nodes", node_id, "role"),
+                f'plugin "{ptype.name}" cannot take role "{roles[node_id]}"; '
+                f"expected one of {one_of(ptype.roles)}",
+            )
 
     _check_order_list(data, "load_order", nodes, roles, LOADING_ROLES, "load", reporter)
     _check_order_list(data, "save_to", nodes, roles, SAVING_ROLES, "save", reporter)
@@ -174,6 +182,7 @@ class _Nodes:
     nodes: dict[str, Any]
     data: dict[str, Any]
     reporter: Reporter
+    roles: dict[str, str]
 
     def needs(self, node_id: str) -> list[str]:
         deps = self.nodes[node_id].get("needs")
@@ -197,15 +206,7 @@ def _check_capabilities(
         caps[node_id] = call_plugin(
             ptype.name, "resolving capabilities", ptype.resolve_capabilities, config
         )
-        role = roles.get(node_id)
-        # A role that is no role at all has been reported by the Pipeline model.
-        if role in get_args(NodeRole) and role not in ptype.roles:
-            reporter.add(
-                ("nodes", node_id, "role"),
-                f'plugin "{ptype.name}" cannot take role "{role}"; '
-                f"expected one of {one_of(ptype.roles)}",
-            )
-    view = _Nodes(caps, configs, nodes, data, reporter)
+    view = _Nodes(caps, configs, nodes, data, reporter, roles)
     for check in _CAPABILITY_CHECKS:
         check(view)
     _plugin_checks(view, registry)
@@ -239,7 +240,8 @@ def _layouts_agree(view: _Nodes) -> None:
 
 
 def _hma_and_groups(view: _Nodes) -> None:
-    no_hma = [n for n, c in view.caps.items() if not c.hma]
+    # A service node never touches a KV block: it needs no HMA support.
+    no_hma = [n for n, c in view.caps.items() if not c.hma and view.roles.get(n) != "service"]
     if view.data.get("hma", "auto") == "on":
         for node_id in no_hma:
             view.reporter.add(

@@ -47,7 +47,7 @@ def _hma_off_reason(pipeline: ResolvedPipeline, model: ModelKV) -> tuple[str, li
     if pipeline.source.get("hma") == "off":
         return "the pipeline sets hma: off", [("hma",)]
     if not pipeline.hma:
-        lacking = [n.id for n in pipeline.nodes if not n.capabilities.hma]
+        lacking = [n.id for n in pipeline.nodes if not n.allows_hma]
         names = ", ".join(f'"{n}"' for n in lacking)
         node_word = "node" if len(lacking) == 1 else "nodes"
         return (

@@ -67,9 +67,9 @@ def _runtime(source: str) -> ResolvedPipeline:
                 node = dataclasses.replace(node, capabilities=caps)
         nodes.append(node)
     mode = pipeline.source.get("hma", "auto")
-    hma = mode != "off" and all(n.capabilities.hma for n in nodes)
+    hma = mode != "off" and all(n.allows_hma for n in nodes)
     if mode == "on" and not hma:
-        lacking = [n.id for n in nodes if not n.capabilities.hma]
+        lacking = [n.id for n in nodes if not n.allows_hma]
         raise ValueError(
             f'{pipeline.file}: hma: "hma: on" needs every node to support HMA, but the '
             f"connector classes of nodes {lacking} do not implement vLLM's SupportsHMA"
@@ -172,7 +172,7 @@ def engine_pipeline(vllm_config: VllmConfig, kv_cache_config: Any) -> ResolvedPi
     groups = len(kv_cache_config.kv_cache_groups)
     hma_on = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     if hma_on and groups > 1 and not pipeline.hma:
-        lacking = [n.id for n in pipeline.nodes if not n.capabilities.hma]
+        lacking = [n.id for n in pipeline.nodes if not n.allows_hma]
         raise ValueError(
             f"this model has {groups} KV cache groups and vLLM's hybrid KV cache manager "
             f"is on, but nodes {lacking} do not support it: pass "
