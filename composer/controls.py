@@ -38,9 +38,6 @@ class Controls:
     #: Why the controls were refused (then nothing is loaded or saved).
     error: str | None = None
 
-    def may_load(self, node_id: str) -> bool:
-        return self.load is None or node_id in self.load
-
     def store_limit(self, node_id: str) -> int | None:
         """Tokens of the request ``node_id`` may save (from the start); None: all."""
         if self.store is not None and node_id not in self.store:

@@ -79,11 +79,8 @@ class DiscoverySpec:
 
 
 # --------------------------------------------------------------------------- #
-# Lifecycle (implemented by node instances)
-# --------------------------------------------------------------------------- #
-
-# --------------------------------------------------------------------------- #
-# A lifecycle hook's behaviour: one row per hook, declared on its spec
+# Lifecycle (implemented by node instances): a hook's behaviour, one row per
+# hook, declared on its spec
 # --------------------------------------------------------------------------- #
 
 
@@ -651,7 +648,7 @@ class NodeSpec:
         skip_if_default=True,
     )
     def get_kv_connector_stats(self) -> Any | None:
-        """Worker: stats since the last call (``KVConnectorStats`` or a dict). Per node id."""
+        """Either side: stats since the last call (``KVConnectorStats`` or a dict). Per node id."""
 
     @hook(
         Process.WORKER,
@@ -662,7 +659,7 @@ class NodeSpec:
         skip_if_default=True,
     )
     def get_kv_connector_kv_cache_events(self) -> Any | None:
-        """Worker: KV cache events since the last call. Per node id."""
+        """Worker: KV cache events since the last call. Combine: merged, in node order."""
 
     @hook(Process.EITHER, Every.ONCE, Combine.CALL_EACH, native=Native.AS_IS)
     def shutdown(self) -> None:

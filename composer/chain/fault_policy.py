@@ -1,9 +1,20 @@
-"""Fault policy: what a node's exception does, by its ``on_error`` (see :mod:`.faults`).
+"""Fault policy: what a node's exception does, by its ``on_error``.
 
-``fail`` stops the engine; ``recompute`` keeps the node where vLLM's recompute
-undoes the fault (a lookup, a synchronous load, a report) and switches it off
-elsewhere; ``disable`` switches it off. A node switched off leaves this
-process's call lists for good, and the other process follows through the metadata.
+* ``fail``: the engine stops with :class:`~.faults.NodeFailed` (naming the node,
+  hook and plugin); nothing is served.
+* ``recompute``: the node stays on where vLLM's recompute undoes the failed
+  call's effect: a failed lookup is a miss, a failed synchronous load turns the
+  blocks the node was loading this step into load errors, a failed stats or
+  events call loses only that report (each hook's ``recompute`` in
+  :data:`composer.hookspecs.HOOKS`). Anywhere else the node's two halves may be
+  out of step, or an async transfer still writing into vLLM's blocks, and vLLM's
+  connector interface has no call that cancels either: the node is switched
+  off, as ``disable`` does.
+* ``disable``: the node is switched off in both vLLM processes: its
+  ``shutdown`` runs (which stops its transfers), every load it had in flight is
+  reported failed (vLLM recomputes those requests' external tokens), and every
+  request whose blocks it held for a save is released. It leaves this
+  process's call lists for good; the other process follows through the metadata.
 
 :class:`~composer.chain.faults.Unavailable` (the node's store is away) is no
 fault: the node stays on, and its outage is logged when it starts and when it ends.

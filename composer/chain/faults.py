@@ -1,34 +1,9 @@
-"""What a node's fault does to vLLM's requests: the error policies and their bookkeeping.
-
-A node's ``on_error`` policy says what the chain does when one of its hooks
-raises:
-
-* ``fail``: the engine stops with :class:`NodeFailed` (naming the node, hook and
-  plugin); nothing is served.
-* ``recompute``: the node stays on where the failed call's effect can be undone
-  by vLLM recomputing: a failed lookup is a miss, a failed *synchronous* load
-  turns the blocks the node was loading this step into load errors, and a failed
-  stats or events call loses only that report. Anywhere else (the hook that
-  registers a load, the metadata hand-off, saves, transfer reports, ...) the
-  node's scheduler and worker halves may be out of step, or an async transfer
-  may still be writing into vLLM's blocks, and vLLM's connector interface has no
-  call that cancels either; so the chain falls back to the safe side and switches
-  the node off, as ``disable`` does.
-* ``disable``: the node is switched off in *both* vLLM processes: its
-  ``shutdown`` hook runs (which stops its transfers), every load it had in
-  flight is reported failed (vLLM recomputes those requests' external tokens),
-  and every request whose blocks it held for a save is released.
-
-Which hooks ``recompute`` repairs, and how, is each hook's ``recompute`` in
-:data:`composer.hookspecs.HOOKS`.
-
-A node whose *store* is away (a server restarting, a store failing over, a
-disk read-only) raises :class:`Unavailable` instead: that is not a fault, and
-no policy applies. The chain counts it, keeps the node on, and vLLM recomputes
-what the call would have served: a lookup is a miss, a load's blocks are
-recomputed, a save is skipped (each hook's ``away`` in
-:data:`composer.hookspecs.HOOKS`; where a hook has no such meaning, ``away`` is
-"a fault" and ``on_error`` applies after all). Nothing here imports torch or vLLM.
+"""What a node's fault or outage leaves behind: the error a ``fail`` policy stops the
+engine with (:class:`NodeFailed`), a store's outage as one process sees it
+(:class:`Outage`), and the worker's ledger of held and loading requests, which a
+node switched off releases (:class:`WorkerLedger`). What each ``on_error``
+policy does, and what :class:`Unavailable` (a store away, no fault) costs, is
+:mod:`composer.chain.fault_policy`. Nothing here imports torch or vLLM.
 """
 
 from __future__ import annotations

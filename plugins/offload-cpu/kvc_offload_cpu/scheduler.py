@@ -383,7 +383,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         (``kv_store_tiers``, ``max_offload_tokens``), and with ``store_threshold``
         above 1, its leading blocks that enough requests contained (this one counted)."""
         view = st.view
-        end = view.store_limit(self.node_id) if hasattr(view, "store_limit") else None
+        end = view.store_limit(self.node_id)
         threshold = self.config.store_threshold
         if threshold == 1 or end == 0:
             return end

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from kvc_offload_cpu.metadata import OffloadMetadata, Transfer
-from offload_cpu_fakes import BLOCK, SLOT, Engine, content, corrupt, prompt
+from offload_cpu_fakes import BLOCK, SLOT, Engine, FakeSchedulerOutput, content, corrupt, prompt
+
+from composer import StepView
 
 
 @pytest.mark.parametrize("layout", ["block", "layer"])
@@ -159,8 +161,8 @@ def test_slot_overwritten_while_load_pending_is_a_load_error() -> None:
     eng.finish("a")
     eng.add("b", a)
     load_meta = eng.sched.build_connector_meta(
-        __import__("composer.views").views.StepView(
-            __import__("offload_cpu_fakes").FakeSchedulerOutput()
+        StepView(
+            FakeSchedulerOutput()
         )
     )
     (load,) = load_meta.loads
@@ -271,7 +273,7 @@ def test_saving_blocks_are_not_hits_until_confirmed() -> None:
     a = prompt(21, 100)
     eng.add("a", a)
     meta = eng.sched.build_connector_meta(
-        __import__("composer.views").views.StepView(_prefill_out(eng, "a"))
+        StepView(_prefill_out(eng, "a"))
     )
     assert sum(len(t) for t in meta.saves) == 3
     from offload_cpu_fakes import FakeRequest
@@ -350,7 +352,7 @@ def test_worker_meta_aggregates_and_needs_every_worker() -> None:
     a = prompt(27, 100)
     eng.add("a", a)
     out = _prefill_out(eng, "a")
-    meta = eng.sched.build_connector_meta(__import__("composer.views").views.StepView(out))
+    meta = eng.sched.build_connector_meta(StepView(out))
     w = eng.worker
     w.bind_connector_metadata(meta)
     eng._forward(out)

@@ -52,7 +52,7 @@ def test_registered_through_the_entry_point_without_torch() -> None:
     caps = ptype.resolve_capabilities(OffloadCPUConfig(load_mode="async"))
     assert caps.async_load and caps.async_save and caps.hma
     code = (
-        "import sys; from composer.discovery import discover; "
+        "import sys; from composer import discover; "
         "from composer import load_pipeline; discover()['offload-cpu']; "
         "load_pipeline({'version': 1, 'nodes': {'cpu': {'plugin': 'offload-cpu', "
         "'config': {'capacity': '1GiB'}}}}); "
