@@ -88,21 +88,21 @@ class SchedulerSide(LoadPlanning, BlockHolding):
     # -- once ------------------------------------------------------------------ #
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        self.results("bind_kv_cache_manager", kv_cache_manager)
+        self.call_each("bind_kv_cache_manager", kv_cache_manager)
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        self.results("bind_gpu_block_pool", gpu_block_pool)
+        self.call_each("bind_gpu_block_pool", gpu_block_pool)
 
     # -- per request ------------------------------------------------------------ #
 
     def on_new_request(self, request: Any) -> None:
-        self.results("on_new_request", RequestView(request))
+        self.call_each("on_new_request", RequestView(request))
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        self.results("set_xfer_handshake_metadata", metadata)
+        self.call_each("set_xfer_handshake_metadata", metadata)
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
-        self.results("set_xfer_handshake_metadata_pp_aware", metadata)
+        self.call_each("set_xfer_handshake_metadata_pp_aware", metadata)
 
     def get_finished_count(self) -> int | None:
         counts = [c for _, c in self.results("get_finished_count")]

@@ -236,7 +236,7 @@ class WorkerSide(ChainBase):
         return results.finished_sending or None, results.finished_recving or None
 
     def reset_capture_state(self) -> None:
-        self.results("reset_capture_state")
+        self.call_each("reset_capture_state")
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.num_groups > 1:  # failed per request instead (see get_transfer_results)
@@ -285,7 +285,7 @@ class WorkerSide(ChainBase):
     def initialize_worker_connector(
         self, model: Any, vllm_config: Any, kv_cache_config: Any
     ) -> None:
-        self.results("initialize_worker_connector", model, vllm_config, kv_cache_config)
+        self.call_each("initialize_worker_connector", model, vllm_config, kv_cache_config)
 
     def get_mem_pool_context(self) -> Any:
         found = [(n, c) for n, c in self.results("get_mem_pool_context") if c is not None]
@@ -299,10 +299,10 @@ class WorkerSide(ChainBase):
         return found[0][1] if found else None
 
     def register_kv_caches(self, canonical: Any, raw: dict[str, Any]) -> None:
-        self.results("register_kv_caches", canonical, raw)
+        self.call_each("register_kv_caches", canonical, raw)
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
-        self.results("set_host_xfer_buffer_ops", copy_operation)
+        self.call_each("set_host_xfer_buffer_ops", copy_operation)
 
     def get_handshake_metadata(self) -> Any:
         for _, meta in self.results("get_handshake_metadata"):
@@ -313,10 +313,10 @@ class WorkerSide(ChainBase):
     # -- sleep mode: on demand ---------------------------------------------- #
 
     def unregister_kv_caches(self) -> None:
-        self.results("unregister_kv_caches")
+        self.call_each("unregister_kv_caches")
 
     def restore_kv_caches(self, canonical: Any, raw: dict[str, Any]) -> None:
-        self.results("restore_kv_caches", canonical, raw)
+        self.call_each("restore_kv_caches", canonical, raw)
 
 
 def _received(results: Any, done: set[str], failed: set[str]) -> None:
