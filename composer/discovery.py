@@ -93,8 +93,9 @@ class Registry:
             return (
                 f'plugin "{name}" is installed but switched off by {self.switched_off[name]}'
             )
-        text = f'unknown plugin "{name}"{did_you_mean(name, self.names())}'
-        if self.switched_off:  # an entry point may register types of other names
+        close = did_you_mean(name, self.names())
+        text = f'unknown plugin "{name}"{close}'
+        if self.switched_off and not close:  # not a typo: maybe a package switched off
             off = ", ".join(f'"{ep}" ({why})' for ep, why in sorted(self.switched_off.items()))
             text += f"; plugin packages switched off, whose types are not known: {off}"
         return text
