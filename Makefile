@@ -4,8 +4,10 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 PLUGINS := $(wildcard plugins/*/pyproject.toml)
 STAMP   := $(VENV)/.installed
+# vLLM's GPU release tested beside the installed CPU build (`make test`).
+VLLM_GPU := 0.33.0
 
-.PHONY: install test test-fast demo bench lint schema clean
+.PHONY: install test test-vllm-gpu test-fast demo bench lint schema clean
 
 install: $(STAMP)
 
@@ -25,8 +27,20 @@ $(STAMP): pyproject.toml $(PLUGINS)
 	$(PY) -c "import vllm, composer" 
 	touch $@
 
+# Two passes; both run, and either failing fails the target. First the whole
+# suite on the installed vLLM (the CPU build, engines included); then, on the
+# Python of vLLM's GPU release $(VLLM_GPU) (its wheel fetched with pip once and
+# kept in the venv; no engines: it has no CPU kernels), the tests whose code
+# reaches vLLM (tests/gpu_release/).
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25
+	status=0; \
+	$(PY) -m pytest -q --durations=25 || status=$$?; \
+	$(PY) tests/gpu_release/run.py $(VLLM_GPU) -q --durations=10 || status=$$?; \
+	exit $$status
+
+# The second pass of `make test` alone.
+test-vllm-gpu: $(STAMP)
+	$(PY) tests/gpu_release/run.py $(VLLM_GPU) -q --durations=10
 
 # The inner loop: everything but the tests that start vLLM engines or servers.
 test-fast: $(STAMP)

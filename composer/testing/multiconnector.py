@@ -49,19 +49,25 @@ def pipeline_for(
     return {"version": 1, "kv_role": kv_role, "hma": hma, "nodes": nodes}
 
 
-def composed_vllm_config(vllm_config: Any, hma: str = "auto") -> Any:
-    """A copy of a MultiConnector ``vllm_config`` whose connector is ComposedConnector."""
+def composed_transfer_config(kv_transfer_config: Any, hma: str = "auto") -> Any:
+    """The ComposedConnector ``KVTransferConfig`` of a MultiConnector one."""
     from vllm.config.kv_transfer import KVTransferConfig
 
-    parent = vllm_config.kv_transfer_config
-    children = parent.kv_connector_extra_config["connectors"]
-    out = copy.copy(vllm_config)
-    out.kv_transfer_config = KVTransferConfig(
+    children = kv_transfer_config.kv_connector_extra_config["connectors"]
+    return KVTransferConfig(
         kv_connector=CONNECTOR_NAME,
-        kv_role=parent.kv_role,
-        engine_id=parent.engine_id,
-        kv_connector_extra_config={"pipeline": pipeline_for(children, parent.kv_role, hma)},
+        kv_role=kv_transfer_config.kv_role,
+        engine_id=kv_transfer_config.engine_id,
+        kv_connector_extra_config={
+            "pipeline": pipeline_for(children, kv_transfer_config.kv_role, hma)
+        },
     )
+
+
+def composed_vllm_config(vllm_config: Any, hma: str = "auto") -> Any:
+    """A copy of a MultiConnector ``vllm_config`` whose connector is ComposedConnector."""
+    out = copy.copy(vllm_config)
+    out.kv_transfer_config = composed_transfer_config(vllm_config.kv_transfer_config, hma)
     return out
 
 

