@@ -9,7 +9,6 @@ test file among them.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from composer.export import CONNECTOR_NAME
@@ -62,13 +61,6 @@ def composed_transfer_config(kv_transfer_config: Any, hma: str = "auto") -> Any:
             "pipeline": pipeline_for(children, kv_transfer_config.kv_role, hma)
         },
     )
-
-
-def composed_vllm_config(vllm_config: Any, hma: str = "auto") -> Any:
-    """A copy of a MultiConnector ``vllm_config`` whose connector is ComposedConnector."""
-    out = copy.copy(vllm_config)
-    out.kv_transfer_config = composed_transfer_config(vllm_config.kv_transfer_config, hma)
-    return out
 
 
 def make_vllm_config(
