@@ -56,10 +56,13 @@ def child_vllm_config(config: VllmConnectorConfig, vllm_config: Any) -> Any:
 
 
 class NativeConnectorNode(Plugin):
-    def __init__(self, ctx: NodeContext) -> None:
+    def __init__(self, ctx: NodeContext, connector: VllmConnectorConfig | None = None) -> None:
+        """``connector``: the vLLM connector to wrap, for a plugin whose own config
+        is not a ``VllmConnectorConfig`` (it keeps its config; default: the node's)."""
         super().__init__(ctx)
+        config = connector or cast(VllmConnectorConfig, ctx.config)
         role = KVConnectorRole.SCHEDULER if ctx.process == "scheduler" else KVConnectorRole.WORKER
-        temp = child_vllm_config(ctx.config, ctx.vllm_config)  # type: ignore[arg-type]
+        temp = child_vllm_config(config, ctx.vllm_config)
         connector_cls = KVConnectorFactory.get_connector_class(temp.kv_transfer_config)
         groups = len(getattr(ctx.kv_cache_config, "kv_cache_groups", ()) or ())
         if not supports_hma(connector_cls) and groups <= 1:
@@ -71,7 +74,6 @@ class NativeConnectorNode(Plugin):
             temp.scheduler_config = copy.copy(temp.scheduler_config)
             temp.scheduler_config.disable_hybrid_kv_cache_manager = True
         self.connector = KVConnectorFactory.create_connector(temp, role, ctx.kv_cache_config)
-        config = cast(VllmConnectorConfig, ctx.config)
         #: How another process finds this connector's class again (to rebuild
         #: its stats there): vLLM's name, and the module path of an out-of-tree one.
         self.identity: dict[str, str] = {"name": config.connector}

@@ -3,24 +3,22 @@
 ``import lmcache`` imports torch (~5 s), so validation never imports it.
 Instead the names LMCache knows are read from the source of
 ``lmcache/v1/config.py`` (its single ``_CONFIG_DEFINITIONS`` table) with
-:mod:`ast`: a typo'd field in ``extra`` is reported by ``kvc validate``. The
-values themselves are applied and checked by LMCache's own
+:mod:`ast` (:func:`kvc_lmcache.lmcache_internals.lmcache_field_names`): a
+typo'd field in ``extra`` is reported by ``kvc validate``. The values
+themselves are applied and checked by LMCache's own
 ``validate_and_set_config_value`` when the in-process connector starts.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import re
-from functools import lru_cache
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from composer import Int, Number, did_you_mean
 from kvc_lmcache.l2 import L2Adapter
+from kvc_lmcache.lmcache_internals import lmcache_field_names
 from kvc_lmcache.sizes import GB
 
 TCP_URL = re.compile(r"^tcp://(?P<host>[^:/\s]+):(?P<port>\d{1,5})$")
@@ -289,36 +287,3 @@ class LMCacheConfig(BaseModel):
             f"L1: started lmcache server, {self.server.l1_size_gb:g} GB",
             *(f"L2: {tier.describe()}" for tier in self.server.l2),
         ]
-
-
-@lru_cache(maxsize=1)
-def lmcache_field_names() -> frozenset[str] | None:
-    """Names LMCache's engine config accepts (incl. deprecated aliases), read without importing
-    LMCache; None when LMCache is not installed or its source has another shape."""
-    try:
-        spec = importlib.util.find_spec("lmcache")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    source = Path(next(iter(spec.submodule_search_locations))) / "v1" / "config.py"
-    try:
-        tree = ast.parse(source.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError):
-        return None
-    names: set[str] = set()
-    for node in tree.body:
-        target, value = None, None
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            target, value = node.target.id, node.value
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
-            first = node.targets[0]
-            target, value = (first.id if isinstance(first, ast.Name) else None), node.value
-        if target in ("_CONFIG_DEFINITIONS", "_CONFIG_ALIASES") and isinstance(value, ast.Dict):
-            names.update(
-                k.value
-                for k in value.keys
-                if isinstance(k, ast.Constant) and isinstance(k.value, str)
-            )
-    # Fewer than a handful means the table moved: do not guess, leave it to the deep check.
-    return frozenset(names) if len(names) > 20 else None

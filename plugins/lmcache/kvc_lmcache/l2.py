@@ -7,7 +7,7 @@ server. ``resp`` (Redis/Valkey through LMCache's C++ RESP client), ``valkey``
 directory; survives restarts) have typed models here. Any other adapter
 LMCache registers is accepted by name, its fields checked against the keys its
 config class reads: both read from LMCache's source with :mod:`ast`, because
-``import lmcache`` imports torch (see :mod:`kvc_lmcache.config`).
+``import lmcache`` imports torch (:func:`kvc_lmcache.lmcache_internals.adapter_fields`).
 
 Credentials never reach a command line: a password is read from the
 environment variable named by ``password_env`` (or given as ``${VAR}``, which
@@ -18,12 +18,9 @@ have no such variable, in the JSON LMCache reads from its argv.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import os
 import re
 import warnings
-from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -39,6 +36,7 @@ from pydantic import (
 )
 
 from composer import Int, Number, did_you_mean, one_of
+from kvc_lmcache.lmcache_internals import adapter_fields
 from kvc_lmcache.sizes import GB, Bytes
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -388,69 +386,3 @@ def adapter_args(l2: list[Any]) -> tuple[list[str], dict[str, str]]:
         argv += ["--l2-adapter", json.dumps(adapter.adapter_json(), sort_keys=True)]
         env.update(adapter.adapter_env())
     return argv, env
-
-
-# -- LMCache's adapter table, read from its source ----------------------------------- #
-
-
-@lru_cache(maxsize=1)
-def adapter_fields() -> dict[str, frozenset[str]] | None:
-    """Each L2 adapter type LMCache registers, with the JSON keys its config reads.
-
-    From ``register_l2_adapter_type("name", Class)`` calls and the string
-    keys in ``Class.from_dict`` / ``Class.help`` of each module in
-    ``lmcache/v1/distributed/l2_adapters``. None without LMCache (or when its
-    source has another shape).
-    """
-    try:
-        spec = importlib.util.find_spec("lmcache")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(next(iter(spec.submodule_search_locations))) / "v1/distributed/l2_adapters"
-    table: dict[str, frozenset[str]] = {}
-    for file in sorted(folder.glob("*.py")):
-        try:
-            tree = ast.parse(file.read_text(encoding="utf-8"))
-        except (OSError, SyntaxError):
-            continue
-        classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
-        for node in ast.walk(tree):
-            if not (
-                isinstance(node, ast.Call)
-                and getattr(node.func, "id", None) == "register_l2_adapter_type"
-                and len(node.args) == 2
-                and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)
-                and isinstance(node.args[1], ast.Name)
-            ):
-                continue
-            cls = classes.get(node.args[1].id)
-            table[node.args[0].value] = _class_keys(cls) if cls else frozenset()
-    return table if len(table) >= 3 else None
-
-
-_KEY = re.compile(r"^[a-z][a-z0-9_]*$")
-_HELP_KEY = re.compile(r"^\s*-\s*([a-z][a-z0-9_]*)\b", re.MULTILINE)
-
-
-def _class_keys(cls: ast.ClassDef) -> frozenset[str]:
-    keys: set[str] = set()
-    for item in cls.body:
-        if not isinstance(item, ast.FunctionDef):
-            continue
-        if item.name == "from_dict":
-            keys.update(
-                n.value
-                for n in ast.walk(item)
-                if isinstance(n, ast.Constant) and isinstance(n.value, str) and _KEY.match(n.value)
-            )
-        elif item.name == "help":
-            text = "".join(
-                n.value
-                for n in ast.walk(item)
-                if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            )
-            keys.update(_HELP_KEY.findall(text))
-    return frozenset(keys)

@@ -167,7 +167,7 @@ class FleetFaults(LatencyProbe):
 
     def _server_root(self) -> str:
         """The server's view of the filesystem (its mount namespace, if it has one)."""
-        return f"/proc/{self.target.server.pid}/root"
+        return f"/proc/{self.target.supervisor.server.pid}/root"
 
     def _disk(self) -> Path:
         assert self.config.fs_path is not None
@@ -188,7 +188,7 @@ class FleetFaults(LatencyProbe):
         node, whose own readings every 2 s are what it reports outages from)."""
         from kvc_lmcache import l2_stats
 
-        counts = l2_stats.scrape(self.target.server.http_url)
+        counts = l2_stats.scrape(self.target.supervisor.server.http_url)
         assert counts is not None, "the lmcache server's /metrics did not answer"
         return counts["l2_failed"]
 
@@ -212,7 +212,7 @@ class FleetFaults(LatencyProbe):
         self.fs_faults.append(
             {
                 "fault": action,
-                "server_pid": self.target.server.pid,
+                "server_pid": self.target.supervisor.server.pid,
                 "chunks_at_start": len(self._chunks()),
                 "l2_failed_at_start": self._l2_failed(),
                 "write_error_before": self._write_error(),
@@ -251,8 +251,9 @@ class FleetFaults(LatencyProbe):
 
     def _remount(self, mode: str, timeout: float = 10.0) -> None:
         assert self.config.fs_mount is not None
+        pid = self.target.supervisor.server.pid
         argv = [
-            "nsenter", "-t", str(self.target.server.pid), "-U", "-m", "--preserve-credentials",
+            "nsenter", "-t", str(pid), "-U", "-m", "--preserve-credentials",
             "mount", "-o", f"remount,{mode}", self.config.fs_mount,
         ]  # fmt: skip
         deadline = time.monotonic() + timeout
@@ -322,7 +323,7 @@ class FleetFaults(LatencyProbe):
         self.write_report()  # the test stops it, also if the engine dies later
 
     def _wait_l2_connected(self, timeout: float = 30.0) -> None:
-        http_url = self.target.server.http_url
+        http_url = self.target.supervisor.server.http_url
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with urllib.request.urlopen(f"{http_url}/status", timeout=5) as response:  # noqa: S310
@@ -333,7 +334,7 @@ class FleetFaults(LatencyProbe):
         raise TimeoutError(f"the RESP adapter did not reconnect within {timeout} s")
 
     def _clear_l1(self) -> None:
-        http_url = self.target.server.http_url
+        http_url = self.target.supervisor.server.http_url
         request = urllib.request.Request(
             f"{http_url}/cache/clear",
             data=json.dumps({"tier": "l1", "force": False}).encode(),
@@ -409,7 +410,7 @@ class FleetFaults(LatencyProbe):
     @hookimpl
     def shutdown(self) -> None:
         # The lmcache node reads its server's L2 metrics every 2 s: read them now.
-        self.target._scrape_l2()
+        self.target.supervisor.scrape_l2()
         self.write_report()
 
     def report(self) -> dict[str, Any]:
@@ -425,9 +426,9 @@ class FleetFaults(LatencyProbe):
 
     def _own_mount_ns(self) -> bool:
         """Does the server run in a mount namespace other than this process's?"""
-        if self.target.server.pid is None:  # a given server
+        if self.target.supervisor.server.pid is None:  # a given server
             return False
-        theirs = os.readlink(f"/proc/{self.target.server.pid}/ns/mnt")
+        theirs = os.readlink(f"/proc/{self.target.supervisor.server.pid}/ns/mnt")
         return theirs != os.readlink("/proc/self/ns/mnt")
 
 

@@ -62,7 +62,7 @@ class Killer(LatencyProbe):
         self.resumed_at: float | None = None
 
     def _kill(self) -> None:
-        pid = self.config.pid or self.target.server.pid
+        pid = self.config.pid or self.target.supervisor.server.pid
         os.kill(pid, signal.SIGKILL)
         self.killed_at = time.monotonic()  # system-wide: comparable across processes
 
@@ -82,28 +82,29 @@ class Killer(LatencyProbe):
     def _restart(self) -> None:
         from kvc_lmcache.server import ServerSettings, start_server
 
-        server = self.target.server
+        server = self.target.supervisor.server
         http_port = server.http_port or urlparse(self.target.config.server.http_url).port
         settings = ServerSettings(chunk_size=self.config.restart_chunk_size, l1_size_gb=0.25)
         log = f"{self.config.report}.restarted.log"
         info = start_server(settings, Path(log), port=server.port, http_port=http_port)
         self.restarted_pid = info.pid
         deadline = time.monotonic() + 120
-        while not self.target.server_alive and time.monotonic() < deadline:
+        while not self.target.supervisor.alive and time.monotonic() < deadline:
             time.sleep(0.1)
         self.resumed_at = time.monotonic()
         time.sleep(self.config.settle_s)
 
     def report(self) -> dict[str, Any]:
         stats = self.target.stats
-        down_since = self.target._down_since if self.target.down_events else None
+        supervisor = self.target.supervisor
+        down_since = supervisor.down_since if supervisor.down_events else None
         return {
             "killed_at": self.killed_at,
             "down_since": down_since,
             "restarted_pid": self.restarted_pid,
             "resumed_at": self.resumed_at,
-            "server_alive": self.target.server_alive,
-            "down_events": self.target.down_events,
+            "server_alive": self.target.supervisor.alive,
+            "down_events": self.target.supervisor.down_events,
             "gauge_server_alive": stats.gauges.get("server_alive"),
             "errors": self.total("errors"),
             "unavailable": self.total("unavailable"),
@@ -142,7 +143,7 @@ class Chaos(LatencyProbe):
         target = self.target
         # One per kill (at the engine's shutdown the server may die too: not one of them).
         while not self._stop.wait(0.01) and len(self.late_waits) < len(self.config.kill_at):
-            if target.server_alive or target.down_events <= len(self.late_waits):
+            if target.supervisor.alive or target.supervisor.down_events <= len(self.late_waits):
                 continue
             connector = target.connector
             adapter = getattr(connector, "worker_adapter", None) or connector.scheduler_adapter
@@ -157,7 +158,7 @@ class Chaos(LatencyProbe):
                     "seconds": time.monotonic() - sent_at,
                     "ended": ended,
                     "error": str(future.exception_) if future.exception_ else None,
-                    "node_resumed": target.server_alive,
+                    "node_resumed": target.supervisor.alive,
                 }
             )
             self.write_report()
@@ -180,7 +181,7 @@ class Chaos(LatencyProbe):
             self.free_blocks.append(self.pool.get_num_free_blocks())
         # At the engine's shutdown the server may die with the process that
         # started it (and is not restarted then): record it as the last request saw it.
-        self.alive_at_last_lookup = self.target.server_alive
+        self.alive_at_last_lookup = self.target.supervisor.alive
         if ordinal in self.config.kill_at:
             pid = self.target.shared.pid()
             os.kill(pid, signal.SIGKILL)
@@ -188,13 +189,13 @@ class Chaos(LatencyProbe):
         if ordinal in self.config.resume_by:
             # Both chain halves' nodes: the worker's saves, the scheduler's lookups.
             deadline = time.monotonic() + self.config.resume_timeout_s
-            while not all(t.server_alive for t in TARGETS) and time.monotonic() < deadline:
+            while not all(t.supervisor.alive for t in TARGETS) and time.monotonic() < deadline:
                 time.sleep(0.05)
             outage = self.outages[-1]
-            outage["back_at"] = min(t.back_at or 0 for t in TARGETS)
-            resumed = [t.resumed_at for t in TARGETS if t.server_alive]
+            outage["back_at"] = min(t.supervisor.back_at or 0 for t in TARGETS)
+            resumed = [t.supervisor.resumed_at for t in TARGETS if t.supervisor.alive]
             outage["resumed_at"] = max(resumed) if len(resumed) == len(TARGETS) else None
-            outage["restarted_pid"] = self.target.server.pid
+            outage["restarted_pid"] = self.target.supervisor.server.pid
             outage["halves"] = len(TARGETS)
         return 0, False
 

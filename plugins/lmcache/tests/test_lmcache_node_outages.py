@@ -5,8 +5,8 @@ L2 outages told from the server's L2 counters.
 No server, engine or thread: vLLM's connector is a stand-in with no LMCache
 adapters, the started server a :class:`FakeServer` whose restarts succeed or
 fail as a test says, the restart thread runs each restart inside ``submit``,
-``node.py``'s clock is a :class:`Clock` the test moves, and each probe (a
-watcher tick) is one ``node.watcher.check()``.
+the supervision's clock is a :class:`Clock` the test moves, and each probe (a
+watcher tick) is one ``node.supervisor.watcher.check()``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 import structlog
-from kvc_lmcache import l2_stats
-from kvc_lmcache import node as node_module
+from kvc_lmcache import l2_stats, server_setup, supervision
 from kvc_lmcache.config import LMCacheConfig
 from kvc_lmcache.l2_stats import L2Change, L2Health
-from kvc_lmcache.node import L2_SCRAPE_TICKS, LMCacheServerNode
 from kvc_lmcache.server import ServerError, ServerGone, ServerInfo, ServerLeft, ServerWatcher
+from kvc_lmcache.server_node import LMCacheServerNode
+from kvc_lmcache.supervision import L2_SCRAPE_TICKS
 from structlog.testing import capture_logs
 
 from composer import NodeContext, Plugin, Unavailable
@@ -35,7 +35,7 @@ HOST = "127.0.0.1"
 
 
 class Clock:
-    """``node.py``'s ``time``: both clocks read ``now``; a sleep moves it on."""
+    """``supervision.py``'s ``time``: both clocks read ``now``; a sleep moves it on."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -105,9 +105,10 @@ class FakeConnector:
         return 0, False
 
 
-def _native_init(self: NativeConnectorNode, ctx: NodeContext) -> None:
+def _native_init(self: NativeConnectorNode, ctx: NodeContext, connector: Any = None) -> None:
     Plugin.__init__(self, ctx)
     self.connector = FakeConnector()  # type: ignore[assignment]  # vLLM's, stood in for
+    self.identity = {"name": connector.connector}
 
 
 @dataclass
@@ -126,7 +127,7 @@ class Rig:
 
     def tick(self, times: int = 1) -> None:
         for _ in range(times):
-            self.node.watcher.check()
+            self.node.supervisor.watcher.check()
 
     def read_l2(self, reading: dict[str, int]) -> None:
         """Tick until the node has read its server's L2 counters once more."""
@@ -148,8 +149,8 @@ class Rig:
 @pytest.fixture()
 def make(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Rig]]:
     clock = Clock()
-    monkeypatch.setattr(node_module, "time", clock)
-    monkeypatch.setattr(node_module, "_RESTARTS", Inline())
+    monkeypatch.setattr(supervision, "time", clock)
+    monkeypatch.setattr(supervision, "_RESTARTS", Inline())
     monkeypatch.setattr(ServerWatcher, "start", lambda self: self)  # probed by hand
     monkeypatch.setattr(NativeConnectorNode, "__init__", _native_init)
     rigs: list[Rig] = []
@@ -157,7 +158,7 @@ def make(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Rig]]:
 
     def build(server: dict[str, Any]) -> Rig:
         fake = FakeServer(clock)
-        monkeypatch.setattr(node_module, "SharedServer", lambda *args, **kwargs: fake)
+        monkeypatch.setattr(server_setup, "SharedServer", lambda *args, **kwargs: fake)
         config = LMCacheConfig.model_validate({"server": server})
         node = LMCacheServerNode(NodeContext("lm", config, "both", "worker"))
         rigs.append(Rig(node, fake, clock, logs))
@@ -196,6 +197,26 @@ def counts(
     }
 
 
+def test_the_node_is_initialised_once_and_keeps_its_own_config(
+    make: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Plugin.__init__`` runs once, from NativeConnectorNode's ``__init__``, with the
+    node's own ctx; the connector is made from the native config it was handed."""
+    configs: list[Any] = []
+    init = Plugin.__init__
+
+    def counted(self: Plugin[Any], ctx: NodeContext) -> None:
+        configs.append(ctx.config)
+        init(self, ctx)
+
+    monkeypatch.setattr(Plugin, "__init__", counted)
+    rig = make({"restarts": 5})
+    assert [type(c).__name__ for c in configs] == ["LMCacheConfig"]
+    assert isinstance(rig.node.config, LMCacheConfig) and rig.node.ctx.config is rig.node.config
+    assert type(rig.node.native_config).__name__ == "VllmConnectorConfig"
+    assert rig.node.identity == {"name": rig.node.native_config.connector}
+
+
 # -- restarts of a server the node started ------------------------------------------ #
 
 
@@ -210,7 +231,7 @@ def test_a_started_server_that_dies_is_restarted_at_once(make: Callable[..., Rig
     rig.tick()  # answers again: the restart taken, the node resumed
     (restarted,) = rig.logged("LMCache server restarted")
     assert restarted["tries"] == 1
-    assert rig.node.server_alive and len(rig.logged("LMCache server is back")) == 1
+    assert rig.node.supervisor.alive and len(rig.logged("LMCache server is back")) == 1
     assert rig.gauges["server_outages"] == 1 and rig.gauges["server_restarts"] == 1
     assert rig.gauges["server_restart_failures"] == 0 and rig.gauges["server_alive"] == 1
 
@@ -246,7 +267,7 @@ def test_failed_restarts_are_tried_again_1_2_then_4_s_after_each_failure(
     assert {e["error"] for e in failed} == {"`lmcache server` exited with 1 while starting:"}
     assert [e["tries"] for e in rig.logged("LMCache server restarted")] == [4]
     rig.tick()
-    assert rig.node.server_alive
+    assert rig.node.supervisor.alive
     assert rig.gauges["server_restarts"] == 1 and rig.gauges["server_restart_failures"] == 3
 
 
@@ -286,11 +307,11 @@ def test_a_later_outage_has_all_its_tries_again(make: Callable[..., Rig]) -> Non
     rig.server.kill()
     rig.tick(2)
     _step_to(rig, rig.clock.now + 1)  # the second and last try
-    assert len(rig.server.restarts) == 2 and not rig.node.server_alive
+    assert len(rig.server.restarts) == 2 and not rig.node.supervisor.alive
     # The engine's other process starts it again: resumed, no second outage counted.
     rig.server.running = os.getppid()
     rig.tick(3)
-    assert rig.node.server_alive and not rig.logged("LMCache server was restarted")
+    assert rig.node.supervisor.alive and not rig.logged("LMCache server was restarted")
     assert rig.gauges["server_outages"] == 1
     # It dies again: two tries again, the first at once.
     rig.clock.now += 60
@@ -303,7 +324,7 @@ def test_a_later_outage_has_all_its_tries_again(make: Callable[..., Rig]) -> Non
     assert [e["tries"] for e in rig.logged("LMCache server restart failed")] == [1, 2, 1]
     assert [e["tries"] for e in rig.logged("LMCache server restarted")] == [2]
     rig.tick()
-    assert rig.node.server_alive
+    assert rig.node.supervisor.alive
     assert rig.gauges["server_outages"] == 2 and rig.gauges["server_restarts"] == 1
 
 
@@ -321,12 +342,12 @@ def test_a_server_whose_starter_left_is_not_restarted_again(make: Callable[..., 
 def test_a_given_server_is_only_waited_for(make: Callable[..., Rig]) -> None:
     rig = make({"url": "tcp://127.0.0.1:7000"})
     answers = [True]
-    rig.node.watcher.probe = lambda: answers[0]
+    rig.node.supervisor.watcher.probe = lambda: answers[0]
     answers[0] = False
     rig.tick()
-    assert rig.node.server_alive, "down on one failed network probe"
+    assert rig.node.supervisor.alive, "down on one failed network probe"
     rig.tick()
-    assert not rig.node.server_alive
+    assert not rig.node.supervisor.alive
     (down,) = rig.logged("LMCache server is down")
     assert down["event"].endswith("until it answers again") and down["owned"] is False
     for _ in range(24):
@@ -334,7 +355,7 @@ def test_a_given_server_is_only_waited_for(make: Callable[..., Rig]) -> None:
         rig.tick()
     answers[0] = True
     rig.tick()
-    assert rig.node.shared is None and rig.node.server_alive
+    assert rig.node.shared is None and rig.node.supervisor.alive
     assert not [e for e in rig.logs if "restart" in str(e["event"])]
     assert rig.gauges["server_restarts"] == rig.gauges["server_restart_failures"] == 0
     assert len(rig.logged("LMCache server is back: resuming")) == 1
@@ -386,7 +407,7 @@ def test_a_restarted_servers_l2_counters_count_from_zero(make: Callable[..., Rig
     rig.server.outcomes = [True]
     rig.server.kill()
     rig.tick(2)
-    assert rig.node.server_alive and rig.gauges["server_restarts"] == 1
+    assert rig.node.supervisor.alive and rig.gauges["server_restarts"] == 1
     # The new server's own three errors: as many as the old one had, all new.
     rig.read_l2(counts(stored=14, errors=3))
     assert rig.gauges["l2_outages"] == 2 and rig.gauges["l2_serving"] == 0

@@ -8,7 +8,6 @@ import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not 
 import pytest
 from kvc_lmcache import memory as memory_module
 from kvc_lmcache.config import LMCacheConfig
-from kvc_lmcache.node import check_chunk_size, mp_extra_config
 from kvc_lmcache.server import (
     ServerError,
     ServerSettings,
@@ -20,6 +19,7 @@ from kvc_lmcache.server import (
     lmcache_command,
     server_argv,
 )
+from kvc_lmcache.server_setup import check_chunk_size, mp_extra_config
 
 
 @pytest.fixture()

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 import pytest
-from kvc_lmcache.node import _degrade, _fail_pending, _lmcache_healthy
+from kvc_lmcache.lmcache_internals import degrade, fail_pending, lmcache_healthy
 from kvc_lmcache.server import (
     WATCH_INTERVAL,
     ServerInfo,
@@ -139,7 +139,7 @@ def test_the_watcher_thread_reports_a_killed_server(server: ServerInfo) -> None:
 
 
 def test_a_wait_on_a_dead_server_ends_when_the_node_notices(server: ServerInfo) -> None:
-    """LMCache's own client, waiting on a killed server: _fail_pending ends the wait."""
+    """LMCache's own client, waiting on a killed server: fail_pending ends the wait."""
     import zmq
     from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
@@ -155,11 +155,11 @@ def test_a_wait_on_a_dead_server_ends_when_the_node_notices(server: ServerInfo) 
         future = client.ping(None)
         time.sleep(0.2)  # on its way: sent, unanswered
         assert not future.query()
-        _degrade(connector)
-        assert not health.is_set() and not _lmcache_healthy(
+        degrade(connector)
+        assert not health.is_set() and not lmcache_healthy(
             SimpleNamespace(worker_adapter=SimpleNamespace(is_healthy=False))
         )
-        _fail_pending(connector, server.url)
+        fail_pending(connector, server.url)
         assert future.query(), "the wait would have lasted mq_timeout"
         with pytest.raises(TimeoutError, match=f"{server.url} is down"):
             future.result(timeout=0)
