@@ -29,8 +29,8 @@ from composer.bench import spec as bench_spec
 from composer.bench.fleet import POLICIES
 from composer.bench.replay import make_prompts, vocab_size_of
 from composer.bench.servers import Config, ServerSpec
-from composer.simulate.shape import model_shape
 from composer.simulate.fleet import simulate_fleet
+from composer.simulate.shape import model_shape
 from composer.testing.tiny_model import build_tiny_model
 from composer.trace import multi_turn, read_trace, write_trace
 

@@ -35,8 +35,8 @@ from composer.bench import report as bench_report
 from composer.bench import run as bench_run
 from composer.bench import spec as bench_spec
 from composer.bench.servers import Config, ServerSpec
-from composer.simulate.shape import model_shape
 from composer.simulate import simulate
+from composer.simulate.shape import model_shape
 from composer.testing.tiny_model import build_tiny_model
 from composer.trace import read_trace
 

@@ -24,6 +24,10 @@ def kv_transfer_config(
     if as_multiconnector(pipeline):
         return _multiconnector(pipeline)
     extra: dict[str, Any] = {"pipeline": os.fspath(reference) if reference else pipeline.source}
+    if reference:
+        # The file may serve either side of P/D: the side this engine plays travels
+        # with it (an inline pipeline carries it as its own kv_role).
+        extra["kv_role"] = pipeline.kv_role
     config: dict[str, Any] = {
         "kv_connector": CONNECTOR_NAME,
         "kv_role": pipeline.kv_role,
@@ -65,6 +69,8 @@ MULTICONNECTOR_SAFE_NODE: dict[str, Callable[[ResolvedNode], bool]] = {
     "role": lambda n: True,  # what it changes shows in load_order / save_to
     "on_error": lambda n: n.on_error == "fail",  # MultiConnector's only behaviour
     "enabled": lambda n: True,  # disabled nodes are not in the resolved pipeline
+    # Nor are nodes of the other P/D side: the children left are this side's.
+    "sides": lambda n: True,
     "description": lambda n: True,
 }
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import (
     AfterValidator,
@@ -29,6 +29,43 @@ _NODES_SCHEMA: JsonDict = {"propertyNames": {"pattern": NODE_ID_PATTERN, "maxLen
 ErrorPolicy = Literal["fail", "disable", "recompute"]
 LoadPolicy = Literal["first_hit", "longest_hit", "ranges"]
 KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]
+KV_ROLES: tuple[KVRole, ...] = get_args(KVRole)
+#: A side of disaggregated prefill/decode: the prefill engine (vLLM's
+#: kv_producer) or the decode engine (kv_consumer). A kv_both engine is both.
+Side = Literal["producer", "consumer"]
+SIDES: tuple[Side, ...] = ("producer", "consumer")
+#: The names a side's role is given by where it runs (``kvc serve --kv-role``,
+#: ``load_pipeline(kv_role=...)``): the short ones, or vLLM's own.
+KV_ROLE_NAMES: dict[str, KVRole] = {
+    "producer": "kv_producer",
+    "consumer": "kv_consumer",
+    "both": "kv_both",
+    "kv_producer": "kv_producer",
+    "kv_consumer": "kv_consumer",
+    "kv_both": "kv_both",
+}
+
+
+def kv_role_named(name: str) -> KVRole:
+    """vLLM's ``kv_role`` for a side's role given as ``producer``, ``consumer``,
+    ``both`` or vLLM's own name; ValueError for anything else (a caller's mistake,
+    not the file's)."""
+    try:
+        return KV_ROLE_NAMES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"kv_role {name!r} is not a side's role; expected one of "
+            + ", ".join(KV_ROLE_NAMES)
+        ) from None
+
+
+def sides_of(kv_role: KVRole) -> tuple[Side, ...]:
+    """The P/D sides an engine of this ``kv_role`` plays."""
+    if kv_role == "kv_producer":
+        return ("producer",)
+    if kv_role == "kv_consumer":
+        return ("consumer",)
+    return SIDES
 
 SCHEMA_ID = "https://kv-composer.dev/schemas/pipeline.schema.json"
 
@@ -117,6 +154,12 @@ class Node(BaseModel):
     enabled: bool = Field(
         True, description="false keeps the node in the file but out of the chain."
     )
+    sides: Annotated[list[Side], Field(min_length=1)] | None = Field(
+        None,
+        description="The P/D sides this node runs on: producer (the prefill engine), "
+        "consumer (the decode engine); default: both. A node is left out of an engine "
+        "of the other side (a kv_both engine plays both sides).",
+    )
     description: str = ""
 
 
@@ -128,7 +171,12 @@ class Pipeline(BaseModel):
     version: Annotated[Literal[1], BeforeValidator(_exactly_int)] = Field(
         description="Pipeline file format version."
     )
-    kv_role: KVRole = Field("kv_both", description="vLLM kv_role of the composed connector.")
+    kv_role: KVRole = Field(
+        "kv_both",
+        description="vLLM kv_role of the composed connector: the side this engine plays "
+        "(kv_producer: prefill, kv_consumer: decode, kv_both). Where the pipeline runs may "
+        "say it instead (kvc serve --kv-role), so one file serves both sides.",
+    )
     nodes: dict[NodeId, Node] = Field(
         min_length=1, description="Nodes by id.", json_schema_extra=_NODES_SCHEMA
     )
@@ -185,6 +233,14 @@ class ResolvedNode:
     on_error: ErrorPolicy
     needs: tuple[str, ...]
     capabilities: Capabilities
+    #: The P/D sides it runs on (``sides`` in the file; default both).
+    sides: tuple[Side, ...] = SIDES
+
+    @property
+    def allows_hma(self) -> bool:
+        """Whether vLLM's hybrid KV cache manager may stay on for this node: it supports
+        it, or it is a service node, which never touches a KV block."""
+        return self.capabilities.hma or self.role == "service"
 
 
 @dataclass(frozen=True)

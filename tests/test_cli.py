@@ -272,6 +272,12 @@ def test_graph_text(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
         load order (longest_hit): nixl -> disk
         save to: disk
+
+        P/D sides (this engine: kv_both):
+          disk  producer  serves prefixes it holds; saves the prompts it prefills
+                consumer  serves prefixes it holds; saves what arrives and what decode adds
+          nixl  producer  ships nothing (not in save_to)
+                consumer  receives the prompt's KV from the prefill engine
         """
     )
 
@@ -308,6 +314,10 @@ def test_graph_json(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "needs": [],
         "on_error": "fail",
         "tiers": [],
+        "sides": {
+            "producer": "ships nothing (not in save_to)",
+            "consumer": "receives the prompt's KV from the prefill engine",
+        },
     }
     assert data["load_order"] == ["nixl", "disk"]
     assert (data["save_to"], data["disabled"]) == (["disk"], ["spare"])
@@ -391,14 +401,17 @@ def test_export_composed_inline_and_by_reference(
 
     code, out, _ = run(capsys, "export", "--reference", "composed.yaml")
     assert json.loads(out)["kv_connector_extra_config"] == {
-        "pipeline": str(files / "composed.yaml")
+        "pipeline": str(files / "composed.yaml"),
+        "kv_role": "kv_both",
     }
 
 
 def test_serve_and_demo_help(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "serve", "--help")
     assert code == 0
-    assert out.startswith("usage: kvc serve [-h] [--valkey] FILE ...")
+    assert out.startswith(
+        "usage: kvc serve [-h] [--kv-role {producer,consumer,both}] [--valkey] FILE ..."
+    )
     code, out, _ = run(capsys, "demo", "--help")
     assert code == 0
     assert out.startswith("usage: kvc demo [-h] [FILE]")
@@ -412,19 +425,24 @@ def test_serve_and_demo_hand_their_arguments_over(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(
         composer.cli.serve,
         "serve",
-        lambda file, args, valkey: calls.append(("serve" + "+valkey" * valkey, file, args)) or 0,
+        lambda file, args, valkey, kv_role: calls.append(
+            ("serve" + "+valkey" * valkey + f"+{kv_role}" * bool(kv_role), file, args)
+        )
+        or 0,
     )
     demo = composer.cli.demo
     monkeypatch.setattr(demo, "main", lambda file: calls.append(("demo", file, None)) or 3)
     assert main(["serve", "p.yaml", "--", "MODEL", "--port", "8000", "--", "x"]) == 0
     assert main(["serve", "p.yaml"]) == 0
     assert main(["serve", "--valkey", "p.yaml", "--", "MODEL"]) == 0
+    assert main(["serve", "--kv-role", "consumer", "p.yaml", "--", "MODEL"]) == 0
     assert main(["demo"]) == 3
     assert main(["demo", "p.yaml"]) == 3
     assert calls == [
         ("serve", "p.yaml", ["MODEL", "--port", "8000", "--", "x"]),
         ("serve", "p.yaml", []),
         ("serve+valkey", "p.yaml", ["MODEL"]),
+        ("serve+consumer", "p.yaml", ["MODEL"]),
         ("demo", None, None),
         ("demo", "p.yaml", None),
     ]

@@ -353,7 +353,7 @@ def test_unknown_keys_in_node_and_in_plugin_config(problems: Check) -> None:
         """
     ) == [
         'p.yaml:5:5: nodes.a.neds: unknown key "neds" (did you mean "needs"?); valid keys: '
-        '"config", "description", "enabled", "needs", "on_error", "plugin", "role"',
+        '"config", "description", "enabled", "needs", "on_error", "plugin", "role", "sides"',
         'p.yaml:8:7: nodes.a.config.evicton: unknown key "evicton" (did you mean "eviction"?); '
         'valid keys: "capacity", "checksums", "eviction", "min_blocks"',
     ]

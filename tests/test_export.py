@@ -144,5 +144,5 @@ def test_reference_passes_the_path(valid: Valid, tmp_path: Path) -> None:
     assert config == {
         "kv_connector": "ComposedConnector",
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"pipeline": str(tmp_path)},
+        "kv_connector_extra_config": {"pipeline": str(tmp_path), "kv_role": "kv_producer"},
     }

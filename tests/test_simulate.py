@@ -23,9 +23,9 @@ from kvc_offload_cpu.simulate import OffloadCPUModel
 
 from composer.cli import main
 from composer.discovery import discover
-from composer.simulate.shape import model_shape
 from composer.pipeline import ResolvedPipeline
 from composer.simulate import VLLM_CACHE_ID, Result, SimKVGroup, SimulateError, simulate
+from composer.simulate.shape import model_shape
 from composer.trace import KeyMaker, TraceRequest, read_trace
 from composer.validation import validate_text
 

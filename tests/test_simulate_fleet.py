@@ -13,8 +13,8 @@ import pytest
 
 from composer import load_pipeline
 from composer.simulate import SimKVGroup, SimulateError
-from composer.simulate.replay import _Replay
 from composer.simulate.fleet import ROUTERS, _router, simulate_fleet
+from composer.simulate.replay import _Replay
 from composer.trace import (
     KeyMaker,
     TraceRequest,

@@ -31,7 +31,8 @@ class MissingRuntime(Exception):
     """A command needs vLLM (or torch) and it is not importable here (exit 1)."""
 
 
-def load(file: str, registry: Registry) -> ResolvedPipeline:
+def load(file: str, registry: Registry, kv_role: str | None = None) -> ResolvedPipeline:
+    """Validate ``file`` (``-``: stdin), for the P/D side ``kv_role`` when given."""
     if file == "-":
         try:
             # Bytes, decoded strictly: the locale's decoder may keep bad bytes as surrogates.
@@ -45,8 +46,8 @@ def load(file: str, registry: Registry) -> ResolvedPipeline:
             raise PipelineInvalid(
                 [Problem((), f"cannot read input: {exc.strerror or exc}", "<stdin>")]
             ) from None
-        return validate_text(text, file="<stdin>", registry=registry)
-    return load_pipeline(file, registry=registry)
+        return validate_text(text, file="<stdin>", registry=registry, kv_role=kv_role)
+    return load_pipeline(file, registry=registry, kv_role=kv_role)
 
 
 def print_problems(problems: Sequence[Problem], stream: TextIO) -> None:

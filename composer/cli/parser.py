@@ -55,6 +55,16 @@ def _add_json(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kv_role(p: argparse.ArgumentParser, what: str) -> None:
+    # One pipeline file serves both sides of disaggregated prefill/decode.
+    p.add_argument(
+        "--kv-role",
+        choices=("producer", "consumer", "both"),
+        help=f"the P/D side {what}: producer (prefill), consumer (decode) or both; "
+        "default: the file's kv_role",
+    )
+
+
 def add_validate(sub: Subparsers) -> None:
     p = _add(sub, "validate", cmd_validate, "Validate pipeline files; report every problem.")
     p.epilog = (
@@ -73,6 +83,16 @@ def add_validate(sub: Subparsers) -> None:
             "plugins' runtime modules, and vLLM when the pipeline has vllm nodes)"
         ),
     )
+    p.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help=(
+            "also check that every node can follow vLLM's sleep mode, as `kvc serve -- "
+            "--enable-sleep-mode` does before launch (imports the node classes, and vLLM "
+            "when the pipeline has vllm nodes: their connector classes answer)"
+        ),
+    )
+    _add_kv_role(p, "to check the pipelines for")
     _add_model(p)
     _add_json(p)
 
@@ -102,6 +122,7 @@ def add_graph(sub: Subparsers) -> None:
     )
     p.add_argument("file", metavar="FILE")
     p.add_argument("--format", choices=("text", "mermaid"), default="text")
+    _add_kv_role(p, "to check the pipeline for")
     _add_model(p)
     _add_json(p)
 
@@ -128,11 +149,13 @@ def add_export(sub: Subparsers) -> None:
         action="store_true",
         help="point vLLM at the file's absolute path instead of inlining the pipeline",
     )
+    _add_kv_role(p, "the engine plays (its kv_role)")
 
 
 def add_serve(sub: Subparsers) -> None:
     p = _add(sub, "serve", cmd_serve, "Run `vllm serve` with this pipeline as its KV connector.")
     p.add_argument("file", metavar="FILE")
+    _add_kv_role(p, "this server plays (its kv_role)")
     p.add_argument(
         "--valkey",
         action="store_true",

@@ -16,7 +16,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         vllm_args = vllm_args[1:]
     with needs_runtime("kvc serve"):
         from composer.cli.serve import serve
-    return serve(args.file, vllm_args, valkey=args.valkey)
+    return serve(args.file, vllm_args, valkey=args.valkey, kv_role=args.kv_role)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -11,25 +11,27 @@ from pathlib import Path
 
 from composer.errors import PipelineInvalid
 from composer.export import kv_transfer_config
+from composer.pipeline import ResolvedPipeline
 from composer.servers.loopback import LOOPBACK, free_port
 from composer.servers.valkey import ValkeyError, ValkeyServer, valkey_server_binary
+from composer.servers.vllm_serve import vllm_command
 from composer.validation import load_pipeline
 
 
-def vllm_command() -> list[str]:
-    # vLLM's own CLI, through a shim that also works with the CPU build's dist name.
-    return [sys.executable, "-m", "composer.vllm.cli"]
-
-
-def serve_command(file: str, vllm_args: list[str]) -> list[str]:
-    """The ``vllm serve`` command line for ``file`` (validated first; raises PipelineInvalid)."""
-    pipeline = load_pipeline(file)
+def serve_command(file: str, vllm_args: list[str], kv_role: str | None = None) -> list[str]:
+    """The ``vllm serve`` command line for ``file`` (validated first, for the P/D side
+    ``kv_role`` when given; raises PipelineInvalid)."""
+    pipeline = load_pipeline(file, kv_role=kv_role)
+    if sleep_mode_asked(vllm_args):
+        refuse_sleep_mode(pipeline, file)
     # Pass the file by absolute path: vLLM's processes re-read and re-validate it.
     config = kv_transfer_config(pipeline, reference=Path(file).resolve())
     return [*vllm_command(), "serve", *vllm_args, "--kv-transfer-config", json.dumps(config)]
 
 
-def serve(file: str, vllm_args: list[str], *, valkey: bool = False) -> int:
+def serve(
+    file: str, vllm_args: list[str], *, valkey: bool = False, kv_role: str | None = None
+) -> int:
     """Validate ``file``, then become ``vllm serve`` (returns only on invalid input).
 
     Replacing this process instead of running a child leaves vLLM's own
@@ -50,7 +52,7 @@ def serve(file: str, vllm_args: list[str], *, valkey: bool = False) -> int:
             print(f"kvc serve --valkey: {exc}", file=sys.stderr)
             return 1
     try:
-        command = serve_command(file, vllm_args)
+        command = serve_command(file, vllm_args, kv_role)
     except PipelineInvalid as exc:
         print(exc, file=sys.stderr)
         if store is not None:
@@ -59,6 +61,32 @@ def serve(file: str, vllm_args: list[str], *, valkey: bool = False) -> int:
     print("+ " + " ".join(command), file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execv(command[0], command)
+
+
+def sleep_mode_asked(vllm_args: list[str]) -> bool:
+    """Whether these ``vllm serve`` arguments turn sleep mode on (the last flag wins)."""
+    asked = False
+    for arg in vllm_args:
+        name, _, value = arg.partition("=")
+        name = name.replace("_", "-")
+        if name == "--enable-sleep-mode":
+            asked = value.lower() not in ("false", "0", "no")
+        elif name == "--no-enable-sleep-mode":
+            asked = False
+    return asked
+
+
+def refuse_sleep_mode(pipeline: ResolvedPipeline, file: str) -> None:
+    """Raise PipelineInvalid, each node located, if the pipeline cannot sleep: vLLM
+    0.33 would refuse it only at engine start ("ComposedConnector does not support
+    sleep mode"), and vLLM 0.32 would not refuse it at all."""
+    from composer.cli.validating import file_marks
+    from composer.validation.deep_check import sleep_mode_problems
+    from composer.vllm.pipeline_source import sleep_mode_refusals
+
+    problems = sleep_mode_problems(pipeline, sleep_mode_refusals(pipeline), marks=file_marks(file))
+    if problems:
+        raise PipelineInvalid(problems)
 
 
 def kv_events_problem(vllm_args: list[str], env: Mapping[str, str]) -> str:

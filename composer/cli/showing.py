@@ -28,6 +28,7 @@ from composer.model.kv_groups import group_rows
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.plugin_types import Capabilities, PluginType
 from composer.validation.model_check import ModelCheck, check_model
+from composer.validation.pd import is_pd, sides_table
 
 
 def node_tiers(node: ResolvedNode) -> list[str]:
@@ -40,7 +41,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
     # Imported here: validating imports this module's neighbours, not the other way round.
     from composer.cli.validating import file_marks, model_lines, predict_model
 
-    pipeline = load(args.file, discover())
+    pipeline = load(args.file, discover(), args.kv_role)
     model = predict_model(args)
     check = (
         check_model(pipeline, model, marks=file_marks(args.file)) if model is not None else None
@@ -91,6 +92,8 @@ def _graph_data(p: ResolvedPipeline) -> dict[str, Any]:
                 "needs": list(n.needs),
                 "on_error": n.on_error,
                 "tiers": node_tiers(n),
+                # What it does on each P/D side ("" where it does not run).
+                "sides": sides_table(p)[n.id],
             }
             for n in p.nodes
         ],
@@ -132,6 +135,12 @@ def _graph_text(p: ResolvedPipeline, check: ModelCheck | None = None) -> str:
         f"load order ({p.load_policy}): {' -> '.join(p.load_order) or '(none)'}",
         f"save to: {', '.join(p.save_to) or '(none)'}",
     ]
+    if is_pd(p):
+        lines += ["", f"P/D sides (this engine: {p.kv_role}):"]
+        for node_id, actions in sides_table(p).items():
+            for i, (side, action) in enumerate(actions.items()):
+                head = node_id if i == 0 else ""
+                lines.append(f"  {head:<{id_width}}  {side:<8}  {action or '(not on this side)'}")
     if check is not None:
         lines += [escape(f"note: {note}") for note in check.notes]
         if check.runs is not check.model:

@@ -97,8 +97,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     results: list[_Checked] = []
     for file in args.files:
         try:
-            pipeline = load(file, registry)
+            pipeline = load(file, registry, args.kv_role)
             deep = _deep_problems(pipeline, file) if args.deep else []
+            if args.enable_sleep_mode:
+                deep += _sleep_mode_problems(pipeline, file)
             checked = _Checked(file, pipeline, deep)
             if model is not None:
                 checked.model = check_model(pipeline, model, marks=file_marks(file))
@@ -157,6 +159,17 @@ def file_marks(file: str) -> Marks | None:
     return marks
 
 
+def _sleep_mode_problems(pipeline: ResolvedPipeline, file: str) -> list[Problem]:
+    from composer.validation.deep_check import sleep_mode_problems
+
+    try:
+        from composer.vllm.pipeline_source import sleep_mode_refusals
+
+        return sleep_mode_problems(pipeline, sleep_mode_refusals(pipeline), marks=file_marks(file))
+    except ImportError as exc:
+        raise MissingRuntime(f"--enable-sleep-mode needs vLLM importable ({exc})") from None
+
+
 def _deep_problems(pipeline: ResolvedPipeline, file: str) -> list[Problem]:
     from composer.validation.deep_check import deep_check
 
@@ -183,7 +196,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    pipeline = load(args.file, discover())
+    pipeline = load(args.file, discover(), args.kv_role)
     reference = None
     if args.reference:
         if args.file == "-":

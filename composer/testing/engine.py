@@ -57,6 +57,11 @@ class EngineSpec:
     #: Publish vLLM's KV cache events over ZMQ here (``--kv-events-config``
     #: ``{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ...}``).
     kv_events_endpoint: str | None = None
+    #: vLLM's ``dtype`` (``auto``: the model's own, bfloat16 for the tiny models).
+    #: Engines that load NIXL run ``float32``: with bfloat16 a consumer engine died
+    #: with ``Illegal instruction`` in ``cpu_attention_with_kv_cache`` once NIXL
+    #: was loaded (not without it), on vLLM 0.32's CPU build.
+    dtype: str = "auto"
 
 
 @dataclass
@@ -264,12 +269,9 @@ def _kill_group(proc: subprocess.Popen[Any], grace_s: float = SHUTDOWN_GRACE_S) 
     return True
 
 
-def _child(spec_path: str, out_path: str) -> None:
-
-    spec = EngineSpec(**json.loads(Path(spec_path).read_text()))
-    t0 = time.perf_counter()
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def build_llm(spec: EngineSpec) -> Any:
+    """vLLM's offline ``LLM`` for ``spec`` (in the process that runs the engine)."""
+    from vllm import LLM
 
     kv_events = None
     if spec.kv_events_endpoint:
@@ -278,7 +280,7 @@ def _child(spec_path: str, out_path: str) -> None:
         kv_events = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=spec.kv_events_endpoint
         )
-    llm = LLM(
+    return LLM(
         model=spec.model,
         kv_events_config=kv_events,
         block_size=spec.block_size,
@@ -286,39 +288,52 @@ def _child(spec_path: str, out_path: str) -> None:
         enable_prefix_caching=spec.prefix_caching,
         kv_transfer_config=spec.kv_transfer_config,
         enforce_eager=spec.enforce_eager,
+        dtype=spec.dtype,  # type: ignore[arg-type]  # (checked by vLLM)
         disable_log_stats=False,
         seed=0,
     )
-    startup = time.perf_counter() - t0
+
+
+def generate(llm: Any, prompts: Sequence[Prompt], max_tokens: int) -> list[dict[str, Any]]:
+    """One batch of greedy requests on ``llm``, as RequestResult fields."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     def sampling(prompt: Prompt) -> SamplingParams:
         extra = None
         if isinstance(prompt, dict) and "kv_transfer_params" in prompt:
             # (how vLLM's offline API passes a request's kv_transfer_params)
             extra = {"kv_transfer_params": prompt["kv_transfer_params"]}
         return SamplingParams(
-            temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True, extra_args=extra
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra
         )
 
+    inputs = [
+        p if isinstance(p, str) else TokensPrompt(prompt_token_ids=p["prompt_token_ids"])
+        for p in prompts
+    ]
+    outputs = llm.generate(inputs, [sampling(p) for p in prompts], use_tqdm=False)
+    return [
+        {
+            "prompt_tokens": len(o.prompt_token_ids or ()),
+            "tokens": list(o.outputs[0].token_ids),
+            "cached_tokens": o.num_cached_tokens or 0,
+            "ttft_s": getattr(o.metrics, "first_token_latency", None) or None,
+            "kv_transfer_params": o.kv_transfer_params,
+        }
+        for o in outputs
+    ]
+
+
+def _child(spec_path: str, out_path: str) -> None:
+
+    spec = EngineSpec(**json.loads(Path(spec_path).read_text()))
+    t0 = time.perf_counter()
+    llm = build_llm(spec)
+    startup = time.perf_counter() - t0
     rounds = []
     for index, prompts in enumerate(spec.rounds):
-        inputs = [
-            p if isinstance(p, str) else TokensPrompt(prompt_token_ids=p["prompt_token_ids"])
-            for p in prompts
-        ]
-        params = [sampling(p) for p in prompts]
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        rounds.append(
-            [
-                {
-                    "prompt_tokens": len(o.prompt_token_ids or ()),
-                    "tokens": list(o.outputs[0].token_ids),
-                    "cached_tokens": o.num_cached_tokens or 0,
-                    "ttft_s": getattr(o.metrics, "first_token_latency", None) or None,
-                    "kv_transfer_params": o.kv_transfer_params,
-                }
-                for o in outputs
-            ]
-        )
+        rounds.append(generate(llm, prompts, spec.max_tokens))
         if spec.reset_after is not None:
             reset = index in spec.reset_after
         else:

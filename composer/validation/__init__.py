@@ -23,13 +23,18 @@ from composer.loader import (
     read_pipeline_file,
 )
 from composer.pipeline import (
+    KV_ROLES,
     LOADING_ROLES,
     SAVING_ROLES,
+    KVRole,
     Pipeline,
     ResolvedNode,
     ResolvedPipeline,
+    kv_role_named,
+    sides_of,
 )
 from composer.validation.graph import check_graph, dependency_order
+from composer.validation.pd import check_pd, node_sides
 
 Path = tuple[str | int, ...]
 
@@ -39,24 +44,34 @@ def load_pipeline(
     *,
     registry: Registry | None = None,
     env: Mapping[str, str] | None = None,
+    kv_role: str | None = None,
 ) -> ResolvedPipeline:
     """Load and fully validate a pipeline from a file path, a mapping or a ``Pipeline``.
+
+    ``kv_role``: the P/D side the engine that runs it plays (``producer``,
+    ``consumer``, ``both`` or vLLM's ``kv_*`` names), instead of the file's
+    ``kv_role``; the pipeline is checked for that side and resolved to the nodes
+    that run there (see :mod:`composer.validation.pd`). A name that is no side
+    is a ValueError.
 
     Raises :class:`~composer.errors.PipelineInvalid` listing every problem, and
     :class:`~composer.discovery.PluginLoadError` when a plugin itself fails.
     """
     if isinstance(source, BaseModel):
-        return validate_data(source.model_dump(exclude_unset=True), registry=registry)
+        return validate_data(
+            source.model_dump(exclude_unset=True), registry=registry, kv_role=kv_role
+        )
     if isinstance(source, Mapping):
         # The caller's dict itself, not a copy: a cycle back to it must be seen as one.
         data = source if isinstance(source, dict) else dict(source)
-        return validate_data(data, registry=registry)
+        return validate_data(data, registry=registry, kv_role=kv_role)
+    side = kv_role_named(kv_role) if kv_role is not None else None
     file = str(FsPath(source))
     try:
         text = read_pipeline_file(source)
     except FileProblem as exc:
         raise PipelineInvalid([Problem((), exc.message, file, exc.line, exc.column)]) from None
-    return validate_text(text, file=file, registry=registry, env=env)
+    return validate_text(text, file=file, registry=registry, env=env, kv_role=side)
 
 
 def validate_text(
@@ -65,7 +80,10 @@ def validate_text(
     file: str = "<pipeline>",
     registry: Registry | None = None,
     env: Mapping[str, str] | None = None,
+    kv_role: str | None = None,
 ) -> ResolvedPipeline:
+    """Validate a pipeline file's text (``kv_role``: as for :func:`load_pipeline`)."""
+    side = kv_role_named(kv_role) if kv_role is not None else None
     data, marks, yaml_problems = load_yaml(text, env=env)
     reporter = Reporter(file, marks)
     for p in yaml_problems:
@@ -77,7 +95,7 @@ def validate_text(
             reporter.add((), "the pipeline file is empty")
         reporter.raise_if_any()
     # Keep going after duplicate keys or unset variables: report everything at once.
-    return validate_data(data, registry=registry, reporter=reporter)
+    return validate_data(data, registry=registry, reporter=reporter, kv_role=side)
 
 
 def validate_data(
@@ -85,7 +103,10 @@ def validate_data(
     *,
     registry: Registry | None = None,
     reporter: Reporter | None = None,
+    kv_role: str | None = None,
 ) -> ResolvedPipeline:
+    """Validate pipeline data (``kv_role``: as for :func:`load_pipeline`)."""
+    side = kv_role_named(kv_role) if kv_role is not None else None
     registry = registry if registry is not None else discover()
     reporter = reporter or Reporter("<pipeline>", Marks())
     if not isinstance(data, dict):
@@ -115,8 +136,7 @@ def validate_data(
         if plugin not in registry:
             reporter.add(
                 ("nodes", node_id, "plugin"),
-                f'unknown plugin "{plugin}"{did_you_mean(plugin, registry.names())}; '
-                f"installed: {one_of(registry.names())}",
+                f"{registry.why_unknown(plugin)}; installed: {one_of(registry.names())}",
             )
             continue
         config_model = registry[plugin].config
@@ -134,9 +154,38 @@ def validate_data(
             _report_pydantic(reporter, exc, ("nodes", node_id, "config"), config_model)
 
     check_graph(data, registry, configs, reporter)
+    _check_sides(data, registry, side, reporter)
     reporter.raise_if_any()
     assert pipeline is not None
+    if side is not None:
+        # The side's role is the pipeline's from here on: what the chain, the
+        # exported config and the inline copy vLLM re-validates all go by.
+        pipeline = pipeline.model_copy(update={"kv_role": side})
     return _resolve(pipeline, registry, configs, data, reporter.file)
+
+
+def _check_sides(
+    data: dict[str, Any], registry: Registry, side: KVRole | None, reporter: Reporter
+) -> None:
+    """The P/D rules for the engine's side (``side``, else the file's ``kv_role``),
+    read from the raw data like the graph checks: reported with every other problem."""
+    raw_nodes = data.get("nodes")
+    if not isinstance(raw_nodes, dict):
+        return
+    roles: dict[str, str] = {}
+    native: set[str] = set()
+    for node_id, node in raw_nodes.items():
+        plugin = node.get("plugin") if isinstance(node, dict) else None
+        if not isinstance(plugin, str) or plugin not in registry:
+            continue
+        role = node.get("role")
+        roles[node_id] = role if isinstance(role, str) else registry[plugin].default_role
+        if plugin == "vllm":
+            native.add(node_id)
+    kv_role = side or data.get("kv_role", "kv_both")
+    if kv_role not in KV_ROLES:
+        return  # reported by the Pipeline model
+    check_pd(data, kv_role, side is not None, roles, native, reporter)
 
 
 def _resolve(
@@ -147,8 +196,11 @@ def _resolve(
     file: str,
 ) -> ResolvedPipeline:
     nodes: dict[str, ResolvedNode] = {}
+    engine_sides = set(sides_of(pipeline.kv_role))
     for node_id, node in pipeline.nodes.items():
-        if not node.enabled:
+        sides = node_sides(data["nodes"][node_id])
+        # A node of the other side only is left out, as a disabled one is.
+        if not node.enabled or not engine_sides & set(sides):
             continue
         ptype = registry[node.plugin]
         nodes[node_id] = ResolvedNode(
@@ -158,6 +210,7 @@ def _resolve(
             role=node.role or ptype.default_role,
             on_error=node.on_error,
             needs=tuple(n for n in node.needs),
+            sides=sides,
             capabilities=call_plugin(
                 ptype.name, "resolving capabilities", ptype.resolve_capabilities, configs[node_id]
             ),
@@ -174,7 +227,7 @@ def _resolve(
         else tuple(n for n, v in nodes.items() if v.role in SAVING_ROLES)
     )
     hma = pipeline.hma == "on" or (
-        pipeline.hma == "auto" and all(n.capabilities.hma for n in nodes.values())
+        pipeline.hma == "auto" and all(n.allows_hma for n in nodes.values())
     )
     return ResolvedPipeline(
         nodes=tuple(nodes[n] for n in ordered),

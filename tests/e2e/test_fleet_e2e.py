@@ -41,9 +41,9 @@ from composer.bench.fleet import (
 from composer.bench.replay import Prompt, make_prompts, send, served_model, vocab_size_of
 from composer.bench.servers import Config, ServerSpec
 from composer.bench.spec import BenchSpec
-from composer.simulate.shape import model_shape
 from composer.servers.vllm_router import vllm_router
 from composer.simulate.fleet import simulate_fleet
+from composer.simulate.shape import model_shape
 from composer.trace import multi_turn, read_trace
 
 pytestmark = pytest.mark.e2e
