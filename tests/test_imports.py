@@ -127,3 +127,50 @@ def test_the_check_sees_a_circle_and_an_upward_arrow() -> None:
     found = [t for node in tree.body for t in _imported("composer.bench.fleet", node)]  # type: ignore[arg-type]
     assert found == ["composer.cli.serve", "composer.bench.run"]
     assert LAYER[_unit(found[0])] > LAYER["bench"]
+
+
+# --------------------------------------------------------------------------- #
+# Sizes a newcomer can hold in their head
+# --------------------------------------------------------------------------- #
+
+#: Modules allowed past MAX_MODULE_LINES: the hook table, and vLLM's grouping rules.
+LONG_MODULES = {"composer.hookspecs", "composer.model.kv_groups"}
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_module_is_too_long() -> None:
+    long = {
+        m: len(p.read_text().splitlines())
+        for m, p in MODULES.items()
+        if m not in LONG_MODULES and len(p.read_text().splitlines()) > MAX_MODULE_LINES
+    }
+    assert long == {}
+
+
+def test_no_function_is_too_long() -> None:
+    long = [
+        f"{m}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for m, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert long == []
+
+
+def test_init_files_only_hand_names_on() -> None:
+    """A package's ``__init__.py``: its docstring, imports and ``__all__``, nothing else."""
+    doing = []
+    for module, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        for i, node in enumerate(ast.parse(path.read_text()).body):
+            docstring = i == 0 and isinstance(node, ast.Expr)
+            names = isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [
+                "__all__"
+            ]
+            if not (docstring or names or isinstance(node, ast.Import | ast.ImportFrom)):
+                doing.append(f"{module}:{node.lineno}: {type(node).__name__}")
+    assert doing == []

@@ -290,6 +290,14 @@ def add_bench(sub: Subparsers) -> None:
         "--max-output-tokens", type=int, metavar="N", help="cap every request's output"
     )
     _add_bench_server_options(p)
+    _add_bench_run_options(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")
+    _add_json(p)
+
+
+def _add_bench_run_options(p: argparse.ArgumentParser) -> None:
+    """How ``kvc bench`` runs its configurations: where results go, rounds, a fleet."""
     p.add_argument(
         "--output", "-o", default="kvc-bench", metavar="DIR",
         help="directory for the table, the JSON and the plot (default kvc-bench)",
@@ -311,9 +319,6 @@ def add_bench(sub: Subparsers) -> None:
         "router credits only vLLM's own events) or kv_aware-tiers (the tiers' events too); "
         "repeat for several (default: all five)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")
-    _add_json(p)
 
 
 def _add_bench_server_options(p: argparse.ArgumentParser) -> None:
