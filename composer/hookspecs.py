@@ -18,13 +18,13 @@ the way pytest declares ``firstresult`` on a hookspec): which vLLM process calls
 it and how often, how the nodes' results combine, what ``on_error: recompute``
 does with a failure, which nodes it is dispatched to, and how the built-in
 ``vllm`` node forwards it. :data:`HOOKS` holds those rows; the chain's call
-lists, fault policy and step timing, the native node's forwarding, the README's
+lists, fault policy and step timing, the native node's forwarding, the docs'
 hook table (:func:`markdown_table`) and the combine and fault tests all read it.
 
 Adding a hook (as vLLM adds a connector method), each step checked by a test:
 
 1. its spec here, with its row (``@hook(...)``); paste :func:`markdown_table`
-   into the README;
+   into ``docs/hooks.md``;
 2. the chain's method of the same name (``chain/``: the side of the process
    that calls it), which ``ComposedConnector``'s method of that name calls;
 3. its vLLM arguments in :func:`composer.testing.chains.sample_args`, with
@@ -692,7 +692,7 @@ assert AWAY_HOOKS.issuperset(STORE_CALLS)
 
 
 def markdown_table() -> str:
-    """The README's hook table (``tests/test_hookspecs.py`` checks it is current)."""
+    """``docs/hooks.md``'s hook table (``tests/test_hookspecs.py`` checks it is current)."""
     rows = [
         "| hook | process | called | combine | on `recompute` | store away | nodes | `vllm` node "
         "| what |",

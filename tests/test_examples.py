@@ -1,5 +1,5 @@
 """Every file in examples/ is exercised here (a file no test covers fails the suite),
-and so is every example in the README."""
+and so is every example in the README and the pages under docs/."""
 
 from __future__ import annotations
 
@@ -141,14 +141,22 @@ def test_compose_py_builds_the_cpu_offload_pipeline() -> None:
 
 
 # --------------------------------------------------------------------------- #
-# The README's examples are examples too.
+# The README's and the docs' examples are examples too.
 # --------------------------------------------------------------------------- #
 
 README = EXAMPLES.parent / "README.md"
+#: The README and every page of the documentation.
+PAGES = [README, *sorted((EXAMPLES.parent / "docs").glob("*.md"))]
 
 
 def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", README.read_text(), re.MULTILINE | re.DOTALL)
+    return [
+        block
+        for page in PAGES
+        for block in re.findall(
+            rf"^```{lang}\n(.*?)^```", page.read_text(), re.MULTILINE | re.DOTALL
+        )
+    ]
 
 
 def _block_starting(lang: str, first_line: str) -> str:
@@ -156,14 +164,14 @@ def _block_starting(lang: str, first_line: str) -> str:
     return block
 
 
-def test_readme_pipelines_validate(tmp_path: Path) -> None:
+def test_the_docs_pipelines_validate(tmp_path: Path) -> None:
     pipelines = [b for b in _blocks("yaml") if not b.startswith("# broken.yaml")]
     assert pipelines
     for text in pipelines:
         validate_text(text, file="README.md", env={})
 
 
-def test_readme_error_example_output_is_what_kvc_prints(
+def test_the_docs_error_example_is_what_kvc_prints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
@@ -174,7 +182,7 @@ def test_readme_error_example_output_is_what_kvc_prints(
     assert (out + err).splitlines() == shown
 
 
-def test_readme_python_api_example_runs(tmp_path: Path) -> None:
+def test_the_docs_python_api_example_runs(tmp_path: Path) -> None:
     """Run where a user would: beside their pipeline.yaml (the README's first pipeline)."""
     (code,) = [b for b in _blocks("python") if b.startswith("import json\n")]
     (first,) = [b for b in _blocks("yaml") if "# the node with the longest hit" in b]
@@ -189,7 +197,7 @@ def test_readme_python_api_example_runs(tmp_path: Path) -> None:
     assert lines[2] == str(8 * 1024**3)
 
 
-def test_readme_plugin_example_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_docs_plugin_example_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process; tests/test_plugin_api.py installs the same two files with pip."""
     code = _block_starting("python", "# prompt_stats.py")
     assert len(code.splitlines()) <= 25, "the README's plugin is meant to be one small file"
@@ -228,8 +236,10 @@ def test_readme_plugin_example_works(tmp_path: Path, monkeypatch: pytest.MonkeyP
         sys.modules.pop("prompt_stats", None)
 
 
-def test_readme_documents_every_pipeline_field() -> None:
-    text = README.read_text()
+def test_the_docs_document_every_pipeline_field() -> None:
+    text = (EXAMPLES.parent / "docs" / "pipelines.md").read_text()
     for model in (Pipeline, Node):
         for field in model.model_fields:
-            assert f"| `{field}` |" in text, f"README.md does not document {model.__name__}.{field}"
+            assert f"| `{field}` |" in text, (
+                f"docs/pipelines.md does not document {model.__name__}.{field}"
+            )

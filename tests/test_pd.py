@@ -366,11 +366,11 @@ def test_kvc_serve_refuses_a_consumer_without_transport_before_vllm(
     assert "Traceback" not in proc.stderr and "+ " not in proc.stderr
 
 
-def test_readme_shows_what_kvc_prints_for_a_side(
+def test_the_docs_show_what_kvc_prints_for_a_side(
     root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(root)
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "disaggregated.md").read_text()
     for command in ("kvc validate --kv-role consumer examples/cpu-offload.yaml",
                     "kvc graph examples/pd-nixl.yaml"):
         shown = readme.split(f"$ {command}\n", 1)[1].split("```", 1)[0]

@@ -1,5 +1,5 @@
 """The plugin API: ``Plugin[ConfigT]``, ``PluginType``'s inferred fields and per-process
-classes, and the README's one-file plugin installed with pip and run."""
+classes, and the docs' one-file plugin (docs/plugins.md) installed with pip and run."""
 
 from __future__ import annotations
 
@@ -199,12 +199,12 @@ def test_no_type_ignore_left_in_the_plugins_nodes() -> None:
 
 
 # --------------------------------------------------------------------------- #
-# The README's plugin, installed with pip
+# The docs' plugin (docs/plugins.md), installed with pip
 # --------------------------------------------------------------------------- #
 
 
 def _readme_block(first_line: str) -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "plugins.md").read_text()
     (block,) = [
         b for b in re.findall(r"^```\w+\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
         if b.startswith(first_line + "\n")
@@ -223,7 +223,7 @@ nodes:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The README's two files, ``pip install``ed into a directory of their own; the
+    """docs/plugins.md's two files, ``pip install``ed into a directory of their own; the
     environment that puts it on the path (entry points are read from its dist-info)."""
     root = tmp_path_factory.mktemp("readme-plugin")
     project, target = root / "project", root / "site"

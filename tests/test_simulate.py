@@ -624,8 +624,10 @@ def test_imports_neither_torch_nor_vllm(pipe: Path, root: Path, tmp_path: Path) 
     assert proc.stdout.strip() == "[]"
 
 
-def test_readme_example_runs(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    text = (root / "README.md").read_text()
+def test_the_docs_sweep_example_runs(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = (root / "docs" / "simulate.md").read_text()
     blocks = re.findall(r"^```bash\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
     (block,) = [b for b in blocks if b.startswith("kvc simulate ")]
     argv = shlex.split(block.replace("\\\n", " "))[1:]

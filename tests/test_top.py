@@ -145,7 +145,8 @@ def test_the_state_says_disabled_store_away_or_on() -> None:
 
 
 def test_a_plugins_own_counters_are_shown_largest_first() -> None:
-    # The README's one-file plugin counts "prompts" (self.stats.extra.add("prompts")).
+    # The docs' one-file plugin (docs/plugins.md) counts "prompts":
+    # self.stats.extra.add("prompts").
     def own(event: str, value: int) -> str:
         labels = f'event="{event}",engine="0",model_name="m",node="cpu",plugin="offload-cpu"'
         return f"vllm:kv_composer_events_total{{{labels}}} {value}\n"

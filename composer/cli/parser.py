@@ -198,7 +198,7 @@ def add_simulate(sub: Subparsers) -> None:
     p.add_argument(
         "--exact", action="store_true",
         help="replay every vLLM block; by default, when the block size divides a trace "
-        "block, whole trace blocks move as one unit (much faster; see the README)",
+        "block, whole trace blocks move as one unit (much faster; see docs/simulate.md)",
     )
     p.add_argument(
         "--sweep", metavar="FIELD=V1,V2,...",

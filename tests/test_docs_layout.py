@@ -1,4 +1,5 @@
-"""The README's "Where the runtime lives" names every module and folder of ``composer/``."""
+"""docs/development.md's "Where the runtime lives" names every module and folder of
+``composer/``."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _layout_section() -> str:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("### Where the runtime lives")
-    return readme[start : readme.index("\n### ", start + 1)]
+    page = (ROOT / "docs" / "development.md").read_text()
+    start = page.index("## Where the runtime lives")
+    return page[start : page.index("\n## ", start + 1)]
 
 
 def test_every_module_and_folder_of_composer_is_named() -> None:
