@@ -34,6 +34,6 @@ def test_a_stuck_child_is_killed_after_the_grace(tmp_path: Path) -> None:
         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
     )
     start = time.monotonic()
-    _kill_group(proc, grace_s=1)
+    _kill_group(proc, grace_s=1, signal_wait_s=1)  # (engines get 10 s after SIGTERM)
     assert not _group_alive(proc.pid)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 10

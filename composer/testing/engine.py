@@ -238,12 +238,15 @@ def _wait_reaped(pgid: int) -> None:
         time.sleep(0.1)
 
 
-def _kill_group(proc: subprocess.Popen[Any], grace_s: float = SHUTDOWN_GRACE_S) -> bool:
+def _kill_group(
+    proc: subprocess.Popen[Any], grace_s: float = SHUTDOWN_GRACE_S, signal_wait_s: float = 10
+) -> bool:
     """Stop the engine and every process it spawned (EngineCore, workers); True
     if a signal was needed.
 
     When the engine exited on its own, its children get time to finish their
     teardown first: one killed half-way leaves vLLM's shared memory behind.
+    After SIGTERM each process gets ``signal_wait_s`` before SIGKILL.
     """
     if proc.poll() is not None:
         deadline = time.monotonic() + grace_s
@@ -257,11 +260,11 @@ def _kill_group(proc: subprocess.Popen[Any], grace_s: float = SHUTDOWN_GRACE_S) 
         except ProcessLookupError:
             return sig != signal.SIGTERM
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=signal_wait_s)
         except subprocess.TimeoutExpired:
             continue
         # The leader is gone; give the rest the same time before the next signal.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + signal_wait_s
         while _group_alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         if not _group_alive(proc.pid):
