@@ -87,35 +87,13 @@ def test_a_role_error_is_reported_with_the_nodes_config_errors(problems: Check) 
 def test_vllm_keeps_its_hybrid_manager_beside_a_service_node() -> None:
     """Real vLLM decides (``KVConnectorFactory.supports_hma_config``, which KV Composer
     routes to the pipeline): a tracker node beside an HMA connector leaves it on."""
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-
-    from composer.testing.tiny_model import build_tiny_model
+    from composer.testing.multiconnector import make_vllm_config
     from composer.vllm.registration import register
 
     register()
 
     def hybrid_manager_off(nodes: dict[str, object]) -> bool:
-        config = VllmConfig(
-            model_config=ModelConfig(model=str(build_tiny_model()), dtype="float32", seed=0),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256,
-                is_encoder_decoder=False,
-            ),
-            cache_config=CacheConfig(block_size=16),
-            device_config=DeviceConfig("cpu"),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="ComposedConnector",
-                kv_role="kv_both",
-                kv_connector_extra_config={"pipeline": {"version": 1, "nodes": nodes}},
-            ),
-        )  # fmt: skip
+        config = make_vllm_config(pipeline={"version": 1, "nodes": nodes})
         return bool(config.scheduler_config.disable_hybrid_kv_cache_manager)
 
     nixl = {"plugin": "vllm", "config": {"connector": "NixlConnector"}}

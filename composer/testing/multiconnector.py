@@ -69,9 +69,11 @@ def make_vllm_config(
     kv_role: str = "kv_both",
     hma: str = "auto",
     disable_hybrid_kv_cache_manager: bool | None = None,
+    pipeline: dict[str, Any] | None = None,
 ) -> Any:
     """A CPU ``VllmConfig`` of the tiny local model whose connector runs ``children``
-    as a pipeline (vLLM's own choices made, the hybrid KV cache manager's among them).
+    as a pipeline, or ``pipeline`` as it is (vLLM's own choices made, the hybrid KV
+    cache manager's among them).
 
     KV Composer's vLLM plugin must be registered (``composer.vllm.registration``).
     """
@@ -88,10 +90,12 @@ def make_vllm_config(
 
     kv_transfer_config = None
     if children is not None:
+        pipeline = pipeline_for(children, kv_role, hma)
+    if pipeline is not None:
         kv_transfer_config = KVTransferConfig(
             kv_connector=CONNECTOR_NAME,
             kv_role=kv_role,  # type: ignore[arg-type]
-            kv_connector_extra_config={"pipeline": pipeline_for(children, kv_role, hma)},
+            kv_connector_extra_config={"pipeline": pipeline},
         )
     return VllmConfig(
         model_config=ModelConfig(model=str(build_tiny_model()), dtype="float32", seed=0),
