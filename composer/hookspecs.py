@@ -25,8 +25,9 @@ Adding a hook (as vLLM adds a connector method), each step checked by a test:
 
 1. its spec here, with its row (``@hook(...)``); paste :func:`markdown_table`
    into ``docs/hooks.md``;
-2. the chain's method of the same name (``chain/``: the side of the process
-   that calls it), which ``ComposedConnector``'s method of that name calls;
+2. the method of the same name on the chain of the process that calls it
+   (``SchedulerChain``, ``WorkerChain``, or ``ChainCore`` for either, in
+   ``chain/``), which ``ComposedConnector``'s method of that name calls;
 3. its vLLM arguments in :func:`composer.testing.chains.sample_args`, with
    which the combine and fault tests drive it;
 4. for the ``vllm`` node: nothing when its row says ``as is``; a hookimpl on

@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from composer import Capabilities, Plugin, PluginType, discover, hookimpl, load_pipeline
-from composer.chain import Chain, TransferParamsClash
+from composer.chain import SchedulerChain, TransferParamsClash, WorkerChain
 from composer.testing.chains import (
     HYBRID_KV_CACHE_CONFIG,
     KV_CACHE_CONFIG,
@@ -123,7 +123,7 @@ class _Module:
 REGISTRY = registry(_Module())
 
 
-def chain(nodes: dict[str, Any], role: str = "scheduler", **pipeline: Any) -> Chain:
+def chain(nodes: dict[str, Any], role: str = "scheduler", **pipeline: Any) -> Any:
     CALLS.clear()
     return pipeline_chain({"nodes": nodes, **pipeline}, role, types=REGISTRY)
 
@@ -235,7 +235,7 @@ def test_longest_hit_policy_and_load_order() -> None:
     )
     assert c.get_num_new_matched_tokens(request(), 0) == (12, False)
     assert [n for n, h, _ in CALLS if h == "get_num_new_matched_tokens"] == ["c", "b", "a"]
-    assert c.chosen_node("r1") == "c"  # ties go to the earlier node in load order
+    assert c.planner.chosen_node("r1") == "c"  # ties go to the earlier node in load order
 
 
 def test_none_means_still_looking_up_and_stops_the_round() -> None:
@@ -294,7 +294,7 @@ def test_transfer_params_merge_and_clash_names_both_nodes() -> None:
         clash.request_finished(request(), [])
 
 
-def _load_through(policy: str) -> Chain:
+def _load_through(policy: str) -> WorkerChain:
     nodes = {
         "a": {
             "plugin": "tier",
@@ -429,7 +429,7 @@ def test_kv_events_come_from_every_node_tagged_with_the_node_id() -> None:
         {"version": 1, "nodes": {"a": {"plugin": "evented"}, "b": {"plugin": "evented"}}},
         registry=registry,
     )
-    events = list(Chain(resolved, "scheduler", kv_cache_config=KV_CACHE_CONFIG).take_events())
+    events = list(SchedulerChain(resolved, kv_cache_config=KV_CACHE_CONFIG).take_events())
     assert [type(e).__name__ for e in events] == [
         "BlockStored",
         "BlockRemoved",
@@ -452,7 +452,7 @@ def test_every_nodes_kv_events_are_counted_on_its_stats() -> None:
         {"version": 1, "nodes": {"a": {"plugin": "evented"}, "b": {"plugin": "evented"}}},
         registry=registry,
     )
-    chain = Chain(resolved, "scheduler", kv_cache_config=KV_CACHE_CONFIG)
+    chain = SchedulerChain(resolved, kv_cache_config=KV_CACHE_CONFIG)
     list(chain.take_events())
     stats = chain.take_stats()
     for node in ("a", "b"):
@@ -480,12 +480,12 @@ class _EventsModule:
 HYBRID_BLOCKS = ([0, 21, 22, 23], [10, 11, 12, 13])
 
 
-def _hybrid_load(policy: str, fail_in: str | None) -> tuple[Chain, Any]:
+def _hybrid_load(policy: str, fail_in: str | None) -> tuple[WorkerChain, Any]:
     config = {"hit": 12, "fail_in": fail_in}
     nodes = {"a": {"plugin": "hybrid-tier", "on_error": policy, "config": config}}
     CALLS.clear()
     resolved = load_pipeline({"version": 1, "nodes": nodes, "hma": "on"}, registry=REGISTRY)
-    sched = Chain(resolved, "scheduler", kv_cache_config=HYBRID_KV_CACHE_CONFIG)
+    sched = SchedulerChain(resolved, kv_cache_config=HYBRID_KV_CACHE_CONFIG)
     # The node loads synchronously; vLLM takes failures of several groups only
     # per request, from async loads: the chain makes the load async for vLLM.
     assert sched.get_num_new_matched_tokens(request(), 0) == (12, True)
@@ -493,7 +493,7 @@ def _hybrid_load(policy: str, fail_in: str | None) -> tuple[Chain, Any]:
     meta = sched.build_connector_meta(SimpleNamespace())
     assert meta.loads == {"a": {21, 22, 10, 11, 12}}  # never the null block
     assert meta.async_loads == {"r1": (("a", frozenset({21, 22, 10, 11, 12}), True),)}
-    worker = Chain(resolved, "worker", kv_cache_config=HYBRID_KV_CACHE_CONFIG)
+    worker = WorkerChain(resolved, kv_cache_config=HYBRID_KV_CACHE_CONFIG)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     return worker, worker.get_transfer_results(set())
@@ -530,6 +530,6 @@ def test_with_hma_a_node_with_only_request_finished_still_holds_blocks(groups: A
     nodes = {"a": {"plugin": "hybrid-tier", "config": {"hold": True}}}
     resolved = load_pipeline({"version": 1, "nodes": nodes}, registry=REGISTRY)
     assert resolved.hma
-    sched = Chain(resolved, "scheduler", kv_cache_config=HYBRID_KV_CACHE_CONFIG)
+    sched = SchedulerChain(resolved, kv_cache_config=HYBRID_KV_CACHE_CONFIG)
     hold, _ = sched.request_finished_all_groups(request(), groups)
     assert hold and ("a", "request_finished", None) in CALLS

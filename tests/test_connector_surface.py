@@ -136,10 +136,12 @@ def registered() -> None:
     register()
 
 
-def composed(children: list[dict[str, Any]]) -> ComposedConnector:
+def composed(
+    children: list[dict[str, Any]], role: KVConnectorRole = KVConnectorRole.WORKER
+) -> ComposedConnector:
     config = make_vllm_config(children, disable_hybrid_kv_cache_manager=True)
     no_cache = KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[])
-    return ComposedConnector(config, KVConnectorRole.WORKER, no_cache)
+    return ComposedConnector(config, role, no_cache)
 
 
 def _importable(name: str) -> bool:
@@ -269,7 +271,10 @@ class _Recorder:
 def test_the_methods_an_editor_follows_are_the_chains(registered: None, name: str) -> None:
     # vLLM calls the chain's method itself (bound over the class's); the class's
     # method, which an editor follows, must do exactly the same.
-    connector = composed([child(RecordingConnector)])
+    # (Built in the process that calls the hook: its chain has the hook.)
+    scheduler = HOOKS[name].process == "scheduler"
+    role = KVConnectorRole.SCHEDULER if scheduler else KVConnectorRole.WORKER
+    connector = composed([child(RecordingConnector)], role)
     assert getattr(connector, name) == getattr(connector.chain, name)
     method = getattr(ComposedConnector, name)
     params = list(inspect.signature(method).parameters.values())[1:]

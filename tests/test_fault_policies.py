@@ -2,7 +2,7 @@
 
 The engine-level matrix (``tests/e2e/test_fault_matrix.py``) proves tokens,
 blocks and shutdown on real vLLM for the hooks vLLM calls on CPU; here every
-hook of the spec is failed once, in both vLLM processes, and what the chain
+hook of the spec is failed once, in each vLLM process that calls it, and what the chain
 does is checked exactly: who is switched off, what becomes a load error, what
 is released, what is counted and logged.
 """
@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from structlog.testing import capture_logs
 
 from composer import Capabilities, PluginType, Unavailable, hookimpl
-from composer.chain import Chain
+from composer.chain import ChainCore
 from composer.chain.faults import NodeFailed, WorkerLedger
 from composer.hookspecs import (
     AWAY_HOOKS,
@@ -27,7 +27,15 @@ from composer.hookspecs import (
     STORE_CALLS,
     Away,
 )
-from composer.testing.chains import NOTHING, Scripted, drive, pipeline_chain, registry, spec_hooks
+from composer.testing.chains import (
+    NOTHING,
+    Scripted,
+    drive,
+    pipeline_chain,
+    processes_of,
+    registry,
+    spec_hooks,
+)
 from composer.testing.chains import Blocks as _Blocks
 from composer.testing.chains import request as _request
 
@@ -88,7 +96,7 @@ class _Module:
 REGISTRY = registry(_Module())
 
 
-def _chain(role: str, policy: str, fail_in: str = "", **config: Any) -> Chain:
+def _chain(role: Any, policy: str, fail_in: str = "", **config: Any) -> Any:
     SHUTDOWNS.clear()
     nodes = {
         "bad": {
@@ -101,7 +109,7 @@ def _chain(role: str, policy: str, fail_in: str = "", **config: Any) -> Chain:
     return pipeline_chain({"nodes": nodes}, role, types=REGISTRY)
 
 
-def _meta(chain: Chain, **fields: Any) -> Any:
+def _meta(chain: ChainCore, **fields: Any) -> Any:
     from composer.chain import ChainMetadata
 
     return ChainMetadata(per_node={}, loads={"bad": {10, 11}}, **fields)
@@ -109,14 +117,15 @@ def _meta(chain: Chain, **fields: Any) -> Any:
 
 def test_every_spec_hook_is_driven() -> None:
     """A hook added to the spec without a case here fails this test."""
-    chain = _chain("worker", "recompute")
+    chains = {role: _chain(role, "recompute") for role in ("scheduler", "worker")}
     for hook in ALL_HOOKS:
-        drive(chain, hook, _request())
+        for role in processes_of(hook):
+            drive(chains[role], hook, _request())
 
 
 @pytest.mark.parametrize("hook", ALL_HOOKS)
 def test_fail_stops_with_the_node_hook_and_plugin_named(hook: str) -> None:
-    for role in ("scheduler", "worker"):
+    for role in processes_of(hook):
         chain = _chain(role, "fail", hook)
         if not chain.implemented(hook):
             continue
@@ -132,7 +141,7 @@ def test_fail_stops_with_the_node_hook_and_plugin_named(hook: str) -> None:
 def test_recompute_keeps_the_node_only_where_recompute_undoes_the_fault(
     hook: str, policy: str
 ) -> None:
-    for role in ("scheduler", "worker"):
+    for role in processes_of(hook):
         chain = _chain(role, policy, hook)
         if not chain.implemented(hook):
             continue
@@ -160,7 +169,7 @@ def test_recompute_keeps_the_node_only_where_recompute_undoes_the_fault(
 def test_a_store_away_is_no_fault_where_the_hook_can_say_so(hook: str, policy: str) -> None:
     """Unavailable under every policy: the node stays on and the call's effect is
     what the hook's ``away`` says; where it says "a fault", the policy applies."""
-    for role in ("scheduler", "worker"):
+    for role in processes_of(hook):
         chain = _chain(role, policy, hook, away=True, hold=True, load_async=True)
         if not chain.implemented(hook):
             continue
@@ -192,7 +201,7 @@ def test_a_store_away_is_no_fault_where_the_hook_can_say_so(hook: str, policy: s
         if away is Away.MISS:
             assert out == (0, False), "the other node has no hit; the away one is a miss"
         if away is Away.SAVE_SKIPPED and hook.startswith("request_finished"):
-            assert chain.new_holds["r1"] == ("good",), "nothing held for the away node"
+            assert chain.holder.new_holds["r1"] == ("good",), "nothing held for the away node"
         if role == "worker" and away is Away.BLOCKS_RECOMPUTED:
             # Even with an async load of it in flight: the node reports that one itself.
             assert chain.get_block_ids_with_load_errors() == {10, 11}

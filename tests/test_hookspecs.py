@@ -11,7 +11,7 @@ import pytest
 from pluggy._hooks import varnames
 
 from composer import EmptyConfig, NodeContext, Plugin, hookimpl
-from composer.hookspecs import HOOKS, PROJECT, DiscoverySpec, NodeSpec, markdown_table
+from composer.hookspecs import HOOKS, PROJECT, DiscoverySpec, NodeSpec, Process, markdown_table
 
 
 def _hooks(spec: type) -> dict[str, str]:
@@ -118,10 +118,42 @@ def test_every_lifecycle_hookspec_has_a_row_and_every_row_a_hookspec() -> None:
         assert row.signature == NODE_HOOKS[name]
 
 
+def _chain_of(process: Process) -> type:
+    """The chain class that runs a hook of ``process`` (either: the core both build on)."""
+    from composer.chain import ChainCore, SchedulerChain, WorkerChain
+
+    return {
+        Process.SCHEDULER: SchedulerChain,
+        Process.WORKER: WorkerChain,
+        Process.EITHER: ChainCore,
+    }[process]
+
+
 def test_the_recipe_for_a_hook_holds_for_every_hook() -> None:
-    """The steps of hookspecs' "Adding a hook": a chain method and sample arguments."""
-    from composer.chain import Chain
+    """The steps of hookspecs' "Adding a hook": a method of its process's chain and
+    sample arguments."""
     from composer.testing.chains import request, sample_args
 
-    assert sorted(h for h in HOOKS if not callable(getattr(Chain, h, None))) == []
+    missing = [
+        h for h, row in HOOKS.items() if not callable(getattr(_chain_of(row.process), h, None))
+    ]
+    assert missing == []
     assert sorted(set(HOOKS) ^ set(sample_args(request()))) == []
+
+
+def test_every_hook_is_a_method_of_exactly_the_chain_of_its_process() -> None:
+    """Scheduler hooks on SchedulerChain, worker hooks on WorkerChain, either-process
+    hooks on ChainCore (so on both): the table and the classes cannot drift."""
+    from composer.chain import ChainCore, SchedulerChain, WorkerChain
+
+    chains = (ChainCore, SchedulerChain, WorkerChain)
+    wrong = {}
+    for hook, row in HOOKS.items():
+        defined = [c.__name__ for c in chains if callable(vars(c).get(hook))]
+        if defined != [_chain_of(row.process).__name__]:
+            wrong[hook] = (str(row.process), defined)
+    assert wrong == {}
+    for hook, row in HOOKS.items():
+        # A side's own hooks are not the other side's (as in vLLM's connectors).
+        assert hasattr(SchedulerChain, hook) == (row.process is not Process.WORKER), hook
+        assert hasattr(WorkerChain, hook) == (row.process is not Process.SCHEDULER), hook

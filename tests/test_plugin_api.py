@@ -270,9 +270,9 @@ def test_installed_plugin_runs_in_a_chain(installed: dict[str, str], tmp_path: P
     (tmp_path / "p.yaml").write_text(PIPELINE)
     code = (
         "import json, types; from composer import load_pipeline; "
-        "from composer.chain import Chain; "
-        "chain = Chain(load_pipeline('p.yaml'), 'scheduler'); "
-        "worker = Chain(load_pipeline('p.yaml'), 'worker'); "
+        "from composer.chain import chain_for; "
+        "chain = chain_for(load_pipeline('p.yaml'), 'scheduler'); "
+        "worker = chain_for(load_pipeline('p.yaml'), 'worker'); "
         "[chain.on_new_request(types.SimpleNamespace(request_id=f'r{n}', num_prompt_tokens=n)) "
         " for n in (10, 2, 6)]; "
         "print(json.dumps([sorted(chain.nodes), sorted(worker.nodes), chain.take_stats()]))"

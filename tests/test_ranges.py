@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from composer import Capabilities, Plugin, PluginType, hookimpl, load_pipeline
-from composer.chain import Chain, ChainMetadata
+from composer.chain import ChainMetadata, SchedulerChain, WorkerChain
 from composer.controls import controls_of
 from composer.testing.chains import (
     HYBRID_KV_CACHE_CONFIG,
@@ -89,7 +89,7 @@ class _Module:
 REGISTRY = registry(_Module())
 
 
-def chain(holds: dict[str, Any], role: str = "scheduler", **pipeline: Any) -> Chain:
+def chain(holds: dict[str, Any], role: str = "scheduler", **pipeline: Any) -> Any:
     """Holder nodes: id -> tokens held, or a dict of the node's fields and config."""
     nodes = {}
     for node_id, spec in holds.items():
@@ -220,7 +220,7 @@ def test_async_and_sync_ranges_make_one_async_load_done_when_every_range_is() ->
     assert (done.finished_recving, done.failed_recving) == ({"r1"}, set())
 
 
-def _report(worker: Chain, node_id: str, recving: set[str]) -> Any:
+def _report(worker: WorkerChain, node_id: str, recving: set[str]) -> Any:
     """``node_id``'s worker reports ``recving`` finished in this step."""
     calls = worker.transfer_calls
     worker.transfer_calls = [
@@ -304,13 +304,13 @@ def test_several_kv_cache_groups_ranges_load_as_one_request(failing: str | None)
         node["plugin"] = "hybrid-holder"
     pipeline = {"version": 1, "nodes": nodes, "load_policy": "ranges", "hma": "on"}
     resolved = load_pipeline(pipeline, registry=types)
-    sched = Chain(resolved, "scheduler", kv_cache_config=HYBRID_KV_CACHE_CONFIG)
+    sched = SchedulerChain(resolved, kv_cache_config=HYBRID_KV_CACHE_CONFIG)
     assert sched.get_num_new_matched_tokens(request(), 0) == (16, True)
     sched.update_state_after_alloc(request(), Blocks(*HYBRID_BLOCKS), 16)
     meta = sched.build_connector_meta(SimpleNamespace())
     # Each range's blocks in both groups, never the null block.
     assert meta.loads == {"fast": {10, 11}, "slow": {22, 23, 12, 13}}
-    worker = Chain(resolved, "worker", kv_cache_config=HYBRID_KV_CACHE_CONFIG)
+    worker = WorkerChain(resolved, kv_cache_config=HYBRID_KV_CACHE_CONFIG)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     first = worker.get_transfer_results(set())

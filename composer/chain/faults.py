@@ -1,9 +1,29 @@
-"""What a node's fault or outage leaves behind: the error a ``fail`` policy stops the
-engine with (:class:`NodeFailed`), a store's outage as one process sees it
-(:class:`Outage`), and the worker's ledger of held and loading requests, which a
-node switched off releases (:class:`WorkerLedger`). What each ``on_error``
-policy does, and what :class:`Unavailable` (a store away, no fault) costs, is
-:mod:`composer.chain.fault_policy`. Nothing here imports torch or vLLM.
+"""A node's failure: what each ``on_error`` policy does, and what it leaves behind.
+
+The chain applies the policy (:meth:`~composer.chain.core.ChainCore.fault`;
+each side says what a fault costs its own state):
+
+* ``fail``: the engine stops with :class:`NodeFailed` (naming the node,
+  hook and plugin); nothing is served.
+* ``recompute``: the node stays on where vLLM's recompute undoes the failed
+  call's effect: a failed lookup is a miss, a failed synchronous load turns the
+  blocks the node was loading this step into load errors, a failed stats or
+  events call loses only that report (each hook's ``recompute`` in
+  :data:`composer.hookspecs.HOOKS`). Anywhere else the node's two halves may be
+  out of step, or an async transfer still writing into vLLM's blocks, and vLLM's
+  connector interface has no call that cancels either: the node is switched
+  off, as ``disable`` does.
+* ``disable``: the node is switched off in both vLLM processes: its
+  ``shutdown`` runs (which stops its transfers), every load it had in flight is
+  reported failed (vLLM recomputes those requests' external tokens), and every
+  request whose blocks it held for a save is released. It leaves this
+  process's call lists for good; the other process follows through the metadata.
+
+:class:`Unavailable` (the node's store is away) is no fault: the node stays on,
+and its outage (:class:`Outage`, as one process sees it) is logged when it
+starts and when it ends. The worker's ledger of held and loading requests,
+which a node switched off releases, is :class:`WorkerLedger`. Nothing here
+imports torch or vLLM.
 """
 
 from __future__ import annotations

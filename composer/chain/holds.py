@@ -1,6 +1,7 @@
 """Holding blocks: a finished request's blocks stay held while any node still saves
 from them, and its nodes' ``kv_transfer_params`` are merged, a key written by two
-nodes an error. What the request's loads delivered is settled here too.
+nodes an error. What the request's loads delivered (the
+:class:`~composer.chain.loads.LoadPlanner` hands it over) is settled here too.
 """
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from composer.chain.base import ChainBase
-from composer.chain.loads import PlannedLoad
+from composer.chain.core import ChainCore
+from composer.chain.loads import LoadPlanner, PlannedLoad
 from composer.chain.metadata import TransferParamsClash
 from composer.pipeline import ResolvedNode
 from composer.views import RequestView
@@ -18,14 +19,21 @@ from composer.views import RequestView
 FAULTED = object()
 
 
-class BlockHolding(ChainBase):
-    """The scheduler half's hooks of a finished request."""
+class BlockHolder:
+    """The scheduler's hooks of a finished request, calling the nodes through the
+    chain's core."""
+
+    def __init__(self, core: ChainCore, planner: LoadPlanner) -> None:
+        self.core, self.planner = core, planner
+        self.pipeline = core.pipeline
+        #: Request -> the nodes holding its blocks: sent with the next step's metadata.
+        self.new_holds: dict[str, tuple[str, ...]] = {}
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         view = RequestView(request)
-        results = self.results("request_finished", view, block_ids, default=FAULTED)
+        results = self.core.results("request_finished", view, block_ids, default=FAULTED)
         return self._finish(request, results)
 
     def request_finished_all_groups(
@@ -38,9 +46,9 @@ class BlockHolding(ChainBase):
             return self.request_finished(request, block_ids[0])
         view = RequestView(request)
         results: list[tuple[str, Any]] = []
-        all_groups = dict(self.calls["request_finished_all_groups"])
-        one_group = dict(self.calls["request_finished"])
-        for node_id in self.nodes:
+        all_groups = dict(self.core.calls["request_finished_all_groups"])
+        one_group = dict(self.core.calls["request_finished"])
+        for node_id in self.core.nodes:
             # A node that implements only request_finished still hears of every
             # finished request (its first group's blocks), as vLLM tells a non-HMA one.
             groups = self._groups_for(node_id, block_ids)
@@ -53,7 +61,7 @@ class BlockHolding(ChainBase):
             try:
                 results.append((node_id, fn(view, arg)))
             except Exception as exc:
-                away = self.fault(node_id, hook, exc)
+                away = self.core.fault(node_id, hook, exc)
                 results.append((node_id, None if away else FAULTED))
         return self._finish(request, results)
 
@@ -70,16 +78,14 @@ class BlockHolding(ChainBase):
         holders, params = hold_and_params(results)
         if holders:
             self.new_holds[request.request_id] = tuple(holders)
-        loads = self.served.pop(request.request_id, [])
+        loads, refused = self.planner.finished(request.request_id)
         for load in loads:
             self._settle(load)
-        refused = self.refused.pop(request.request_id, None)
         if self.pipeline.annotate_outputs or refused:
             note = self._note(loads) if self.pipeline.annotate_outputs else {}
             if refused:
                 note["error"] = f"tier controls: {refused}"
             params = {**(params or {}), "kv_composer": note}
-        self.chosen.pop(request.request_id, None)
         return bool(holders), params
 
     def _note(self, loads: list[PlannedLoad]) -> dict[str, Any]:
@@ -107,7 +113,7 @@ class BlockHolding(ChainBase):
 
     def _settle(self, load: PlannedLoad) -> None:
         """Count what ``load`` delivered on its node's stats."""
-        stats, delivered = self.stats[load.node], load.delivered
+        stats, delivered = self.core.stats[load.node], load.delivered
         stats.tokens_hit += delivered
         if delivered:
             stats.count_served(delivered)
@@ -117,7 +123,7 @@ class BlockHolding(ChainBase):
 
     def register_finished_partial_tail(self, request: Any, block_ids: Any, offloads: Any) -> bool:
         view = RequestView(request)
-        results = self.results(
+        results = self.core.results(
             "register_finished_partial_tail", view, block_ids, offloads, default=False
         )
         return any(r for _, r in results)

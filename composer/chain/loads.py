@@ -9,6 +9,10 @@ Each node is told only its own range. Which blocks it loads travels to the
 workers with the step's metadata, so a failing load there becomes load errors.
 What the node served is settled by what vLLM reports back (:class:`PlannedLoad`):
 only the tokens that arrived count, in ``served_by`` and in the node's counters.
+
+:class:`LoadPlanner` is the scheduler chain's part that does this, with the
+state of requests from their lookup to their finish (when
+:class:`~composer.chain.holds.BlockHolder` takes what they were served).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from composer.chain.base import ChainBase
+from composer.chain.core import ChainCore
 from composer.controls import unknown_names
 from composer.kv_caches import NULL_BLOCK
 from composer.views import RequestView
@@ -83,8 +87,29 @@ def settle_ranges(loads: list[PlannedLoad]) -> None:
             load.cut(position)
 
 
-class LoadPlanning(ChainBase):
-    """The scheduler half's lookups and loads (the hooks asked per request before it runs)."""
+class LoadPlanner:
+    """The scheduler's lookups and loads (the hooks asked per request before it runs),
+    calling the nodes through the chain's core."""
+
+    def __init__(self, core: ChainCore, block_size: int) -> None:
+        self.core = core
+        self.pipeline = core.pipeline
+        self.block_size = block_size
+        #: Request -> its load's ranges, in order (:class:`Range`: one per node serving it).
+        self.chosen: dict[str, list[Range]] = {}
+        #: Request -> its ranges' loads as planned and settled.
+        self.served: dict[str, list[PlannedLoad]] = {}
+        #: Node -> the blocks it loads this step (sent with the step's metadata).
+        self.pending_loads: dict[str, set[int]] = {}
+        #: Request -> why its tier controls were refused (told in its kv_transfer_params).
+        self.refused: dict[str, str] = {}
+        #: Request -> its ranges' (node, blocks it loads, a sync load the chain reports
+        #: done): loads that are async for vLLM (see ``ChainMetadata.async_loads``),
+        #: sent with the next step's metadata.
+        self.new_async_loads: dict[str, tuple[tuple[str, frozenset[int], bool], ...]] = {}
+        #: Requests with a sync range the chain made async for vLLM (several groups,
+        #: or ranges of both kinds).
+        self.converted: set[str] = set()
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -104,7 +129,7 @@ class LoadPlanning(ChainBase):
             return 0, False
         self.chosen[rid] = plan
         load_async = any(r.load_async for r in plan)
-        if self.num_groups > 1 and not load_async:
+        if self.core.num_groups > 1 and not load_async:
             # vLLM takes failed loads of several groups only per request, from
             # async loads: the node loads as it likes, the chain reports it done.
             load_async = True
@@ -118,12 +143,12 @@ class LoadPlanning(ChainBase):
         longest = self.pipeline.load_policy == "longest_hit"
         chosen: Range | None = None
         allowed = self.load_allowed(view)
-        for node_id, fn in self.calls["get_num_new_matched_tokens"]:
+        for node_id, fn in self.core.calls["get_num_new_matched_tokens"]:
             tokens, load_async = self._lookup(node_id, fn, view, num_computed_tokens, allowed)
             if tokens is None:
                 return None
             if tokens > 0:
-                self.stats[node_id].hits += 1
+                self.core.stats[node_id].hits += 1
                 if chosen is None or (longest and tokens > chosen.tokens):
                     chosen = Range(node_id, num_computed_tokens, tokens, load_async)
         return [chosen] if chosen is not None else []
@@ -134,12 +159,12 @@ class LoadPlanning(ChainBase):
         plan: list[Range] = []
         start = num_computed_tokens
         allowed = self.load_allowed(view)
-        for node_id, fn in self.calls["get_num_new_matched_tokens"]:
+        for node_id, fn in self.core.calls["get_num_new_matched_tokens"]:
             tokens, load_async = self._lookup(node_id, fn, view, start, allowed)
             if tokens is None:
                 return None
             if tokens > 0:
-                self.stats[node_id].hits += 1
+                self.core.stats[node_id].hits += 1
                 plan.append(Range(node_id, start, tokens, load_async))
                 start += tokens
         return plan
@@ -155,7 +180,7 @@ class LoadPlanning(ChainBase):
         error = unknown_names(controls, [n.id for n in self.pipeline.nodes])
         if error is not None and view.request_id not in self.refused:
             self.refused[view.request_id] = error
-            self.log.warning("request's tier controls", request=view.request_id, error=error)
+            self.core.log.warning("request's tier controls", request=view.request_id, error=error)
         return controls.load
 
     def _lookup(
@@ -170,14 +195,14 @@ class LoadPlanning(ChainBase):
         still asked, as vLLM's connector API expects of every connector before
         ``update_state_after_alloc`` (LMCache's keeps the request's state from its
         lookup), and its hit counts as none."""
-        self.stats[node_id].lookups += 1
+        self.core.stats[node_id].lookups += 1
         try:
             tokens, load_async = fn(view, num_computed_tokens)
         except Exception as exc:
-            self.fault(node_id, "get_num_new_matched_tokens", exc)
+            self.core.fault(node_id, "get_num_new_matched_tokens", exc)
             return 0, False
-        if node_id in self.outages:
-            self.store_back(node_id)
+        if node_id in self.core.outages:
+            self.core.store_back(node_id)
         if allowed is not None and node_id not in allowed and tokens is not None:
             return 0, False
         return tokens, load_async
@@ -199,13 +224,13 @@ class LoadPlanning(ChainBase):
             # Once per request, at its admission (as vLLM counts its external prefix
             # cache hits): vLLM asks again about a request it could not schedule yet.
             # What a node served is counted when the request finishes: settled.
-            for node_id, _ in self.calls["get_num_new_matched_tokens"]:
-                self.stats[node_id].count_request(view.num_prompt_tokens)
-        for node_id, fn in self.calls["update_state_after_alloc"]:
+            for node_id, _ in self.core.calls["get_num_new_matched_tokens"]:
+                self.core.stats[node_id].count_request(view.num_prompt_tokens)
+        for node_id, fn in self.core.calls["update_state_after_alloc"]:
             try:
                 fn(view, block_ids, tokens.get(node_id, 0), blocks)
             except Exception as exc:
-                self.fault(node_id, "update_state_after_alloc", exc)
+                self.core.fault(node_id, "update_state_after_alloc", exc)
 
     def _plan_loads(
         self, request_id: str, block_ids: Any, num_external_tokens: int
@@ -231,7 +256,7 @@ class LoadPlanning(ChainBase):
             self.pending_loads.setdefault(r.node, set()).update(blocks)
             ranges.append((r.node, blocks, converted and not r.load_async))
         self.served[request_id] = loads
-        if self.num_groups > 1 or converted or any(r.load_async for r in plan):
+        if self.core.num_groups > 1 or converted or any(r.load_async for r in plan):
             # Async for vLLM: the workers track it, so that it is reported done when
             # every range is, and failed when one is (or its node is switched off).
             self.new_async_loads[request_id] = tuple(ranges)
@@ -264,7 +289,7 @@ class LoadPlanning(ChainBase):
         Several ranges: each node is asked about its own tokens (the hit sources'
         counts are summed, the KV cache groups united)."""
         plan = self.chosen.get(request.request_id) or []
-        fns = dict(self.calls[hook])
+        fns = dict(self.core.calls[hook])
         answers = []
         for r in plan:
             fn = fns.get(r.node)
@@ -274,7 +299,7 @@ class LoadPlanning(ChainBase):
             try:
                 answer = fn(RequestView(request), *own)
             except Exception as exc:
-                self.fault(r.node, hook, exc)
+                self.core.fault(r.node, hook, exc)
                 continue
             if answer is not None:
                 answers.append(answer)
@@ -287,3 +312,9 @@ class LoadPlanning(ChainBase):
                     summed[key] = summed.get(key, 0) + n
             return summed
         return tuple(sorted({g for answer in answers for g in answer}))
+
+    def finished(self, request_id: str) -> tuple[list[PlannedLoad], str | None]:
+        """The request finished: what it was served, and why its tier controls were
+        refused (if they were); the planner forgets it."""
+        self.chosen.pop(request_id, None)
+        return self.served.pop(request_id, []), self.refused.pop(request_id, None)

@@ -1,4 +1,4 @@
-"""Worker side: the per-layer fast path, per-step loads and saves, finished transfers.
+"""The workers' chain: the per-layer fast path, per-step loads and saves, finished transfers.
 
 The worker half receives each step's :class:`ChainMetadata` (each node its own
 entry, plus the holds, loads and switch-offs the scheduler half decided), runs
@@ -8,42 +8,97 @@ are freed when the last node holding them is done (the :class:`WorkerLedger`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from composer.chain.base import ChainBase
 from composer.chain.calls import Call, takes_kwargs
-from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata
+from composer.chain.core import ChainCore
+from composer.chain.faults import WorkerLedger
+from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata, TransferResults
 from composer.hookspecs import STORE_CALLS, hooks_where
+from composer.pipeline import ResolvedPipeline
+from composer.plugin_types import VllmProcess
 
 
-class WorkerSide(ChainBase):
-    """The worker half's hooks: each a method looping over its call list."""
+class WorkerChain(ChainCore):
+    """A worker process's hooks: each a method looping over its call list."""
 
-    #: The step's metadata, from bind_connector_metadata to clear_connector_metadata.
-    metadata: ChainMetadata | None = None
-    #: ``calls["wait_for_layer_load"]`` and ``calls["save_kv_layer"]``: one
-    #: attribute each, as a dict lookup per layer shows.
-    layer_loads: list[tuple[str, Call]]
-    layer_saves: list[tuple[str, Call]]
-    #: (node id, callable, returns TransferResults?): ``get_transfer_results``, or
-    #: ``get_finished`` for a node without it, in node order.
-    transfer_calls: list[tuple[str, Call, bool]]
-    #: The hooks vLLM may pass keyword arguments to: (node id, callable, takes them?).
-    kwargs_calls: dict[str, list[tuple[str, Call, bool]]]
+    process: VllmProcess = "worker"
 
-    def _bind_worker(self) -> None:
+    def __init__(
+        self,
+        pipeline: ResolvedPipeline,
+        *,
+        vllm_config: Any = None,
+        kv_cache_config: Any = None,
+        stats_type: Callable[..., Any] | None = None,
+        worker_metadata_type: type[ChainWorkerMetadata] = ChainWorkerMetadata,
+        transfer_results_type: Callable[[], Any] = TransferResults,
+    ) -> None:
+        """``*_type``: the classes the chain builds its results with (the vLLM
+        adapter passes vLLM's own, or subclasses of them, so results need no copy)."""
+        self.worker_metadata_type = worker_metadata_type
+        self.transfer_results_type = transfer_results_type
+        #: The step's metadata, from bind_connector_metadata to clear_connector_metadata.
+        self.metadata: ChainMetadata | None = None
+        self.ledger = WorkerLedger()
+        #: Blocks that failed to load through the chain itself (a fault, a switch-off).
+        self.load_error_blocks: set[int] = set()
+        #: Node -> the blocks it loads this step (the metadata's ``loads``).
+        self.step_loads: dict[str, set[int]] = {}
+        #: Requests released or failed by the chain itself (a node switched off).
+        self.released: set[str] = set()
+        self.failed_recving: set[str] = set()
+        #: Switched off here, not yet told to the scheduler.
+        self.unreported_disabled: set[str] = set()
+        #: Sync ranges the chain reports done once ``start_load_kv`` ran: (node, request).
+        self.converted_loads: list[tuple[str, str]] = []
+        super().__init__(
+            pipeline,
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            stats_type=stats_type,
+        )
+
+    def _bind(self) -> None:
         calls = self.calls
+        #: ``calls["wait_for_layer_load"]`` and ``calls["save_kv_layer"]``: one
+        #: attribute each, as a dict lookup per layer shows.
         self.layer_loads, self.layer_saves = calls["wait_for_layer_load"], calls["save_kv_layer"]
         direct, via_finished = dict(calls["get_transfer_results"]), dict(calls["get_finished"])
-        self.transfer_calls = [
+        #: (node id, callable, returns TransferResults?): ``get_transfer_results``, or
+        #: ``get_finished`` for a node without it, in node order.
+        self.transfer_calls: list[tuple[str, Call, bool]] = [
             (n, direct[n], True) if n in direct else (n, via_finished[n], False)
             for n in self.nodes
             if n not in self.disabled and (n in direct or n in via_finished)
         ]
-        self.kwargs_calls = {
+        #: The hooks vLLM may pass keyword arguments to: (node id, callable, takes them?).
+        self.kwargs_calls: dict[str, list[tuple[str, Call, bool]]] = {
             hook: [(node_id, fn, takes_kwargs(fn)) for node_id, fn in calls[hook]]
             for hook in hooks_where(passes_kwargs=True)
         }
+
+    # -- what a fault costs the worker (ChainCore.fault, switch_off) -------------- #
+
+    def _fail_step_loads(self, node_id: str) -> tuple[int, int]:
+        step = self.step_loads.get(node_id, set())
+        new = len(step - self.load_error_blocks)
+        self.load_error_blocks |= step
+        return len(step), new
+
+    def _loads_async(self, node_id: str) -> bool:
+        return self.ledger.has_async_loads(node_id)
+
+    def _hand_back(self, node_id: str) -> tuple[int, int, int]:
+        self.unreported_disabled.add(node_id)
+        _, blocks = self._fail_step_loads(node_id)
+        done = self.ledger.release(node_id)
+        _, loading = self.ledger.drop_loads(node_id)
+        self.released |= done
+        # (A request that other nodes still load is reported when they are done.)
+        self.failed_recving |= loading
+        return blocks, len(done), len(loading)
 
     # -- per layer, the hot path: one Python call per implementing node ------- #
 
@@ -279,6 +334,19 @@ class WorkerSide(ChainBase):
             off, self.unreported_disabled = frozenset(self.unreported_disabled), set()
             return self.worker_metadata_type(per_node, off)
         return self.worker_metadata_type(per_node) if per_node else None
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """The nodes' KV cache events, merged (``a.merge(b)``) in node order."""
+        merged = None
+        for node_id, fn in self.calls["get_kv_connector_kv_cache_events"]:
+            try:
+                events = fn()
+            except Exception as exc:
+                self.fault(node_id, "get_kv_connector_kv_cache_events", exc)
+                continue
+            if events is not None:
+                merged = events if merged is None else merged.merge(events)
+        return merged
 
     # -- once, at start ------------------------------------------------------- #
 

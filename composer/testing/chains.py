@@ -4,9 +4,10 @@ implements every hook, and a driver.
 :func:`pipeline_chain` builds a chain from a pipeline and the plugin types of a
 test module; ``Scripted`` answers each hook from its config (``returns``),
 records every call in ``CALLS`` and raises in the hook named ``fail_in``;
-:func:`drive` calls a hook through a chain the way vLLM calls it. Used by the
-project's own tests (the chain, fault policies, the combine table) and usable
-by a plugin's (``Chain`` and ``NodeFailed`` are here for them).
+:func:`drive` calls a hook through the chain of its process the way vLLM calls
+it. Used by the project's own tests (the chain, fault policies, the combine
+table) and usable by a plugin's (``chain_for``, the two chains and ``NodeFailed``
+are here for them).
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from composer.chain import Chain as Chain  # (a plugin's tests build chains)
-from composer.chain import ChainMetadata
+from composer.chain import ChainCore, ChainMetadata
+from composer.chain import SchedulerChain as SchedulerChain  # (a plugin's tests build chains)
+from composer.chain import WorkerChain as WorkerChain
+from composer.chain import chain_for as chain_for
 from composer.chain.faults import NodeFailed as NodeFailed  # (a plugin's tests expect it)
 from composer.discovery import Registry, discover
-from composer.hookspecs import HOOKS, Combine, NodeSpec, hookimpl
+from composer.hookspecs import HOOKS, Combine, NodeSpec, Process, hookimpl
 from composer.plugin import Plugin
-from composer.plugin_types import Capabilities, PluginType
+from composer.plugin_types import Capabilities, PluginType, VllmProcess
 from composer.validation import load_pipeline
 
 #: (node id, hook) of every call a ``Scripted`` node received, in order.
@@ -50,6 +53,14 @@ KV_CACHE_CONFIG = SimpleNamespace(
 def spec_hooks() -> list[str]:
     """Every lifecycle hook of the spec, sorted."""
     return sorted(HOOKS)
+
+
+def processes_of(hook: str) -> tuple[VllmProcess, ...]:
+    """The processes whose chain runs ``hook`` (its row's process; either: both)."""
+    process = HOOKS[hook].process
+    if process is Process.EITHER:
+        return ("scheduler", "worker")
+    return ("scheduler",) if process is Process.SCHEDULER else ("worker",)
 
 
 class ScriptedConfig(BaseModel):
@@ -110,8 +121,8 @@ def registry(*modules: Any) -> Registry:
 
 
 def pipeline_chain(
-    pipeline: dict[str, Any], role: str = "scheduler", *, types: Registry | None = None
-) -> Chain:
+    pipeline: dict[str, Any], role: VllmProcess = "scheduler", *, types: Registry | None = None
+) -> SchedulerChain | WorkerChain:
     """The chain of ``pipeline`` (a pipeline file's data) in one vLLM process, without
     vLLM: one KV cache group of 4-token blocks. ``CALLS`` is cleared."""
     CALLS.clear()
@@ -131,10 +142,12 @@ def pipeline_chain(
     for node in resolved.nodes:
         if node.id in answers:
             node.config.returns = answers[node.id]  # type: ignore[attr-defined]
-    return Chain(resolved, role, kv_cache_config=KV_CACHE_CONFIG)  # type: ignore[arg-type]
+    return chain_for(resolved, role, kv_cache_config=KV_CACHE_CONFIG)
 
 
-def chain(nodes: dict[str, dict[str, Any]], role: str = "scheduler", **settings: Any) -> Chain:
+def chain(
+    nodes: dict[str, dict[str, Any]], role: VllmProcess = "scheduler", **settings: Any
+) -> SchedulerChain | WorkerChain:
     """A chain of ``scripted`` nodes: node id -> its ``ScriptedConfig`` fields (plus
     ``on_error``); ``settings`` are pipeline settings (``load_policy``, ...)."""
     CALLS.clear()
@@ -245,16 +258,23 @@ def sample_args(req: Any) -> dict[str, tuple[Any, ...]]:
     }
 
 
-def drive(chain: Chain, hook: str, req: Any = None) -> Any:
+def drive(chain: ChainCore, hook: str, req: Any = None) -> Any:
     """Call ``hook`` through ``chain`` as vLLM calls it (the chain's method of the hook's
-    name, with :func:`sample_args`); the chain's answer. A hook asked of the node
-    serving the request (``Combine.CHOSEN_NODE``) follows the lookup that chooses it."""
+    name, with :func:`sample_args`); the chain's answer. ``chain`` is of a process that
+    runs the hook (:func:`processes_of`). A hook asked of the node serving the
+    request (``Combine.CHOSEN_NODE``) follows the lookup that chooses it."""
     req = req if req is not None else request()
     args = sample_args(req)
     if hook not in args:
         raise KeyError(f"sample_args() has no arguments for {hook!r}: add them to its table")
+    if chain.process not in processes_of(hook):
+        raise ValueError(
+            f"{hook} runs in the {HOOKS[hook].process}, not the {chain.process}: "
+            "drive it through a chain of its process (processes_of)"
+        )
     combine = HOOKS[hook].combine
     if combine is Combine.CHOSEN_NODE:
+        assert isinstance(chain, SchedulerChain)
         chain.get_num_new_matched_tokens(req, 0)
     out = getattr(chain, hook)(*args[hook])
     return list(out) if combine is Combine.CONCATENATE else out

@@ -1,9 +1,9 @@
 """``ComposedConnector``: a pipeline running inside vLLM as one KV connector.
 
 vLLM creates it twice, once in the scheduler process (EngineCore) and once per
-worker; each builds the :class:`~composer.chain.Chain` of its role. Every public
-method of vLLM's ``KVConnectorBase_V1`` is overridden (a test checks this), so
-no node is ever silently skipped.
+worker; each builds the chain of its role (:func:`~composer.chain.chain_for`: one
+without the other process's methods). Every public method of vLLM's
+``KVConnectorBase_V1`` is overridden (a test checks this), so no node is ever silently skipped.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from composer.chain import Chain, ChainMetadata, ChainWorkerMetadata
+from composer.chain import ChainMetadata, ChainWorkerMetadata, chain_for
 from composer.hookspecs import Every, hooks_where
 from composer.vllm.metrics import (
     ComposedPromMetrics,  # noqa: F401  (re-exported: known as the connector's)
@@ -91,7 +91,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.pipeline = engine_pipeline(vllm_config, kv_cache_config)
         process = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         stats_type = _StatsType()
-        self.chain = Chain(
+        self.chain: Any = chain_for(
             self.pipeline,
             process,  # type: ignore[arg-type]
             vllm_config=vllm_config,
@@ -137,7 +137,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         lists, so a node switched off is gone from the next call.
         """
         for name in hooks_where(every=Every.LAYER) + hooks_where(every=Every.STEP):
-            if hasattr(self.chain, name):  # (get_finished: vLLM's, answered below)
+            if hasattr(self.chain, name):  # (the other process's hooks: not in this chain)
                 setattr(self, name, getattr(self.chain, name))
 
     # ------------------------------------------------------------------ #
@@ -265,10 +265,10 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.chain.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        self.chain.handle_preemptions(kv_connector_metadata)  # type: ignore[arg-type]
+        self.chain.handle_preemptions(kv_connector_metadata)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        self.chain.bind_connector_metadata(connector_metadata)  # type: ignore[arg-type]
+        self.chain.bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.chain.start_load_kv(forward_context, **kwargs)

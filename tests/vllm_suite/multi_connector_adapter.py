@@ -29,6 +29,12 @@ nothing else:
   replaced) are the native nodes' connectors, ``_requests_to_connector`` the
   chain's choice of node per request, ``_all_support_hma`` the runtime
   pipeline's ``hma``.
+* One connector, both processes' calls: vLLM's tests call a scheduler's and a
+  worker's methods on one MultiConnector (its children are role-agnostic mocks;
+  ``test_multi_connector_handle_preemptions_integration`` says so), where a
+  composed connector's chain is of its process only (``chain_for``). While they
+  run, the connector's chain is :class:`BothSides`: both chains' hooks over one
+  set of nodes, made for the connector's role (:func:`both_sides_for`).
 
 Every assertion of vLLM's file is kept as it is.
 """
@@ -46,7 +52,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm_source import installed_version, tests_root
 
+from composer.chain import (
+    ChainMetadata,
+    ChainWorkerMetadata,
+    SchedulerChain,
+    TransferResults,
+    WorkerChain,
+)
 from composer.chain.loads import Range
+from composer.pipeline import ResolvedPipeline
 from composer.testing.multiconnector import node_ids, pipeline_for
 from composer.testing.tiny_model import build_tiny_model
 from composer.vllm.connector import ComposedConnector, ComposedStats
@@ -167,6 +181,43 @@ def rewrite(
 # --------------------------------------------------------------------------- #
 
 
+class BothSides(SchedulerChain, WorkerChain):
+    """Both processes' hooks over one set of nodes, made for ``process`` (vLLM's
+    tests call both on one connector). A node switched off releases the worker's
+    holds and loads only in a worker, as in a worker's own chain."""
+
+    def __init__(
+        self,
+        pipeline: ResolvedPipeline,
+        process: Any,
+        *,
+        metadata_type: type[ChainMetadata] = ChainMetadata,
+        restore_worker_meta: bool = False,
+        worker_metadata_type: type[ChainWorkerMetadata] = ChainWorkerMetadata,
+        transfer_results_type: Callable[[], Any] = TransferResults,
+        **common: Any,
+    ) -> None:
+        self.process = process
+        # SchedulerChain's __init__ runs WorkerChain's (the next class), then the core's.
+        super().__init__(
+            pipeline, metadata_type=metadata_type, restore_worker_meta=restore_worker_meta, **common
+        )
+        self.worker_metadata_type = worker_metadata_type
+        self.transfer_results_type = transfer_results_type
+
+    def _bind(self) -> None:
+        SchedulerChain._bind(self)
+        WorkerChain._bind(self)
+
+    def _hand_back(self, node_id: str) -> tuple[int, int, int]:
+        return WorkerChain._hand_back(self, node_id) if self.process == "worker" else (0, 0, 0)
+
+
+def both_sides_for(pipeline: ResolvedPipeline, process: Any, **kwargs: Any) -> BothSides:
+    """``chain_for``'s stand-in while vLLM's tests run."""
+    return BothSides(pipeline, process, **kwargs)
+
+
 def _children_node_ids(connector: ComposedConnector) -> list[str]:
     return [n.id for n in connector.pipeline.nodes]
 
@@ -180,19 +231,19 @@ class _ChosenByIndex(MutableMapping[str, int]):
         self.ids = _children_node_ids(connector)
 
     def __getitem__(self, request_id: str) -> int:
-        return self.ids.index(self.chain.chosen[request_id][0].node)
+        return self.ids.index(self.chain.planner.chosen[request_id][0].node)
 
     def __setitem__(self, request_id: str, index: int) -> None:
-        self.chain.chosen[request_id] = [Range(self.ids[index], 0, 0, False)]
+        self.chain.planner.chosen[request_id] = [Range(self.ids[index], 0, 0, False)]
 
     def __delitem__(self, request_id: str) -> None:
-        del self.chain.chosen[request_id]
+        del self.chain.planner.chosen[request_id]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.chain.chosen)
+        return iter(self.chain.planner.chosen)
 
     def __len__(self) -> int:
-        return len(self.chain.chosen)
+        return len(self.chain.planner.chosen)
 
 
 class AdaptedComposedConnector(ComposedConnector):
@@ -366,7 +417,9 @@ def vllm_test_names(module: ModuleType) -> set[str]:
 
 __all__ = [
     "NOT_APPLICABLE",
+    "BothSides",
     "bare_connector",
+    "both_sides_for",
     "build_kv_connector_stats",
     "by_child",
     "collected",

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-from multi_connector_adapter import NOT_APPLICABLE, collected, load, vllm_test_names
+from multi_connector_adapter import NOT_APPLICABLE, both_sides_for, collected, load, vllm_test_names
 
 _vllm = load()
 globals().update(collected(_vllm))
@@ -33,6 +33,12 @@ def _own_temp_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(tempfile, "tempdir", folder)
     yield
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's tests call both processes' methods on one connector (see the adapter).
+    monkeypatch.setattr("composer.vllm.connector.chain_for", both_sides_for)
 
 
 def test_every_vllm_test_runs_here_or_says_why_not() -> None:

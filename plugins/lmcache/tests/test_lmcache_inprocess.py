@@ -29,7 +29,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from composer import load_pipeline  # noqa: E402
-from composer.testing.chains import Chain  # noqa: E402
+from composer.testing.chains import chain_for  # noqa: E402
 
 BLOCK = 16
 
@@ -94,10 +94,10 @@ def pipeline(config: dict[str, Any]) -> Any:
     return load_pipeline({"version": 1, "nodes": {"lm": {"plugin": "lmcache", "config": config}}})
 
 
-def chain(role: str, config: dict[str, Any]) -> Chain:
-    return Chain(
+def chain(role: Any, config: dict[str, Any]) -> Any:
+    return chain_for(
         pipeline({"mode": "in_process", **config}),
-        role,  # type: ignore[arg-type]
+        role,
         vllm_config=vllm_config(),
         kv_cache_config=hybrid_kv_cache_config(),
     )

@@ -22,7 +22,7 @@ from composer import (
     hookimpl,
     load_pipeline,
 )
-from composer.testing.chains import Chain, NodeFailed
+from composer.testing.chains import NodeFailed, chain_for
 
 
 class TinyLM(torch.nn.Module):
@@ -122,7 +122,7 @@ def _pipeline(config: dict[str, Any] | None = None) -> Any:
 def test_dependents_get_the_model_in_their_own_initialize_hook(tmp_path: Path) -> None:
     """The chain creates and initialises the tracker first, though it is listed second."""
     Consumer.seen = []
-    chain = Chain(_pipeline({"lmcache": "never", "report_file": str(tmp_path / "r")}), "worker")
+    chain = chain_for(_pipeline({"lmcache": "never", "report_file": str(tmp_path / "r")}), "worker")
     assert list(chain.nodes) == ["tracker", "user"]
     model = TinyLM()
     chain.initialize_worker_connector(model, None, None)
@@ -135,7 +135,7 @@ def test_dependents_get_the_model_in_their_own_initialize_hook(tmp_path: Path) -
 
 
 def test_the_scheduler_has_no_tracker() -> None:
-    chain = Chain(_pipeline(), "scheduler")
+    chain = chain_for(_pipeline(), "scheduler")
     assert "tracker" not in chain.nodes
     assert chain.nodes["user"].ctx.needs == {}
 
@@ -145,7 +145,9 @@ def test_registers_with_lmcaches_model_tracker() -> None:
     from lmcache.v1.compute.models.utils import VLLMModelTracker
 
     Consumer.seen = []
-    chain = Chain(_pipeline({"lmcache": "always", "lmcache_instance_id": "kvc-test-1"}), "worker")
+    chain = chain_for(
+        _pipeline({"lmcache": "always", "lmcache_instance_id": "kvc-test-1"}), "worker"
+    )
     model = TinyLM()
     chain.initialize_worker_connector(model, None, None)
     assert VLLMModelTracker.get_model("kvc-test-1") is model
@@ -157,7 +159,7 @@ def test_another_model_under_the_same_lmcache_id_is_an_error() -> None:
     from lmcache.v1.compute.models.utils import VLLMModelTracker
 
     VLLMModelTracker.register_model("kvc-test-2", TinyLM())
-    chain = Chain(_pipeline({"lmcache_instance_id": "kvc-test-2"}), "worker")
+    chain = chain_for(_pipeline({"lmcache_instance_id": "kvc-test-2"}), "worker")
     # Through the chain (on_error: fail), the engine stops with the node named.
     with pytest.raises(NodeFailed, match="already holds another model") as failed:
         chain.initialize_worker_connector(TinyLM(), None, None)
@@ -168,20 +170,20 @@ def test_lmcache_always_without_lmcache_installed(monkeypatch: pytest.MonkeyPatc
     import kvc_model_tracker.node as node
 
     monkeypatch.setattr(node, "lmcache_available", lambda: False)
-    chain = Chain(_pipeline({"lmcache": "always"}), "worker")
+    chain = chain_for(_pipeline({"lmcache": "always"}), "worker")
     with pytest.raises(NodeFailed, match="LMCache is not installed") as failed:
         chain.initialize_worker_connector(TinyLM(), None, None)
     assert isinstance(failed.value.__cause__, ModelNotTracked)
     # auto: no registration and no LMCache import attempted.
     Consumer.seen = []
-    chain = Chain(_pipeline({"lmcache": "auto"}), "worker")
+    chain = chain_for(_pipeline({"lmcache": "auto"}), "worker")
     chain.initialize_worker_connector(TinyLM(), None, None)
     assert chain.nodes["tracker"].service().lmcache_instance_id is None
 
 
 def test_no_model_handed_over() -> None:
     Consumer.seen = []
-    chain = Chain(_pipeline(), "worker")
+    chain = chain_for(_pipeline(), "worker")
     with pytest.raises(NodeFailed) as failed:
         chain.initialize_worker_connector(None, None, None)
     assert isinstance(failed.value.__cause__, ModelNotTracked)

@@ -62,7 +62,7 @@ from composer import (
     discover,
     load_pipeline,
 )
-from composer.testing.chains import Chain
+from composer.testing.chains import chain_for
 
 init_none_hash(sha256)  # what vLLM's EngineCore does with its default hash algorithm
 
@@ -304,7 +304,9 @@ def test_through_the_chain_the_node_owns_its_events_and_counts_them() -> None:
         },
         registry=discover(),
     )
-    chain = Chain(pipeline, "scheduler", vllm_config=EVENTS_ON, kv_cache_config=kv_cache_config(8))
+    chain = chain_for(
+        pipeline, "scheduler", vllm_config=EVENTS_ON, kv_cache_config=kv_cache_config(8)
+    )
     sched = chain.nodes["cpu"]
     p = prompt(8, 70)
     view = RequestView(vllm_request("a", p))
@@ -321,7 +323,9 @@ def test_through_the_chain_the_node_owns_its_events_and_counts_them() -> None:
     counters = chain.take_stats()["cpu"]["counters"]
     assert counters["extra"]["events_stored"] == 2
 
-    off = Chain(pipeline, "scheduler", vllm_config=EVENTS_OFF, kv_cache_config=kv_cache_config(8))
+    off = chain_for(
+        pipeline, "scheduler", vllm_config=EVENTS_OFF, kv_cache_config=kv_cache_config(8)
+    )
     assert off.calls["take_events"] == []
 
 
