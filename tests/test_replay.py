@@ -21,6 +21,7 @@ from composer.trace import KeyMaker, TraceRequest, read_trace
 
 TRACES = Path(__file__).parent / "data" / "traces"
 PIPELINE = str(Path(__file__).parents[1] / "examples" / "fleet-cpu-events.yaml")
+PD = str(Path(__file__).parents[1] / "examples" / "pd-nixl.yaml")
 
 
 def req(ids: tuple[int, ...], input_length: int, output: int = 512, t: float = 0) -> TraceRequest:
@@ -201,7 +202,19 @@ def test_cli_usage_errors_exit_2_without_a_traceback(tmp_path: Path) -> None:
         ((trace,), "exactly one of --model and --url"),
         ((trace, "--model", "m", "--config", "nope.yaml"), "'none', 'prefix' or a pipeline"),
         ((trace, "--url", "http://x", "--config", "none"), "--config starts servers"),
-        ((trace, "--model", "m", "--policy", "round_robin"), "give --fleet N too"),
+        ((trace, "--model", "m", "--policy", "round_robin"), "give --fleet N or --pd too"),
+        ((trace, "--model", "m", "--pd"), "--pd runs one pipeline on both engines"),
+        ((trace, "--url", "http://x", "--pd"), "--pd starts its engines: give --model"),
+        ((trace, "--model", "m", "--pd", "--fleet", "2", "--config", PD), "one at a time"),
+        (
+            (trace, "--model", "m", "--pd", "--config", PD, "--policy", "kv_aware-tiers"),
+            "--policy kv_aware-tiers needs KV events",
+        ),
+        (
+            (trace, "--model", "m", "--pd", "--config", PD, "--policy", "round_robin")
+            + ("--policy", "cache_aware"),
+            "--pd takes at most one --policy",
+        ),
         ((trace, "--model", "m", "--fleet", "2"), "one --config PIPELINE"),
         ((trace, "--model", "m", "--fleet", "2", "--config", PIPELINE), "the model's vocabulary"),
         ((trace, "--url", "http://x", "--fleet", "2"), "give --model, not --url"),
@@ -227,6 +240,23 @@ def test_the_session_names_the_conversation_in_a_header(server: str) -> None:
     assert _Streaming.headers[-1]["x-session-id"] == "7-8-9"
     assert replay.send(server, "m", _prompts(1)[0]).error is None
     assert "x-session-id" not in _Streaming.headers[-1]
+
+
+def test_a_pd_runs_columns_say_what_each_node_served_on_each_engine_and_nixl_moved() -> None:
+    records = [replay.Record(i, 100, 4, 0, 0.1, 0.2) for i in range(2)]
+    pd = bench_report.RunResult(
+        "pd", records, 1.0, prompt_tokens=400, engine_requests=[2, 2],
+        side_tokens={"decode:nixl": 198, "prefill:cpu": 0}, nixl_bytes=3 * 2**20,
+    )
+    plain = bench_report.RunResult("plain (cache_aware)", records, 1.0, engine_requests=[2, 0])
+    table = bench_report.markdown_table([pd, plain])
+    assert "| tokens served by engine:node | NIXL MiB |" in table
+    assert "| decode:nixl 198 | 3.0 |" in table and "| - | 0.0 |" in table
+    pooled = bench_report.pool(pd, pd)
+    assert pooled.side_tokens["decode:nixl"] == 396 and pooled.nixl_bytes == 6 * 2**20
+    assert pooled.engine_requests == [4, 4]
+    summary = pd.summary()
+    assert summary["tokens_served_by_engine_and_node"]["decode:nixl"] == 198
 
 
 def test_a_fleets_engines_are_counted_busiest_first_and_pooled_like_with_like() -> None:

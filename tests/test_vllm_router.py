@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from composer.servers.vllm_router import RouterError, router_argv, vllm_router
+from composer.servers.vllm_router import (
+    Disaggregated,
+    RouterError,
+    healthy_workers,
+    readiness,
+    router_argv,
+    vllm_router,
+)
 
 
 class _Worker(BaseHTTPRequestHandler):
@@ -111,3 +118,33 @@ def test_kv_event_sources_name_the_publisher_and_its_replay_socket() -> None:
     assert "--kv-event-replay-source http://127.0.0.1:1=tcp://127.0.0.1:5" in joined
     assert "--kv-event-block-size 32" in joined and "--host 127.0.0.1" in joined
     assert "--prometheus-host 127.0.0.1" in joined
+
+
+def test_in_pd_mode_it_is_ready_once_prefill_and_decode_count_then_stopped(
+    workers: list[str], tmp_path: Path
+) -> None:
+    pd = Disaggregated([workers[0]], [workers[1]])
+    argv = " ".join(router_argv(pd, (), 2, 3))
+    assert "--vllm-pd-disaggregation --kv-connector nixl" in argv
+    assert f"--prefill {workers[0]}" in argv and f"--decode {workers[1]}" in argv
+    assert "--worker-urls" not in argv
+    with vllm_router(pd, (), tmp_path / "router.log") as router:
+        answer = readiness(router.url)
+        assert answer is not None and healthy_workers(answer) == 2
+    assert not _running(router.pid)
+
+
+@pytest.mark.parametrize(
+    ("answer", "healthy"),
+    [
+        ({"status": "ready", "healthy_workers": 3}, 3),
+        ({"status": "ready", "prefill": {"healthy": 1}, "decode": {"healthy": 2}}, 3),
+        ({"status": "ready", "prefill": {"healthy": 1}}, None),
+        ({"status": "ready", "prefill": {"healthy": "1"}, "decode": {"healthy": 1}}, None),
+        ({"status": "not ready"}, None),
+    ],
+)
+def test_healthy_workers_are_read_from_either_answer(
+    answer: dict[str, object], healthy: int | None
+) -> None:
+    assert healthy_workers(answer) == healthy

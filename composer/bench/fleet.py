@@ -39,7 +39,7 @@ from pathlib import Path
 from composer import scrape
 from composer.bench.replay import BenchError, Prompt, replay, served_model
 from composer.bench.report import RunResult, engine_counters, pool
-from composer.bench.servers import Config, ServerSpec, server
+from composer.bench.servers import Config, ServerSpec, servers
 from composer.bench.spec import BenchSpec, bench_prompts
 from composer.servers.loopback import LOOPBACK, free_port
 from composer.servers.vllm_router import vllm_router
@@ -112,34 +112,36 @@ def run_fleet(spec: BenchSpec) -> list[RunResult]:
 
 @contextlib.contextmanager
 def fleet(config: Config, spec: ServerSpec, n: int, workdir: Path) -> Iterator[list[Engine]]:
-    """``n`` engines running ``config``, healthy, each with its KV event publisher and
-    its own CPU core(s); all stopped after, also when the body fails."""
+    """``n`` engines running ``config``, started side by side, healthy, each with its KV
+    event publisher and its own CPU core(s); all stopped after, also when the body fails."""
     if n < 1:
         raise BenchError(f"--fleet must be >= 1, got {n}")
     cores = os.cpu_count() or 1
     engines: list[Engine] = []
-    with contextlib.ExitStack() as stack:
-        for i in range(n):
-            port, replay = free_port(), free_port()
-            events = {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": f"tcp://*:{port}",
-                # What a router that (re)subscribes missed: vLLM keeps the last
-                # batches and sends them again on request.
-                "replay_endpoint": f"tcp://*:{replay}",
-                "topic": "",
-            }
-            engine = replace(
-                spec,
-                threads_bind=str(i % cores),
-                extra_args=[*spec.extra_args, "--kv-events-config", json.dumps(events)],
-                # Dev mode: vLLM's /reset_prefix_cache; one hash seed across the fleet.
-                env={**spec.env, "VLLM_SERVER_DEV_MODE": "1", "PYTHONHASHSEED": "0"},
-            )
-            url = stack.enter_context(server(config, engine, workdir / f"engine-{i}.log"))
-            engines.append(Engine(url, f"tcp://{LOOPBACK}:{port}", f"tcp://{LOOPBACK}:{replay}"))
-        yield engines
+    wanted: list[tuple[Config, ServerSpec, Path]] = []
+    for i in range(n):
+        port, replay = free_port(), free_port()
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            # What a router that (re)subscribes missed: vLLM keeps the last
+            # batches and sends them again on request.
+            "replay_endpoint": f"tcp://*:{replay}",
+            "topic": "",
+        }
+        engine = replace(
+            spec,
+            threads_bind=str(i % cores),
+            extra_args=[*spec.extra_args, "--kv-events-config", json.dumps(events)],
+            # Dev mode: vLLM's /reset_prefix_cache; one hash seed across the fleet.
+            env={**spec.env, "VLLM_SERVER_DEV_MODE": "1", "PYTHONHASHSEED": "0"},
+        )
+        wanted.append((config, engine, workdir / f"engine-{i}.log"))
+        # (Its URL once started.)
+        engines.append(Engine("", f"tcp://{LOOPBACK}:{port}", f"tcp://{LOOPBACK}:{replay}"))
+    with servers(wanted) as started:
+        yield [replace(e, url=s.url) for e, s in zip(engines, started, strict=True)]
 
 
 def run_policy(

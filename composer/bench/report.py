@@ -47,8 +47,15 @@ class RunResult:
     #: Bytes each node copied into vLLM's KV cache, and out of it into its store.
     node_bytes_loaded: dict[str, float] = field(default_factory=dict)
     node_bytes_saved: dict[str, float] = field(default_factory=dict)
-    #: A fleet's run: the requests each engine finished, busiest engine first.
+    #: A fleet's run: the requests each engine finished, busiest engine first
+    #: (a P/D run: the prefill engine's, then the decode engine's).
     engine_requests: list[float] = field(default_factory=list)
+    #: A P/D run: the prompt tokens each node served on each engine, by the chain's
+    #: account (``tokens_hit``: every node, vLLM's own connectors included), keyed
+    #: ``"ENGINE:NODE"`` (``prefill:cpu``, ``decode:nixl``).
+    side_tokens: dict[str, float] = field(default_factory=dict)
+    #: A P/D run: bytes NIXL moved (vLLM's ``vllm:nixl_bytes_transferred``, all engines).
+    nixl_bytes: float = 0.0
 
     @property
     def imbalance(self) -> float | None:
@@ -96,6 +103,8 @@ class RunResult:
             },
             "bytes_loaded": self.node_bytes_loaded,
             "bytes_saved": self.node_bytes_saved,
+            "tokens_served_by_engine_and_node": self.side_tokens,
+            "nixl_bytes": self.nixl_bytes,
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -108,12 +117,16 @@ def _ms(value: float | None) -> str:
 
 def markdown_table(results: Sequence[RunResult]) -> str:
     fleet = any(r.engine_requests for r in results)
+    pd = any(r.side_tokens or r.nixl_bytes for r in results)
     lines = [
         "| config | requests | errors | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms "
         "| e2e p90 ms | e2e p99 ms | req/s | output tok/s | preemptions "
         + ("| requests by engine (busiest first) | imbalance " if fleet else "")
-        + "| prompt tokens served |",
-        "| --- " + "| ---: " * 11 + ("| ---: | ---: " if fleet else "") + "| --- |",
+        + "| prompt tokens served "
+        + ("| tokens served by engine:node | NIXL MiB " if pd else "")
+        + "|",
+        "| --- " + "| ---: " * 11 + ("| ---: | ---: " if fleet else "") + "| --- "
+        + ("| --- | ---: " if pd else "") + "|",
     ]
     for result in results:
         s = result.summary()
@@ -128,9 +141,16 @@ def markdown_table(results: Sequence[RunResult]) -> str:
             f"| {_ms(s['ttft_s']['p90'])} | {_ms(s['ttft_s']['p99'])} "
             f"| {_ms(s['e2e_s']['p50'])} | {_ms(s['e2e_s']['p90'])} | {_ms(s['e2e_s']['p99'])} "
             f"| {s['requests_per_s']:.2f} | {s['output_tokens_per_s']:.1f} "
-            f"| {s['preemptions']} {engines}| {served} |"
+            f"| {s['preemptions']} {engines}| {served} "
+            + (_pd_cells(result) if pd else "")
+            + "|"
         )
     return "\n".join(lines)
+
+
+def _pd_cells(result: RunResult) -> str:
+    sides = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(result.side_tokens.items()) if v)
+    return f"| {sides or '-'} | {result.nixl_bytes / 2**20:,.1f} "
 
 
 def plot_ttft_cdf(path: Path, results: Sequence[RunResult]) -> None:
@@ -177,6 +197,8 @@ def pool(a: RunResult, b: RunResult) -> RunResult:
         node_bytes_loaded=added(a.node_bytes_loaded, b.node_bytes_loaded),
         node_bytes_saved=added(a.node_bytes_saved, b.node_bytes_saved),
         engine_requests=[x + y for x, y in zip(a.engine_requests, b.engine_requests, strict=True)],
+        side_tokens=added(a.side_tokens, b.side_tokens),
+        nixl_bytes=a.nixl_bytes + b.nixl_bytes,
     )
 
 
@@ -206,8 +228,11 @@ def engine_counters(samples: list[scrape.Sample]) -> dict[str, float]:
         "connector": scrape.total(
             samples, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
         ),
+        # What vLLM's NIXL connector moved (a histogram of bytes per transfer).
+        "nixl_bytes": scrape.total(samples, "vllm:nixl_bytes_transferred_sum"),
     }
     for node, view in scrape.nodes(samples).items():
+        out[f"served:{node}"] = view.counters.get("tokens_hit", 0.0)
         out[f"node:{node}"] = view.counters.get("tokens_loaded", 0.0)
         out[f"bytes_loaded:{node}"] = view.counters.get("bytes_loaded", 0.0)
         out[f"bytes_saved:{node}"] = view.counters.get("bytes_saved", 0.0)

@@ -17,6 +17,7 @@ from typing import Any
 
 from composer import scrape
 from composer.bench.fleet import run_fleet
+from composer.bench.pd import run_pd
 from composer.bench.replay import BenchError, Prompt, replay, served_model
 from composer.bench.report import RunResult, engine_counters, pool
 from composer.bench.servers import server
@@ -96,8 +97,12 @@ def run(spec: BenchSpec) -> list[RunResult]:
     """Every configuration (or the server at ``url``), one after the other."""
     if spec.url is None and spec.server is None:
         raise BenchError("kvc bench needs --model (to start servers) or --url")
+    if spec.fleet and spec.pd:
+        raise BenchError("--fleet and --pd: one at a time")
     if spec.fleet:
         return run_fleet(spec)
+    if spec.pd:
+        return run_pd(spec)
     prompts, skipped = bench_prompts(spec)
     spec.workdir.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = {

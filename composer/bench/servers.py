@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ class ServerSpec:
     num_blocks: int | None = None
     kv_cache_gib: float = 1
     threads_bind: str = "0-1"
+    #: ``kvc serve --kv-role``: the P/D side a pipeline server plays (None: the file's).
+    kv_role: str | None = None
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 600
@@ -84,37 +87,63 @@ def server_command(config: Config, spec: ServerSpec, port: int) -> list[str]:
         return [*vllm_command(), "serve", *args]
     kvc = Path(sys.executable).with_name("kvc")
     launcher = [str(kvc)] if kvc.exists() else [sys.executable, "-m", "composer.cli"]
-    return [*launcher, "serve", str(config.pipeline), "--", *args]
+    role = ["--kv-role", spec.kv_role] if spec.kv_role else []
+    return [*launcher, "serve", *role, str(config.pipeline), "--", *args]
 
 
 @contextlib.contextmanager
 def server(config: Config, spec: ServerSpec, log_path: Path) -> Iterator[str]:
     """A server for ``config`` on a free loopback port, healthy; yields its base URL.
     Always stopped (with everything it started), also when the body fails."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": spec.threads_bind,
-        "TOKENIZERS_PARALLELISM": "false",
-        **spec.env,
-    }
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            server_command(config, spec, port),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-        base = f"http://{LOOPBACK}:{port}"
-        try:
-            wait_healthy(base, proc, log_path, spec.startup_timeout_s)
-            yield base
-        finally:
-            stop_group(proc)
+    with servers([(config, spec, log_path)]) as (started,):
+        yield started.url
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    proc: subprocess.Popen[Any]
+    log_path: Path
+
+    def kill(self) -> None:
+        """Killed now, with everything it started (SIGKILL: no goodbye to its peers)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def servers(wanted: Sequence[tuple[Config, ServerSpec, Path]]) -> Iterator[list[Server]]:
+    """Several servers, started side by side (a start is mostly imports and waiting:
+    two take little longer than one), each healthy, in order. All stopped, also
+    when a start or the body fails."""
+    started: list[tuple[Server, float]] = []
+    with contextlib.ExitStack() as stack:
+        for config, spec, log_path in wanted:
+            port = free_port()
+            env = {
+                **os.environ,
+                "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
+                "VLLM_CPU_OMP_THREADS_BIND": spec.threads_bind,
+                "TOKENIZERS_PARALLELISM": "false",
+                **spec.env,
+            }
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = stack.enter_context(log_path.open("w"))
+            proc = subprocess.Popen(
+                server_command(config, spec, port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+            stack.callback(stop_group, proc)
+            running = Server(f"http://{LOOPBACK}:{port}", proc, log_path)
+            started.append((running, spec.startup_timeout_s))
+        for running, timeout in started:
+            wait_healthy(running.url, running.proc, running.log_path, timeout)
+        yield [running for running, _ in started]
 
 
 def wait_healthy(base: str, proc: subprocess.Popen[Any], log_path: Path, timeout: float) -> None:

@@ -39,6 +39,9 @@ class BenchSpec:
     #: start, so that a router's load counts have settled (one request at a time
     #: is then one at a time to the router too).
     pause_s: float = 0.0
+    #: A prefill and a decode engine behind the router's P/D mode, against the same
+    #: engines without it (``kvc bench --pd``).
+    pd: bool = False
 
 
 def bench_prompts(spec: BenchSpec) -> tuple[list[Prompt], int]:

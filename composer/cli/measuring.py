@@ -178,8 +178,8 @@ def _bench_spec(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> Benc
         raise BenchError("--config starts servers: give --model, not --url")
     if args.fleet is not None and args.fleet < 1:
         raise BenchError(f"--fleet must be >= 1, got {args.fleet}")
-    if args.policy and not args.fleet:
-        raise BenchError("--policy chooses the router's policy: give --fleet N too")
+    if args.policy and not (args.fleet or args.pd):
+        raise BenchError("--policy chooses the router's policy: give --fleet N or --pd too")
     configs = [Config.parse(c) for c in (args.config or ["none", "prefix"])]
     if args.pipeline_prefix_cache == "off":
         configs = [
@@ -211,4 +211,5 @@ def _bench_spec(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> Benc
         rounds=args.rounds,
         fleet=args.fleet or 0,
         policies=args.policy or (),
+        pd=args.pd,
     )

@@ -314,10 +314,18 @@ def _add_bench_run_options(p: argparse.ArgumentParser) -> None:
         "the table has a row per policy",
     )
     p.add_argument(
+        "--pd", action="store_true",
+        help="start a prefill and a decode engine running the one --config pipeline (with a "
+        "transport node, e.g. NIXL) behind vLLM's router in its P/D mode, and replay the "
+        "trace through it and through the router over the same engines without P/D; the "
+        "table has TTFT, tokens served per node on each engine and bytes over NIXL",
+    )
+    p.add_argument(
         "--policy", action="append", metavar="POLICY",
         help="with --fleet: round_robin, consistent_hash, cache_aware, kv_aware-vllm (the "
         "router credits only vLLM's own events) or kv_aware-tiers (the tiers' events too); "
-        "repeat for several (default: all five)",
+        "repeat for several (default: all five). With --pd: the policy without P/D "
+        "(default cache_aware)",
     )
 
 

@@ -45,6 +45,26 @@ class RouterError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Disaggregated:
+    """Prefill/decode engines for the router's P/D mode (``--vllm-pd-disaggregation``):
+    it sends each request to a prefill engine with ``do_remote_decode`` and one
+    token, then to a decode engine with the ``kv_transfer_params`` that came back."""
+
+    prefill: Sequence[str]
+    decode: Sequence[str]
+    #: How the engines move KV (the router's ``--kv-connector``).
+    kv_connector: str = "nixl"
+
+    def argv(self) -> list[str]:
+        argv = ["--vllm-pd-disaggregation", "--kv-connector", self.kv_connector]
+        for url in self.prefill:
+            argv += ["--prefill", url]
+        for url in self.decode:
+            argv += ["--decode", url]
+        return argv
+
+
+@dataclass(frozen=True)
 class Router:
     #: Where requests go.
     url: str
@@ -65,7 +85,7 @@ def router_binary() -> str:
 
 
 def router_argv(
-    workers: Sequence[str],
+    workers: Sequence[str] | Disaggregated,
     policy_args: Sequence[str],
     port: int,
     metrics_port: int,
@@ -82,8 +102,7 @@ def router_argv(
         LOOPBACK,
         "--prometheus-port",
         str(metrics_port),
-        "--worker-urls",
-        *workers,
+        *(workers.argv() if isinstance(workers, Disaggregated) else ["--worker-urls", *workers]),
         "--worker-startup-check-interval",
         "1",
         *policy_args,
@@ -99,7 +118,7 @@ def router_argv(
 
 @contextlib.contextmanager
 def vllm_router(
-    workers: Sequence[str],
+    workers: Sequence[str] | Disaggregated,
     policy_args: Sequence[str],
     log_path: Path,
     *,
@@ -107,8 +126,9 @@ def vllm_router(
     block_size: int = 16,
     startup_timeout: float = 60.0,
 ) -> Iterator[Router]:
-    """The router over ``workers`` (running, healthy engines), ready when every one
-    counts as healthy; always stopped, also when the body fails.
+    """The router over ``workers`` (running, healthy engines; or prefill and decode
+    engines in its P/D mode), ready when every one counts as healthy; always
+    stopped, also when the body fails.
     ``kv_event_sources``: each worker's KV event endpoint and replay endpoint."""
     port, metrics_port = free_port(), free_port()
     while metrics_port == port:
@@ -127,7 +147,12 @@ def vllm_router(
             f"http://{LOOPBACK}:{port}", f"http://{LOOPBACK}:{metrics_port}/metrics", proc.pid
         )
         try:
-            _wait_ready(router, proc, len(workers), log_path, startup_timeout)
+            count = (
+                len(workers.prefill) + len(workers.decode)
+                if isinstance(workers, Disaggregated)
+                else len(workers)
+            )
+            _wait_ready(router, proc, count, log_path, startup_timeout)
             yield router
         finally:
             stop_group(proc, grace=10.0)
@@ -143,6 +168,21 @@ def readiness(url: str, timeout: float = 2.0) -> dict[str, object] | None:
     return answer if isinstance(answer, dict) else None
 
 
+def healthy_workers(answer: Mapping[str, object]) -> int | None:
+    """The healthy workers a ``/readiness`` answer counts: ``healthy_workers``, or in
+    P/D mode (vllm-router 0.1.17) ``{"prefill": {"healthy": N}, "decode": {...}}``."""
+    count = answer.get("healthy_workers")
+    if isinstance(count, int):
+        return count
+    healthy = 0
+    for side in ("prefill", "decode"):
+        counts = answer.get(side)
+        if not isinstance(counts, dict) or not isinstance(counts.get("healthy"), int):
+            return None
+        healthy += counts["healthy"]
+    return healthy
+
+
 def _wait_ready(
     router: Router, proc: subprocess.Popen[bytes], workers: int, log_path: Path, timeout: float
 ) -> None:
@@ -152,7 +192,7 @@ def _wait_ready(
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RouterError(f"vllm-router exited with {proc.returncode}; log tail:\n{tail}")
         answer = readiness(router.url)
-        if answer is not None and answer.get("healthy_workers") == workers:
+        if answer is not None and healthy_workers(answer) == workers:
             return
         if time.monotonic() > deadline:
             stop_group(proc, grace=10.0)
