@@ -6,7 +6,7 @@ which may move. Importing this package never imports torch or vLLM.
 """
 
 from composer.builtin import VllmConnectorConfig
-from composer.discovery import Registry, discover
+from composer.discovery import Registry, discover, find_policy
 from composer.errors import PipelineInvalid, Problem, did_you_mean, one_of
 from composer.export import kv_transfer_config
 from composer.hookspecs import hookimpl, hookspec
@@ -26,14 +26,18 @@ from composer.pipeline import (
 )
 from composer.plugin import NodeContext, Plugin, Unavailable
 from composer.plugin_types import Capabilities, EmptyConfig, NodeRole, PluginType
+from composer.policy import AdmissionPolicy, CachePolicy, EvictionPolicy, PolicyName
 from composer.simulate import SimKVGroup, TierModel
 from composer.validation import load_pipeline, validate_text
 from composer.views import RequestView, StepView
 
 __all__ = [
+    "AdmissionPolicy",
+    "CachePolicy",
     "CanonicalKVCaches",
     "Capabilities",
     "EmptyConfig",
+    "EvictionPolicy",
     "Int",
     "KVGroup",
     "KVRegion",
@@ -49,6 +53,7 @@ __all__ = [
     "PipelineInvalid",
     "Plugin",
     "PluginType",
+    "PolicyName",
     "PositiveByteSize",
     "Problem",
     "Registry",
@@ -63,6 +68,7 @@ __all__ = [
     "available_memory",
     "did_you_mean",
     "discover",
+    "find_policy",
     "hookimpl",
     "hookspec",
     "kv_transfer_config",

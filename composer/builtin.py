@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from composer.builtin_policies import BUILTIN as BUILTIN_POLICIES
 from composer.hookspecs import hookimpl
 from composer.model.support import default_support
 from composer.pipeline import Port
@@ -89,3 +90,9 @@ VLLM = PluginType(
 @hookimpl
 def register_plugin_types(register: Any) -> None:
     register(VLLM)
+
+
+@hookimpl
+def register_cache_policies(register: Any) -> None:
+    for policy in BUILTIN_POLICIES:
+        register(policy)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -17,6 +18,7 @@ from composer import builtin
 from composer.errors import did_you_mean
 from composer.hookspecs import PROJECT, DiscoverySpec
 from composer.plugin_types import PluginType
+from composer.policy import CachePolicy
 
 ENTRY_POINT_GROUP = "kv_composer"
 ALLOW_ENV = "KV_COMPOSER_PLUGINS"
@@ -32,6 +34,10 @@ class PluginConflict(RuntimeError):
 
 class PluginLoadError(RuntimeError):
     """A plugin package failed to import or to register its types."""
+
+
+class UnknownPolicy(LookupError):
+    """A node config names a cache policy no installed package provides."""
 
 
 class PluginFailed(PluginLoadError):
@@ -71,6 +77,8 @@ class Registry:
     types: Mapping[str, PluginType]
     #: Installed entry points not loaded, and why (the variable that switched them off).
     switched_off: Mapping[str, str] = field(default_factory=dict)
+    #: The cache policies node configs may name (``eviction: lru``), by name.
+    policies: Mapping[str, CachePolicy] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> PluginType:
         return self.types[name]
@@ -86,6 +94,18 @@ class Registry:
 
     def names(self) -> list[str]:
         return sorted(self.types)
+
+    def policy(self, kind: str, name: str) -> CachePolicy:
+        """The ``kind`` policy called ``name``; :class:`UnknownPolicy` says what exists."""
+        found = self.policies.get(name)
+        if found is not None and found.kind == kind:
+            return found
+        names = sorted(p.name for p in self.policies.values() if p.kind == kind)
+        what = f'"{name}" is an {found.kind} policy' if found else f'unknown {kind} policy "{name}"'
+        raise UnknownPolicy(
+            f"{what}{did_you_mean(name, names)}; {kind} policies: "
+            + ", ".join(f'"{n}"' for n in names)
+        )
 
     def why_unknown(self, name: str) -> str:
         """What to tell a user who names plugin ``name``, which is not here."""
@@ -138,7 +158,24 @@ def discover(
         pm.register(obj, name=name)
         sources[name] = ("", "")
     pm.check_pending()
-    return replace(_collect_types(pm, sources), switched_off=switched_off)
+    return replace(
+        _collect_types(pm, sources),
+        switched_off=switched_off,
+        policies=_collect_policies(pm, sources),
+    )
+
+
+def find_policy(kind: str, name: str) -> type:
+    """The class of the installed ``kind`` cache policy ``name``, for a tier building its
+    policies (in a vLLM process, in the simulator): :func:`discover`'s, found once per
+    setting of the variables that choose the plugins."""
+    env = tuple(os.environ.get(v) for v in (ALLOW_ENV, DENY_ENV, MODULES_ENV))
+    return _installed(env).policy(kind, name).cls
+
+
+@functools.lru_cache(maxsize=4)
+def _installed(env: tuple[str | None, ...]) -> Registry:
+    return discover()
 
 
 def _register_entry_points(
@@ -219,6 +256,43 @@ def _collect_types(pm: pluggy.PluginManager, sources: dict[str, tuple[str, str]]
                 f"{_describe(exc)}"
             ) from exc
     return Registry(dict(sorted(types.items())))
+
+
+def _collect_policies(
+    pm: pluggy.PluginManager, sources: dict[str, tuple[str, str]]
+) -> dict[str, CachePolicy]:
+    """Every plugin's ``register_cache_policies``, each policy checked and named once."""
+    policies: dict[str, CachePolicy] = {}
+    for impl in pm.hook.register_cache_policies.get_hookimpls():
+        package = sources.get(impl.plugin_name, ("", ""))[0]
+
+        def register(policy: CachePolicy, _pkg: str = package, _by: str = impl.plugin_name) -> None:
+            problems = (
+                policy.problems()
+                if isinstance(policy, CachePolicy)
+                else [f"registered {type(policy).__name__}, not a CachePolicy"]
+            )
+            if problems:
+                raise PluginLoadError(
+                    f'plugin "{_by}" failed in register_cache_policies: ' + "; ".join(problems)
+                )
+            if policy.name in policies:
+                raise PluginConflict(
+                    f'cache policy "{policy.name}" is registered twice '
+                    f"({policies[policy.name].package or 'unknown'} and {_pkg or 'unknown'})"
+                )
+            policies[policy.name] = replace(policy, package=_pkg)
+
+        try:
+            impl.function(register=register)
+        except (PluginConflict, PluginLoadError):
+            raise
+        except PLUGIN_FAILURES as exc:
+            raise PluginLoadError(
+                f'plugin "{impl.plugin_name}" failed in register_cache_policies: '
+                f"{_describe(exc)}"
+            ) from exc
+    return dict(sorted(policies.items()))
 
 
 def _check_type(ptype: object, by: str) -> None:

@@ -3,7 +3,7 @@
 Two kinds of hooks live here.
 
 * **Discovery hooks** (module level, found through the ``kv_composer`` entry-point
-  group) register plugin *types*.
+  group) register plugin *types* and cache policies (:mod:`composer.policy`).
 * **Lifecycle hooks** (:class:`NodeSpec`) are implemented by plugin *instances*,
   one per pipeline node and vLLM process. Their names are vLLM's own
   ``KVConnectorBase_V1`` method names, grouped by phase like pytest's hooks.
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 
     from composer.kv_caches import CanonicalKVCaches
     from composer.plugin_types import PluginType
+    from composer.policy import CachePolicy
     from composer.views import RequestView, StepView
 
 PROJECT = "kv_composer"
@@ -77,6 +78,10 @@ class DiscoverySpec:
     @hookspec
     def register_plugin_types(self, register: Callable[[PluginType], None]) -> None:
         """Call ``register(PluginType(...))`` once for every plugin type this package provides."""
+
+    @hookspec
+    def register_cache_policies(self, register: Callable[[CachePolicy], None]) -> None:
+        """Call ``register(CachePolicy(...))`` once for every cache policy this package provides."""
 
 
 # --------------------------------------------------------------------------- #

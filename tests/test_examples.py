@@ -46,8 +46,9 @@ YAML_EXAMPLES = {
     # Also the prefill and the decode engine of tests/e2e/test_pd_e2e.py.
     "pd-nixl.yaml": (["cpu", "nixl"], "ComposedConnector"),
 }
-#: tier_controls.py runs against a real `kvc serve` in tests/e2e/test_serve_e2e.py.
-PY_EXAMPLES = {"compose.py", "tier_controls.py"}
+#: tier_controls.py runs against a real `kvc serve` in tests/e2e/test_serve_e2e.py;
+#: cache_policy_fifo.py is chosen by name in tests/test_cache_policies.py.
+PY_EXAMPLES = {"compose.py", "tier_controls.py", "cache_policy_fifo.py"}
 
 
 @pytest.fixture(autouse=True)

@@ -37,7 +37,10 @@ def test_spec_classes_are_what_we_think() -> None:
     # Guards the helper above: a change in pluggy's marker attribute would empty both.
     assert "start_load_kv" in NODE_HOOKS
     assert NODE_HOOKS["save_kv_layer"] == "save_kv_layer(layer_name, kv_layer, attn_metadata)"
-    assert DISCOVERY_HOOKS == {"register_plugin_types": "register_plugin_types(register)"}
+    assert DISCOVERY_HOOKS == {
+        "register_plugin_types": "register_plugin_types(register)",
+        "register_cache_policies": "register_cache_policies(register)",
+    }
 
 
 def test_check_pending_catches_a_misspelled_hookimpl() -> None:

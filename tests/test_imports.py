@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent / "composer"
 #: resolved graph -> chain -> vLLM adapter (vllm); the commands (cli) on top.
 LAYERS: list[set[str]] = [
     {"loader", "controls", "stats", "trace", "scrape", "memory", "kv_caches", "servers"},
-    {"errors", "views", "plugin_types"},
+    {"errors", "views", "plugin_types", "policy"},
     {"hookspecs", "plugin", "pipeline"},
     {"model"},
-    {"builtin"},
+    {"builtin", "builtin_policies"},
     {"discovery", "export"},
     {"validation"},
     {"chain", "simulate", "bench"},

@@ -42,7 +42,11 @@ def test_recorded_payload_gives_each_nodes_series() -> None:
 
 
 def _with_per_request_series(text: str, **counts: float) -> str:
-    """``text`` with the per-request counters of its ``cpu`` node (the recording predates them)."""
+    """``text`` with the per-request counters of its ``cpu`` node (the recording predates
+    them), and its ``tokens_hit`` as the chain counts it now: the tokens served (the
+    recording counted each lookup's hit: 960 for the 480 served)."""
+    text = text.replace("tokens_hit_total{", "tokens_hit_recorded_total{")
+    counts.setdefault("tokens_hit", 480)
     labels = '{engine="0",model_name="m",node="cpu",plugin="offload-cpu"}'
     lines = [f"{scrape.PREFIX}{name}_total{labels} {value}" for name, value in counts.items()]
     return text + "\n".join(lines) + "\n"

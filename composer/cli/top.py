@@ -4,7 +4,8 @@ Reads the server's Prometheus ``/metrics`` (the per-node series of
 :mod:`composer.vllm.metrics`) every ``interval`` seconds and shows, per node:
 requests looked up, hit rates per request and per prompt token (each request
 counted once: vLLM may ask a node about one request several times, so hits
-per lookup misread), tokens loaded, load and save bandwidth (bytes/s between
+per lookup misread), tokens served (the chain's count: vLLM's own connectors
+included), load and save bandwidth (bytes/s between
 two scrapes), pool use, errors, whether it is switched off, and the plugin's own
 counters (``self.stats.extra``: the largest first); and vLLM's own
 prefix-cache hit rate and request queue. Standard library and ``rich`` only:
@@ -85,7 +86,7 @@ def render(now: Snapshot, before: Snapshot | None = None, source: str = "") -> G
         ("requests", "right"),
         ("req hit rate", "right"),
         ("token hit rate", "right"),
-        ("tokens loaded", "right"),
+        ("tokens served", "right"),
         ("load/s", "right"),
         ("save/s", "right"),
         ("pool use", "right"),
@@ -105,7 +106,7 @@ def render(now: Snapshot, before: Snapshot | None = None, source: str = "") -> G
             f"{requests:,.0f}",
             _percent(view.counters.get("requests_hit", 0.0), requests),
             _percent(view.counters.get("prompt_tokens_hit", 0.0), prompt_tokens),
-            f"{view.counters.get('tokens_loaded', 0.0):,.0f}",
+            f"{view.counters.get('tokens_hit', 0.0):,.0f}",
             _rate(now, before, node, "bytes_loaded"),
             _rate(now, before, node, "bytes_saved"),
             f"{100 * pool:.1f}%" if pool is not None else "-",

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from composer import Int, PositiveByteSize
+from composer import Int, PolicyName, PositiveByteSize
 
 
 class OffloadCPUConfig(BaseModel):
@@ -92,13 +92,21 @@ class OffloadCPUConfig(BaseModel):
             "4 x slots blocks seen."
         ),
     )
-    eviction: Literal["lru", "arc"] = Field(
+    eviction: Annotated[str, PolicyName("eviction")] = Field(
         default="lru",
         description=(
+            "The eviction policy: a cache policy plugin by name. Built in: "
             '"lru": the least recently used block goes first. "arc": adaptive replacement, '
             "as vLLM's OffloadingConnector's arc: blocks seen once and blocks seen again in "
             "two lists, whose shares adapt to which list's evicted blocks come back (a scan "
             "of one-off prompts does not flush blocks that are reused)."
+        ),
+    )
+    admission: Annotated[str, PolicyName("admission")] = Field(
+        default="threshold",
+        description=(
+            "The admission policy: a cache policy plugin by name, asked once per request "
+            'how many of its blocks take room. Built in: "threshold" (store_threshold).'
         ),
     )
     checksums: bool = Field(

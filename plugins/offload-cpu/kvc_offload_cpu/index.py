@@ -3,20 +3,25 @@
 The index never touches bytes. A slot's *generation* grows every time the slot
 is given to a new key, so a worker can tell a slot that was overwritten from
 the one a load was planned against. Which ready block goes first when the pool
-is full is the eviction policy's: :class:`Lru` (least recently used) or
-:class:`Arc` (adaptive replacement: blocks seen once and blocks seen again in
-two lists, sized by which one's evicted blocks come back; the policy vLLM's
-offloading connector offers as ``arc``). A pinned block is never a victim.
+is full is the eviction policy's, a cache policy plugin the node config names
+(``eviction: lru``; :mod:`composer.policy`): the index tells it each block that
+becomes ready, is served or leaves, and takes the first unpinned block of its
+``victims()``. A pinned block is never a victim. A policy that raises is
+replaced by ``lru`` over the blocks the index holds, said once in the log: no
+block and no request is lost to it.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any
 
-Eviction = Literal["lru", "arc"]
+import structlog
+
+from composer import AdmissionPolicy, EvictionPolicy, find_policy
+
+log = structlog.get_logger("kv_composer")
 
 
 class Entry:
@@ -40,108 +45,52 @@ class Entry:
         return f"Entry(slot={self.slot}, gen={self.gen}, {state}, pins={self.pins})"
 
 
-class Lru:
-    """Ready entries, least recently used first."""
+class Admission:
+    """The admission policy the node config names (``admission``), asked once per request
+    the tier would save. One that raises is replaced by admitting every block (as
+    ``store_threshold: 1``), said once in the log."""
 
-    def __init__(self, num_slots: int) -> None:
-        self._order: OrderedDict[bytes, Entry] = OrderedDict()
+    def __init__(self, name: str, num_slots: int, config: Any = None) -> None:
+        self.policy: AdmissionPolicy | None = find_policy("admission", name)(num_slots, config)
+        #: Why the configured policy was dropped ("": it was not).
+        self.failed = ""
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._order
-
-    def add(self, entry: Entry) -> None:
-        self._order[entry.key] = entry
-        self._order.move_to_end(entry.key)
-
-    def touch(self, entry: Entry) -> None:
-        self._order.move_to_end(entry.key)
-
-    def victims(self) -> Iterator[Entry]:
-        return iter(self._order.values())
-
-    def evicted(self, entry: Entry) -> None:
-        del self._order[entry.key]
-
-    def discard(self, key: bytes) -> None:
-        self._order.pop(key, None)
-
-
-class Arc:
-    """Adaptive replacement (Megiddo and Modha): ``t1`` holds blocks seen once,
-    ``t2`` blocks seen again; ``b1``/``b2`` remember the keys evicted from each.
-    A block saved again after its eviction from ``t1`` grows ``t1``'s target
-    share ``p`` (recency was evicted too soon); after its eviction from ``t2``,
-    shrinks it. Victims come from ``t1`` while it holds more than ``p``."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.capacity = num_slots
-        self.p = 0
-        self.t1: OrderedDict[bytes, Entry] = OrderedDict()
-        self.t2: OrderedDict[bytes, Entry] = OrderedDict()
-        self.b1: OrderedDict[bytes, None] = OrderedDict()
-        self.b2: OrderedDict[bytes, None] = OrderedDict()
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.t1 or key in self.t2
-
-    def add(self, entry: Entry) -> None:
-        key = entry.key
-        if key in self.b1:
-            self.p = min(self.capacity, self.p + max(1, len(self.b2) // max(1, len(self.b1))))
-            del self.b1[key]
-            self.t2[key] = entry
-        elif key in self.b2:
-            self.p = max(0, self.p - max(1, len(self.b1) // max(1, len(self.b2))))
-            del self.b2[key]
-            self.t2[key] = entry
-        else:
-            self.t1[key] = entry
-        # The ghost lists remember at most a pool's worth of keys each.
-        while self.b1 and len(self.t1) + len(self.b1) > self.capacity:
-            self.b1.popitem(last=False)
-        while self.b2 and len(self.t2) + len(self.b2) > 2 * self.capacity:
-            self.b2.popitem(last=False)
-
-    def touch(self, entry: Entry) -> None:
-        key = entry.key
-        if key in self.t1:
-            del self.t1[key]
-            self.t2[key] = entry
-        elif key in self.t2:
-            self.t2.move_to_end(key)
-
-    def victims(self) -> Iterator[Entry]:
-        first, then = (
-            (self.t1, self.t2) if len(self.t1) > self.p or not self.t2 else (self.t2, self.t1)
-        )
-        yield from list(first.values())
-        yield from list(then.values())
-
-    def evicted(self, entry: Entry) -> None:
-        key = entry.key
-        if self.t1.pop(key, None) is not None:
-            self.b1[key] = None
-        elif self.t2.pop(key, None) is not None:
-            self.b2[key] = None
-
-    def discard(self, key: bytes) -> None:
-        self.t1.pop(key, None)
-        self.t2.pop(key, None)
-
-
-POLICIES: dict[str, type[Lru] | type[Arc]] = {"lru": Lru, "arc": Arc}
+    def admit(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` (a request's blocks, in order) to save, from the first."""
+        if self.policy is None:
+            return len(keys)
+        try:
+            return max(0, min(len(keys), int(self.policy.admit(keys))))
+        except Exception as exc:
+            name = type(self.policy).__name__
+            self.failed = f"{name}.admit raised {type(exc).__name__}: {exc}"
+            log.error("cache policy failed; the tier admits every block", policy=name,
+                      hook="admit", error=repr(exc))
+            self.policy = None
+            return len(keys)
 
 
 class BlockIndex:
     """Maps block keys to slots of a pool of ``num_slots`` blocks."""
 
-    def __init__(self, num_slots: int, eviction: Eviction = "lru") -> None:
+    def __init__(
+        self, num_slots: int, eviction: str | EvictionPolicy = "lru", config: Any = None
+    ) -> None:
+        """``eviction``: a policy, or the name of an installed one (built with the
+        pool's size and ``config``, the node's)."""
         if num_slots < 0:
             raise ValueError("num_slots must be >= 0")
         self.num_slots = num_slots
         self._entries: dict[bytes, Entry] = {}
-        #: Ready entries, in the eviction policy's order.
-        self._order = POLICIES[eviction](num_slots)
+        #: Ordering the ready entries: each is ``added`` once ready and ``removed`` when
+        #: it leaves, while still ready.
+        self.policy: EvictionPolicy = (
+            find_policy("eviction", eviction)(num_slots, config)
+            if isinstance(eviction, str)
+            else eviction
+        )
+        #: Why the configured policy was replaced by lru ("": it was not).
+        self.policy_failed = ""
         #: Free slots, lowest first (consecutive saves get consecutive slots).
         self._free: list[int] = list(range(num_slots))
         self._gen: list[int] = [0] * num_slots
@@ -184,8 +133,11 @@ class BlockIndex:
     # -- updates ------------------------------------------------------------ #
 
     def touch(self, entry: Entry) -> None:
-        if entry.ready and entry.key in self._order:
-            self._order.touch(entry)
+        if entry.ready and self._entries.get(entry.key) is entry:
+            try:
+                self.policy.touched(entry)
+            except Exception as exc:
+                self._policy_failed("touched", exc)
 
     def allocate(self, key: bytes) -> Entry | None:
         """A slot for a new block (evicting the LRU unpinned one if full), or None."""
@@ -194,11 +146,10 @@ class BlockIndex:
         if self._free:
             slot = heapq.heappop(self._free)
         else:
-            victim = next((e for e in self._order.victims() if e.pins == 0), None)
+            victim = self._victim()
             if victim is None:
                 return None
-            self._order.evicted(victim)
-            self._remove(victim)
+            self._remove(victim, evicted=True)
             self.evictions += 1
             slot = victim.slot
         self._gen[slot] += 1
@@ -211,7 +162,10 @@ class BlockIndex:
         if entry.dropped or self._entries.get(entry.key) is not entry:
             return
         entry.ready = True
-        self._order.add(entry)
+        try:
+            self.policy.added(entry)
+        except Exception as exc:
+            self._policy_failed("added", exc)
 
     def drop(self, entry: Entry) -> None:
         """Forget ``entry`` (failed save, corrupt data); its slot is freed once unpinned."""
@@ -219,7 +173,7 @@ class BlockIndex:
             return
         if entry.pins:
             del self._entries[entry.key]
-            self._order.discard(entry.key)
+            self._left_policy(entry, evicted=False)
             entry.dropped = True
             if self.on_remove is not None:
                 self.on_remove(entry)
@@ -242,13 +196,50 @@ class BlockIndex:
 
     def reset(self) -> int:
         """Drop every ready, unpinned entry (``reset_cache``); returns how many."""
-        victims = [e for e in self._order.victims() if e.pins == 0]
+        victims = [e for e in self._entries.values() if e.ready and e.pins == 0]
         for entry in victims:
             self.drop(entry)
         return len(victims)
 
-    def _remove(self, entry: Entry) -> None:
+    def _remove(self, entry: Entry, evicted: bool = False) -> None:
         del self._entries[entry.key]
-        self._order.discard(entry.key)
+        self._left_policy(entry, evicted)
         if self.on_remove is not None:
             self.on_remove(entry)
+
+    # -- the policy ----------------------------------------------------------- #
+
+    def _victim(self) -> Entry | None:
+        """The policy's first unpinned block (None: every ready block is pinned)."""
+        try:
+            for block in self.policy.victims():
+                entry = self._entries.get(block.key)
+                if entry is block and entry.ready and entry.pins == 0:
+                    return entry
+        except Exception as exc:
+            self._policy_failed("victims", exc)
+            return self._victim()
+        return None
+
+    def _left_policy(self, entry: Entry, evicted: bool) -> None:
+        if not entry.ready:
+            return  # never added: a save still in flight
+        try:
+            self.policy.removed(entry, evicted)
+        except Exception as exc:
+            self._policy_failed("removed", exc)
+
+    def _policy_failed(self, hook: str, exc: BaseException) -> None:
+        """lru from now on, over the ready blocks still indexed; said once."""
+        name = type(self.policy).__name__
+        self.policy_failed = f"{name}.{hook} raised {type(exc).__name__}: {exc}"
+        log.error(
+            "cache policy failed; the tier goes on with lru",
+            policy=name,
+            hook=hook,
+            error=repr(exc),
+        )
+        self.policy = find_policy("eviction", "lru")(self.num_slots)
+        for entry in self._entries.values():
+            if entry.ready:
+                self.policy.added(entry)

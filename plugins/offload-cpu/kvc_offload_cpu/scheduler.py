@@ -16,13 +16,13 @@ When vLLM publishes KV cache events, so does the tier (``take_events``: see
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Any
 
 from composer import NULL_BLOCK, NodeContext, Plugin, hookimpl
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.events import TierEvents, vllm_events_enabled
-from kvc_offload_cpu.index import BlockIndex, Entry
+from kvc_offload_cpu.index import Admission, BlockIndex, Entry
 from kvc_offload_cpu.keys import RequestKeys
 from kvc_offload_cpu.layout import GroupLayout, layout_from_kv_cache_config
 from kvc_offload_cpu.metadata import OffloadMetadata, OffloadWorkerMeta, SlotGen, Transfer
@@ -92,9 +92,8 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         self.serves = ctx.role in ("load", "both")
         self.saves = ctx.role in ("save", "both")
         self.num_slots = int(config.capacity) // layout.slot_bytes if layout.slot_bytes else 0
-        self.index = BlockIndex(self.num_slots, config.eviction)
-        #: Admission (store_threshold > 1): block key -> requests that contained it.
-        self.seen: OrderedDict[bytes, int] = OrderedDict()
+        self.index = BlockIndex(self.num_slots, config.eviction, config)
+        self.admission = Admission(config.admission, self.num_slots, config)
         self.full_groups = [g for g, x in enumerate(layout.groups) if x.kind == "attention"]
         self.window_groups = [g for g, x in enumerate(layout.groups) if x.window]
         self.disabled_reason: str | None = None
@@ -380,25 +379,17 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
 
     def _save_end(self, st: _Req) -> int | None:
         """Tokens of the request this tier may save: its tier controls
-        (``kv_store_tiers``, ``max_offload_tokens``), and with ``store_threshold``
-        above 1, its leading blocks that enough requests contained (this one counted)."""
+        (``kv_store_tiers``, ``max_offload_tokens``), and the leading blocks of its
+        prompt the admission policy admits (``threshold``: those enough requests
+        contained, this one counted)."""
         view = st.view
         end = view.store_limit(self.node_id)
-        threshold = self.config.store_threshold
-        if threshold == 1 or end == 0:
+        if end == 0:
             return end
         bs = self.block_size
         blocks = st.keys.ensure(view, view.num_prompt_tokens // bs, bs)
-        seen, admitted = self.seen, None
-        for k in range(blocks):
-            key = st.keys.keys[k]
-            count = seen.pop(key, 0) + 1
-            seen[key] = count
-            if admitted is None and count < threshold:
-                admitted = k
-        while len(seen) > 4 * max(1, self.num_slots):
-            seen.popitem(last=False)
-        if admitted is not None:
+        admitted = self.admission.admit(st.keys.keys[:blocks])
+        if admitted < blocks:
             self.stats.extra.add("blocks_not_admitted", blocks - admitted)
             end = admitted * bs if end is None else min(end, admitted * bs)
         return end

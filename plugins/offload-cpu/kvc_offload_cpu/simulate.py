@@ -21,14 +21,13 @@ A mamba group turns the node off, as the real one turns itself off.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from pydantic import BaseModel
 
 from composer import SimKVGroup
 from kvc_offload_cpu.config import OffloadCPUConfig
-from kvc_offload_cpu.index import BlockIndex
+from kvc_offload_cpu.index import Admission, BlockIndex
 from kvc_offload_cpu.layout import SERVED_KINDS, GroupLayout
 
 
@@ -45,10 +44,8 @@ class OffloadCPUModel:
         self.config = config
         self.block_size = block_size
         self.capacity_blocks = int(config.capacity) // bytes_per_block if bytes_per_block else 0
-        self.index = BlockIndex(self.capacity_blocks, config.eviction)
-        #: store_threshold > 1: block key -> requests that contained it (the
-        #: scheduler half's count, bounded the same way).
-        self.seen: OrderedDict[bytes, int] = OrderedDict()
+        self.index = BlockIndex(self.capacity_blocks, config.eviction, config)
+        self.admission = Admission(config.admission, self.capacity_blocks, config)
         groups = tuple(groups) or (SimKVGroup("attention", bytes_per_block),)
         self.layouts = tuple(GroupLayout(g.kind, block_size, g.window) for g in groups)
         self.group_bytes = tuple(g.block_bytes for g in groups)
@@ -167,16 +164,7 @@ class OffloadCPUModel:
         return stored
 
     def _admitted(self, keys: Sequence[bytes], prompt_blocks: int) -> int:
-        """Leading blocks enough requests contained (``SchedulerHalf._save_end``'s rule)."""
-        threshold = self.config.store_threshold
-        if threshold == 1:
-            return len(keys)
-        seen, admitted = self.seen, None
-        for k in range(prompt_blocks):
-            count = seen.pop(keys[k], 0) + 1
-            seen[keys[k]] = count
-            if admitted is None and count < threshold:
-                admitted = k
-        while len(seen) > 4 * max(1, self.capacity_blocks):
-            seen.popitem(last=False)
-        return len(keys) if admitted is None else admitted
+        """The leading blocks the admission policy admits (as the scheduler half asks it:
+        its prompt's blocks); all of them when it admits the whole prompt."""
+        admitted = self.admission.admit(keys[:prompt_blocks])
+        return len(keys) if admitted >= prompt_blocks else admitted

@@ -137,7 +137,7 @@ def test_arc_keeps_reused_blocks_through_a_scan_that_lru_lets_flush_them() -> No
 
 def test_arc_adapts_toward_recency_when_blocks_evicted_once_come_back() -> None:
     idx = BlockIndex(4, "arc")
-    order = idx._order
+    order = idx.policy
     _fill(idx, [b"a", b"b", b"a", b"b"])  # reused: the seen-again list
     _fill(idx, [b"c", b"d", b"e"])  # c evicted from the seen-once list
     assert order.p == 0 and b"c" in order.b1  # type: ignore[union-attr]

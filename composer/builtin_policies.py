@@ -1,0 +1,133 @@
+"""The built-in cache policies, on the specs of :mod:`composer.policy`: ``lru`` and ``arc``
+(eviction) and ``threshold`` (admission). :mod:`composer.builtin` registers them."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from composer.policy import AdmissionPolicy, Block, CachePolicy, EvictionPolicy
+
+
+class Lru(EvictionPolicy):
+    """The least recently used block goes first."""
+
+    def __init__(self, slots: int, config: Any = None) -> None:
+        super().__init__(slots, config)
+        self.order: OrderedDict[bytes, Block] = OrderedDict()
+
+    def added(self, block: Block) -> None:
+        self.order[block.key] = block
+        self.order.move_to_end(block.key)
+
+    def touched(self, block: Block) -> None:
+        self.order.move_to_end(block.key)
+
+    def victims(self) -> Iterator[Block]:
+        return iter(self.order.values())
+
+    def removed(self, block: Block, evicted: bool) -> None:
+        self.order.pop(block.key, None)
+
+
+class Arc(EvictionPolicy):
+    """Adaptive replacement (Megiddo and Modha), the policy vLLM's offloading connector
+    offers as ``arc``: ``t1`` holds blocks seen once, ``t2`` blocks seen again;
+    ``b1``/``b2`` remember the keys evicted from each. A block saved again after
+    its eviction from ``t1`` grows ``t1``'s target share ``p`` (recency was
+    evicted too soon); after its eviction from ``t2``, shrinks it. Victims come
+    from ``t1`` while it holds more than ``p``."""
+
+    def __init__(self, slots: int, config: Any = None) -> None:
+        super().__init__(slots, config)
+        self.p = 0
+        self.t1: OrderedDict[bytes, Block] = OrderedDict()
+        self.t2: OrderedDict[bytes, Block] = OrderedDict()
+        self.b1: OrderedDict[bytes, None] = OrderedDict()
+        self.b2: OrderedDict[bytes, None] = OrderedDict()
+
+    def added(self, block: Block) -> None:
+        key, capacity = block.key, self.slots
+        if key in self.b1:
+            self.p = min(capacity, self.p + max(1, len(self.b2) // max(1, len(self.b1))))
+            del self.b1[key]
+            self.t2[key] = block
+        elif key in self.b2:
+            self.p = max(0, self.p - max(1, len(self.b1) // max(1, len(self.b2))))
+            del self.b2[key]
+            self.t2[key] = block
+        else:
+            self.t1[key] = block
+        # The ghost lists remember at most a pool's worth of keys each.
+        while self.b1 and len(self.t1) + len(self.b1) > capacity:
+            self.b1.popitem(last=False)
+        while self.b2 and len(self.t2) + len(self.b2) > 2 * capacity:
+            self.b2.popitem(last=False)
+
+    def touched(self, block: Block) -> None:
+        key = block.key
+        if key in self.t1:
+            del self.t1[key]
+            self.t2[key] = block
+        elif key in self.t2:
+            self.t2.move_to_end(key)
+
+    def victims(self) -> Iterator[Block]:
+        first, then = (
+            (self.t1, self.t2) if len(self.t1) > self.p or not self.t2 else (self.t2, self.t1)
+        )
+        yield from list(first.values())
+        yield from list(then.values())
+
+    def removed(self, block: Block, evicted: bool) -> None:
+        key = block.key
+        if self.t1.pop(key, None) is not None:
+            if evicted:
+                self.b1[key] = None
+        elif self.t2.pop(key, None) is not None and evicted:
+            self.b2[key] = None
+
+
+class Threshold(AdmissionPolicy):
+    """A block takes room once ``store_threshold`` requests have contained it (1: on first
+    sight), as vLLM's OffloadingConnector's ``store_threshold``; counts are kept for
+    the last 4 x slots blocks seen. A request's blocks are saved up to the first one
+    not yet seen often enough (a later block extends a prefix that is not kept)."""
+
+    def __init__(self, slots: int, config: Any = None) -> None:
+        super().__init__(slots, config)
+        self.threshold = int(getattr(config, "store_threshold", 1) or 1)
+        #: Block key -> requests that contained it, least recently seen first.
+        self.seen: OrderedDict[bytes, int] = OrderedDict()
+
+    def admit(self, keys: Sequence[bytes]) -> int:
+        if self.threshold <= 1:
+            return len(keys)
+        seen, admitted = self.seen, None
+        for k, key in enumerate(keys):
+            count = seen.pop(key, 0) + 1
+            seen[key] = count
+            if admitted is None and count < self.threshold:
+                admitted = k
+        while len(seen) > 4 * max(1, self.slots):
+            seen.popitem(last=False)
+        return len(keys) if admitted is None else admitted
+
+
+BUILTIN: tuple[CachePolicy, ...] = (
+    CachePolicy("lru", "eviction", Lru, "the least recently used block goes first"),
+    CachePolicy(
+        "arc",
+        "eviction",
+        Arc,
+        "adaptive replacement: blocks seen once and blocks seen again in two lists, whose "
+        "shares adapt to which list's evicted blocks come back",
+    ),
+    CachePolicy(
+        "threshold",
+        "admission",
+        Threshold,
+        "a block takes room once store_threshold requests have contained it",
+    ),
+)

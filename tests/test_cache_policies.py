@@ -1,0 +1,297 @@
+"""Cache policies as plugins (``composer.policy``): the built-ins on the specs, a policy in
+one file (``examples/cache_policy_fifo.py``, the docs' example) chosen by name, every bad
+name and bad registration refused with a located or named error, and a policy that
+raises losing no block."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from composer.builtin_policies import Arc, Lru, Threshold
+from composer.cli import main
+from composer.discovery import MODULES_ENV, PluginConflict, PluginLoadError, discover, find_policy
+from composer.policy import REQUIRED, SPECS, AdmissionPolicy, CachePolicy, EvictionPolicy
+from composer.validation import load_pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+FIFO = ROOT / "examples" / "cache_policy_fifo.py"
+DOCS = ROOT / "docs" / "cache-policies.md"
+
+
+@pytest.fixture
+def fifo(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """The docs' example policy, importable as ``fifo`` and named in the plugin modules."""
+    spec = importlib.util.spec_from_file_location("fifo", FIFO)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "fifo", module)
+    monkeypatch.setenv(MODULES_ENV, "fifo")
+    yield module
+
+
+def _pipeline(tmp_path: Path, **config: Any) -> Path:
+    lines = "".join(f"      {k}: {v}\n" for k, v in config.items())
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "version: 1\nnodes:\n  cpu:\n    plugin: offload-cpu\n    config:\n"
+        f"      capacity: 1MiB\n{lines}"
+    )
+    return path
+
+
+def test_the_built_ins_are_registered_on_their_specs() -> None:
+    policies = discover().policies
+    assert {(p.name, p.kind, p.cls) for p in policies.values()} >= {
+        ("lru", "eviction", Lru),
+        ("arc", "eviction", Arc),
+        ("threshold", "admission", Threshold),
+    }
+    assert all(p.package == "kv-composer" for p in policies.values() if p.cls in (Lru, Arc))
+
+
+class _Block:
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+
+def _order(policy: EvictionPolicy) -> list[bytes]:
+    return [b.key for b in policy.victims()]
+
+
+def test_lru_puts_a_touched_block_last_and_arc_keeps_a_reused_block_through_a_scan() -> None:
+    blocks = {k: _Block(k) for k in (b"a", b"b", b"c")}
+    lru = Lru(3)
+    for block in blocks.values():
+        lru.added(block)
+    lru.touched(blocks[b"a"])
+    assert _order(lru) == [b"b", b"c", b"a"]
+    lru.removed(blocks[b"b"], evicted=True)
+    assert _order(lru) == [b"c", b"a"]
+    arc = Arc(2)
+    arc.added(blocks[b"a"])
+    arc.touched(blocks[b"a"])  # seen again: the reused list
+    arc.added(blocks[b"b"])
+    assert _order(arc)[0] == b"b"  # the seen-once block goes first
+    arc.removed(blocks[b"b"], evicted=True)
+    assert b"b" in arc.b1  # remembered: if it comes back, recency grows
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3])
+def test_threshold_admits_the_blocks_enough_requests_contained(threshold: int) -> None:
+    config = type("C", (), {"store_threshold": threshold})()
+    policy = Threshold(8, config)
+    keys = [b"a", b"b", b"c"]
+    admitted = [policy.admit(keys) for _ in range(3)]
+    # The n-th request containing the blocks admits them once n >= threshold.
+    assert admitted == [3 if n + 1 >= threshold else 0 for n in range(3)]
+    assert policy.admit([b"a", b"new"]) == (2 if threshold == 1 else 1)
+
+
+def test_a_policy_in_one_file_is_chosen_by_name(fifo: ModuleType, tmp_path: Path) -> None:
+    pipeline = load_pipeline(_pipeline(tmp_path, eviction="fifo"))
+    assert pipeline.nodes[0].config.eviction == "fifo"  # type: ignore[attr-defined]
+    from kvc_offload_cpu.index import BlockIndex
+
+    index = BlockIndex(2, "fifo")
+    assert type(index.policy).__name__ == "Fifo"
+    a, b = index.allocate(b"a"), index.allocate(b"b")
+    assert a is not None and b is not None
+    index.mark_ready(a)
+    index.mark_ready(b)
+    index.touch(a)  # a hit: fifo does not care
+    c = index.allocate(b"c")
+    assert c is not None and c.slot == a.slot and b"a" not in index
+
+
+def test_the_simulator_runs_the_named_policy(fifo: ModuleType, tmp_path: Path) -> None:
+    """``kvc simulate`` builds the tier's own index: fifo and lru part ways on a hit."""
+    from kvc_offload_cpu.config import OffloadCPUConfig
+    from kvc_offload_cpu.simulate import OffloadCPUModel
+
+    served = {}
+    for eviction in ("lru", "fifo"):
+        config = OffloadCPUConfig(capacity=2 * 64, eviction=eviction)
+        tier = OffloadCPUModel(config, block_size=4, bytes_per_block=64)
+        for key in (b"a", b"b"):
+            tier.save([key], 4, 0)
+        tier.load([b"a"], 0, tier.lookup([b"a"], 0, 1))  # a hit on a
+        tier.save([b"c"], 4, 0)  # full: one goes
+        served[eviction] = tier.lookup([b"a"], 0, 1)
+    assert served == {"lru": 1, "fifo": 0}
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"eviction": "lur"},
+            'p.yaml:7:17: nodes.cpu.config.eviction: unknown eviction policy "lur" '
+            '(did you mean "lru"?); eviction policies: "arc", "lru"',
+        ),
+        (
+            {"eviction": "threshold"},
+            'nodes.cpu.config.eviction: "threshold" is an admission policy; '
+            'eviction policies: "arc", "lru"',
+        ),
+        (
+            {"admission": "lru"},
+            'nodes.cpu.config.admission: "lru" is an eviction policy; '
+            'admission policies: "threshold"',
+        ),
+        ({"admission": "'1'"}, 'unknown admission policy "1"'),
+    ],
+)
+def test_a_policy_no_package_provides_is_a_located_error(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    config: dict[str, str],
+    message: str,
+) -> None:
+    _pipeline(tmp_path, **config)
+    monkeypatch.chdir(tmp_path)
+    code = main(["validate", "p.yaml"])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert message in out + err and "Traceback" not in out + err
+
+
+def _registering(*policies: object) -> ModuleType:
+    module = ModuleType("bad_policies")
+
+    def register_cache_policies(register: Any) -> None:
+        for policy in policies:
+            register(policy)
+
+    from composer import hookimpl
+
+    module.register_cache_policies = hookimpl(register_cache_policies)  # type: ignore[attr-defined]
+    return module
+
+
+class _NoVictims(EvictionPolicy):
+    def added(self, block: Any) -> None: ...
+
+    def removed(self, block: Any, evicted: bool) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("registered", "error", "message"),
+    [
+        ("not a policy", PluginLoadError, "registered str, not a CachePolicy"),
+        (CachePolicy("", "eviction", Lru), PluginLoadError, "a non-empty string name"),
+        (CachePolicy("x", "retention", Lru), PluginLoadError, "kind must be one of"),  # type: ignore[arg-type]
+        (CachePolicy("x", "admission", Lru), PluginLoadError, "must subclass AdmissionPolicy"),
+        (CachePolicy("x", "eviction", _NoVictims), PluginLoadError, "_NoVictims lacks victims"),
+        (CachePolicy("lru", "eviction", Lru), PluginConflict, 'cache policy "lru" is registered'),
+    ],
+)
+def test_a_bad_registration_names_the_package(registered: Any, error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        discover(extra=[_registering(registered)])
+
+
+class _Raising(EvictionPolicy):
+    """Orders like lru until ``fail_in`` is called."""
+
+    fail_in = ""
+
+    def __init__(self, slots: int, config: Any = None) -> None:
+        super().__init__(slots, config)
+        self.inner = Lru(slots)
+
+    def _maybe_fail(self, method: str) -> None:
+        if method == self.fail_in:
+            raise RuntimeError(f"policy bug in {method}")
+
+    def added(self, block: Any) -> None:
+        self._maybe_fail("added")
+        self.inner.added(block)
+
+    def touched(self, block: Any) -> None:
+        self._maybe_fail("touched")
+        self.inner.touched(block)
+
+    def victims(self) -> Iterator[Any]:
+        self._maybe_fail("victims")
+        return self.inner.victims()
+
+    def removed(self, block: Any, evicted: bool) -> None:
+        self._maybe_fail("removed")
+        self.inner.removed(block, evicted)
+
+
+@pytest.mark.parametrize("method", [m for m in ("added", "touched", "victims", "removed")])
+def test_an_eviction_policy_that_raises_loses_no_block(method: str) -> None:
+    from kvc_offload_cpu.index import BlockIndex
+
+    policy = _Raising(3)
+    index = BlockIndex(3, policy)
+    entries = []
+    for key in (b"a", b"b", b"c"):
+        entry = index.allocate(key)
+        assert entry is not None
+        index.mark_ready(entry) if key != b"c" else None
+        entries.append(entry)
+    policy.fail_in = method
+    index.touch(entries[0])
+    index.mark_ready(entries[2])
+    index.drop(entries[1])  # removed: a dropped block
+    d = index.allocate(b"d")  # victims: a free slot (b's)
+    e = index.allocate(b"e")  # victims: full, one goes
+    assert d is not None and e is not None
+    assert index.policy_failed.startswith(f"_Raising.{method} raised RuntimeError")
+    assert type(index.policy) is Lru
+    # Every block is where the index says: indexed, or evicted and counted.
+    assert len(index) + index.evictions == 4 and index.used_slots == 3
+    for entry in index.entries():
+        assert index.current(entry.slot, entry.gen) is entry
+
+
+def test_an_admission_policy_that_raises_admits_every_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvc_offload_cpu.index import Admission
+
+    admission = Admission("threshold", 8, type("C", (), {"store_threshold": 2})())
+    assert admission.admit([b"a", b"b"]) == 0
+
+    def broken(keys: Sequence[bytes]) -> int:
+        raise ValueError("policy bug")
+
+    assert admission.policy is not None
+    monkeypatch.setattr(admission.policy, "admit", broken)
+    assert admission.admit([b"a", b"b", b"c"]) == 3
+    assert admission.failed == "Threshold.admit raised ValueError: policy bug"
+    assert admission.admit([b"x"]) == 1  # and from then on
+
+
+def test_find_policy_sees_the_modules_the_environment_names(
+    fifo: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert find_policy("eviction", "fifo").__name__ == "Fifo"
+    monkeypatch.delenv(MODULES_ENV)
+    with pytest.raises(LookupError, match='unknown eviction policy "fifo"'):
+        find_policy("eviction", "fifo")
+
+
+def test_the_docs_describe_every_method_of_every_spec() -> None:
+    text = DOCS.read_text()
+    for kind, spec in SPECS.items():
+        assert f"`{spec.__name__}`" in text, kind
+        for name, fn in vars(spec).items():
+            if inspect.isfunction(fn) and not name.startswith("_"):
+                args = ", ".join(list(inspect.signature(fn).parameters)[1:])
+                assert f"`{name}({args})`" in text, (kind, name)
+    assert set(REQUIRED) == set(SPECS)
+    assert issubclass(Threshold, AdmissionPolicy)
