@@ -62,7 +62,7 @@ BLOCK, MAX_LEN, MAX_TOKENS = 32, 2048, 8
 #: it gets blocks that may have been reused (vLLM logs "Potentially invalid KV
 #: blocks"); a cold decode engine's first pull took 10 s on a loaded test machine,
 #: so the engines are warmed up first.
-LEASE_S = 15
+LEASE_S = 10
 #: vLLM's KV cache on the producer, in blocks: one max-length request, and little more.
 PRODUCER_BLOCKS = 80
 #: Seconds an engine may take to give its blocks back after a check.
@@ -403,8 +403,8 @@ def test_kvc_bench_pd_replays_a_trace_slice_with_and_without_disaggregation(
     prompts, _ = make_prompts(
         trace, scale=16, vocab_size=pd.vocab, max_output_tokens=4, max_model_len=MAX_LEN
     )
-    prompts = prompts[:12]
-    assert len(prompts) == 12
+    prompts = prompts[:8]
+    assert len(prompts) == 8
     spec = BenchSpec(trace=trace, configs=[], server=pd.spec, concurrency=1, workdir=pd.workdir)
     warm_up(pd.engines, prompts[0], pd.workdir / "router-warm-up.log")
     plain_policy = POLICIES["cache_aware"]
