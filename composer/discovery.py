@@ -246,16 +246,20 @@ def _collect_types(pm: pluggy.PluginManager, sources: dict[str, tuple[str, str]]
                 )
             types[ptype.name] = replace(ptype, package=_pkg, version=_ver)
 
-        try:
-            impl.function(register=register)
-        except (PluginConflict, PluginLoadError):
-            raise
-        except PLUGIN_FAILURES as exc:
-            raise PluginLoadError(
-                f'plugin "{impl.plugin_name}" failed in register_plugin_types: '
-                f"{_describe(exc)}"
-            ) from exc
+        _run_register(impl, "register_plugin_types", register)
     return Registry(dict(sorted(types.items())))
+
+
+def _run_register(impl: Any, hook: str, register: Callable[[Any], None]) -> None:
+    """A plugin's registration hook: what it raises, but our own refusals, is its failure."""
+    try:
+        impl.function(register=register)
+    except (PluginConflict, PluginLoadError):
+        raise
+    except PLUGIN_FAILURES as exc:
+        raise PluginLoadError(
+            f'plugin "{impl.plugin_name}" failed in {hook}: {_describe(exc)}'
+        ) from exc
 
 
 def _collect_policies(
@@ -283,15 +287,7 @@ def _collect_policies(
                 )
             policies[policy.name] = replace(policy, package=_pkg)
 
-        try:
-            impl.function(register=register)
-        except (PluginConflict, PluginLoadError):
-            raise
-        except PLUGIN_FAILURES as exc:
-            raise PluginLoadError(
-                f'plugin "{impl.plugin_name}" failed in register_cache_policies: '
-                f"{_describe(exc)}"
-            ) from exc
+        _run_register(impl, "register_cache_policies", register)
     return dict(sorted(policies.items()))
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from composer import scrape
-from composer.bench.replay import BenchError, Prompt, replay, served_model
+from composer.bench.replay import BenchError, Prompt, Record, replay, served_model
 from composer.bench.report import RunResult, engine_counters, pool
 from composer.bench.servers import Config, ServerSpec, servers
 from composer.bench.spec import BenchSpec, bench_prompts
@@ -158,21 +158,7 @@ def run_policy(
         kv_event_sources=event_sources(engines) if p.kv_events else None,
         block_size=spec.server.block_size,
     ) as router:
-        model = served_model(router.url)
-        before = [counters(e.url) for e in engines]
-        records, wall = replay(
-            router.url,
-            model,
-            prompts,
-            concurrency=spec.concurrency,
-            speedup=spec.speedup,
-            pause_s=spec.pause_s,
-        )
-        time.sleep(SETTLE_S)
-        after = [counters(e.url) for e in engines]
-    deltas = [
-        {k: v - b.get(k, 0.0) for k, v in a.items()} for a, b in zip(after, before, strict=True)
-    ]
+        records, wall, deltas = replay_counted(spec, router.url, [e.url for e in engines], prompts)
     nodes: dict[str, float] = {}
     for delta in deltas:
         for key, value in delta.items():
@@ -191,6 +177,29 @@ def run_policy(
         # Busiest first: engines are alike, and pooled runs add up like with like.
         engine_requests=sorted((d["requests"] for d in deltas), reverse=True),
     )
+
+
+def replay_counted(
+    spec: BenchSpec, router: str, engines: Sequence[str], prompts: Sequence[Prompt]
+) -> tuple[list[Record], float, list[dict[str, float]]]:
+    """The prompts through ``router``: the requests' records, the wall time, and what
+    each engine's counters gained (read around the replay, the last step's settled)."""
+    model = served_model(router)
+    before = [counters(url) for url in engines]
+    records, wall = replay(
+        router,
+        model,
+        prompts,
+        concurrency=spec.concurrency,
+        speedup=spec.speedup,
+        pause_s=spec.pause_s,
+    )
+    time.sleep(SETTLE_S)
+    after = [counters(url) for url in engines]
+    deltas = [
+        {k: v - b.get(k, 0.0) for k, v in a.items()} for a, b in zip(after, before, strict=True)
+    ]
+    return records, wall, deltas
 
 
 def event_sources(engines: Sequence[Engine]) -> dict[str, tuple[str, str]]:

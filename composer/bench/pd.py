@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from composer.bench.fleet import SETTLE_S, Policy, counters, empty, policy
-from composer.bench.replay import BenchError, Prompt, replay, send, served_model
+from composer.bench.fleet import Policy, empty, policy, replay_counted
+from composer.bench.replay import BenchError, Prompt, send, served_model
 from composer.bench.report import RunResult, pool
 from composer.bench.servers import Config, Server, ServerSpec, servers
 from composer.bench.spec import BenchSpec, bench_prompts
@@ -140,21 +139,7 @@ def run_mode(
     for url in urls:
         empty(url)
     with vllm_router(workers, plain.args, log) as router:
-        model = served_model(router.url)
-        before = [counters(u) for u in urls]
-        records, wall = replay(
-            router.url,
-            model,
-            prompts,
-            concurrency=spec.concurrency,
-            speedup=spec.speedup,
-            pause_s=spec.pause_s,
-        )
-        time.sleep(SETTLE_S)
-        after = [counters(u) for u in urls]
-    deltas = [
-        {k: v - b.get(k, 0.0) for k, v in a.items()} for a, b in zip(after, before, strict=True)
-    ]
+        records, wall, deltas = replay_counted(spec, router.url, urls, prompts)
     sides = {
         f"{label}:{key.removeprefix('served:')}": value
         for label, delta in zip(labels, deltas, strict=True)
