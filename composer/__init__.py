@@ -6,6 +6,7 @@ which may move. Importing this package never imports torch or vLLM.
 """
 
 from composer.builtin import VllmConnectorConfig
+from composer.controls import Retention
 from composer.discovery import Registry, discover, find_policy
 from composer.errors import PipelineInvalid, Problem, did_you_mean, one_of
 from composer.export import kv_transfer_config
@@ -26,7 +27,13 @@ from composer.pipeline import (
 )
 from composer.plugin import NodeContext, Plugin, Unavailable
 from composer.plugin_types import Capabilities, EmptyConfig, NodeRole, PluginType
-from composer.policy import AdmissionPolicy, CachePolicy, EvictionPolicy, PolicyName
+from composer.policy import (
+    AdmissionPolicy,
+    CachePolicy,
+    EvictionPolicy,
+    PolicyName,
+    RetentionPolicy,
+)
 from composer.simulate import SimKVGroup, TierModel
 from composer.validation import load_pipeline, validate_text
 from composer.views import RequestView, StepView
@@ -58,6 +65,8 @@ __all__ = [
     "Problem",
     "Registry",
     "RequestView",
+    "Retention",
+    "RetentionPolicy",
     "ResolvedNode",
     "ResolvedPipeline",
     "SimKVGroup",

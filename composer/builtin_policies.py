@@ -1,5 +1,6 @@
 """The built-in cache policies, on the specs of :mod:`composer.policy`: ``lru`` and ``arc``
-(eviction) and ``threshold`` (admission). :mod:`composer.builtin` registers them."""
+(eviction), ``threshold`` (admission) and ``request`` (retention).
+:mod:`composer.builtin` registers them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from composer.policy import AdmissionPolicy, Block, CachePolicy, EvictionPolicy
+from composer.controls import Retention
+from composer.policy import AdmissionPolicy, Block, CachePolicy, EvictionPolicy, RetentionPolicy
 
 
 class Lru(EvictionPolicy):
@@ -115,6 +117,61 @@ class Threshold(AdmissionPolicy):
         return len(keys) if admitted is None else admitted
 
 
+class RequestRetention(RetentionPolicy):
+    """What each request's ``kv_retention`` asks: its blocks kept at least ``ttl_s`` after
+    its last use (the latest deadline wins), pinned (never evicted) until a request
+    with ``pin: false`` unpins them, with at most ``max_pinned_share`` of the tier's
+    blocks pinned (a pin past that is not granted). When every block the tier could
+    evict is under a TTL, the one of the lowest ``priority`` (then the earliest
+    deadline) goes: a TTL never makes the tier refuse a save; a pin does."""
+
+    def __init__(self, slots: int, config: Any = None) -> None:
+        super().__init__(slots, config)
+        self.pin_cap = int(slots * float(getattr(config, "max_pinned_share", 0.25)))
+        self.until: dict[bytes, float] = {}
+        self.priority: dict[bytes, int] = {}
+        self.pinned: set[bytes] = set()
+
+    def requested(self, block: Block, retention: Retention, now: float) -> bool:
+        key = block.key
+        if retention.ttl_s:
+            self.until[key] = max(self.until.get(key, 0.0), now + retention.ttl_s)
+        if retention.priority or key in self.priority:
+            self.priority[key] = retention.priority
+        if retention.pin is False:
+            self.pinned.discard(key)
+        elif retention.pin and key not in self.pinned:
+            if len(self.pinned) >= self.pin_cap:
+                return False
+            self.pinned.add(key)
+        return True
+
+    def kept(self, block: Block, now: float) -> bool:
+        key = block.key
+        if key in self.pinned:
+            return True
+        until = self.until.get(key)
+        if until is None:
+            return False
+        if until <= now:
+            del self.until[key]
+            return False
+        return True
+
+    def yields(self, kept: Sequence[Block], now: float) -> Block | None:
+        soft = [b for b in kept if b.key not in self.pinned]
+        return min(
+            soft,
+            key=lambda b: (self.priority.get(b.key, 0), self.until.get(b.key, 0.0)),
+            default=None,
+        )
+
+    def removed(self, block: Block) -> None:
+        self.until.pop(block.key, None)
+        self.priority.pop(block.key, None)
+        self.pinned.discard(block.key)
+
+
 BUILTIN: tuple[CachePolicy, ...] = (
     CachePolicy("lru", "eviction", Lru, "the least recently used block goes first"),
     CachePolicy(
@@ -129,5 +186,11 @@ BUILTIN: tuple[CachePolicy, ...] = (
         "admission",
         Threshold,
         "a block takes room once store_threshold requests have contained it",
+    ),
+    CachePolicy(
+        "request",
+        "retention",
+        RequestRetention,
+        "what each request's kv_retention asks: ttl_s, pin (capped), priority",
     ),
 )

@@ -4,7 +4,10 @@ The names are vLLM's offloading connector's, with node ids for its tier matchers
 
 * ``kv_load_tiers``: the nodes the request may load from (``[]``: none);
 * ``kv_store_tiers``: the nodes that may save its blocks (``[]``: none);
-* ``max_offload_tokens``: how many of its first tokens a node may save.
+* ``max_offload_tokens``: how many of its first tokens a node may save;
+* ``kv_retention``: how long the tiers keep its blocks, ``{ttl_s, pin, priority}``
+  (:class:`Retention`; honoured by a tier's retention policy, see
+  :mod:`composer.policy`).
 
 Loads are the chain's to restrict (it asks only the allowed nodes); saves are
 each saving node's, through :meth:`RequestView.store_limit
@@ -25,7 +28,24 @@ from typing import Any
 LOAD_TIERS = "kv_load_tiers"
 STORE_TIERS = "kv_store_tiers"
 MAX_OFFLOAD_TOKENS = "max_offload_tokens"
-KEYS = (LOAD_TIERS, STORE_TIERS, MAX_OFFLOAD_TOKENS)
+RETENTION = "kv_retention"
+KEYS = (LOAD_TIERS, STORE_TIERS, MAX_OFFLOAD_TOKENS, RETENTION)
+#: The longest ``ttl_s`` a request may ask (a day): longer is a mistake, not a wish.
+MAX_TTL_S = 86_400.0
+#: ``priority`` bounds.
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+
+
+@dataclass(frozen=True)
+class Retention:
+    """What a request asks of the tiers that hold its blocks (``kv_retention``)."""
+
+    #: Keep its blocks at least this long after its last use (0: no wish).
+    ttl_s: float = 0.0
+    #: True: never evict its blocks while pinned; False: unpin them; None: as they are.
+    pin: bool | None = None
+    #: Which kept blocks yield first when a tier has only kept blocks left (lowest first).
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -35,6 +55,7 @@ class Controls:
     load: frozenset[str] | None = None
     store: frozenset[str] | None = None
     max_offload_tokens: int | None = None
+    retention: Retention | None = None
     #: Why the controls were refused (then nothing is loaded or saved).
     error: str | None = None
 
@@ -59,13 +80,14 @@ def controls_of(params: Mapping[str, Any] | None) -> Controls:
     cap = params.get(MAX_OFFLOAD_TOKENS)
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
         errors.append(f"{MAX_OFFLOAD_TOKENS}: expected a whole number >= 0, got {cap!r}")
+    retention = _retention(params.get(RETENTION), errors)
     if errors:
         return refused("; ".join(errors))
-    return Controls(load, store, cap)
+    return Controls(load, store, cap, retention)
 
 
 def refused(error: str) -> Controls:
-    return Controls(frozenset(), frozenset(), 0, error)
+    return Controls(frozenset(), frozenset(), 0, None, error)
 
 
 def unknown_names(controls: Controls, node_ids: Collection[str]) -> str | None:
@@ -81,6 +103,35 @@ def unknown_names(controls: Controls, node_ids: Collection[str]) -> str | None:
                 f"node; the pipeline's nodes are {', '.join(map(repr, node_ids))}"
             )
     return "; ".join(errors) or None
+
+
+def _retention(value: Any, errors: list[str]) -> Retention | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        expected = "expected an object {ttl_s, pin, priority}"
+        errors.append(f"{RETENTION}: {expected}, got {value!r:.60}")
+        return None
+    unknown = sorted(set(value) - {"ttl_s", "pin", "priority"}, key=str)
+    if unknown:
+        errors.append(f"{RETENTION}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                      "expected ttl_s, pin, priority")
+    ttl, pin, priority = value.get("ttl_s", 0.0), value.get("pin"), value.get("priority", 0)
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 <= ttl <= MAX_TTL_S:
+        errors.append(f"{RETENTION}.ttl_s: expected seconds from 0 to {MAX_TTL_S:.0f}, "
+                      f"got {ttl!r:.40}")
+    if pin is not None and not isinstance(pin, bool):
+        errors.append(f"{RETENTION}.pin: expected true or false, got {pin!r:.40}")
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not MIN_PRIORITY <= priority <= MAX_PRIORITY
+    ):
+        errors.append(f"{RETENTION}.priority: expected a whole number from {MIN_PRIORITY} to "
+                      f"{MAX_PRIORITY}, got {priority!r:.40}")
+    if errors:
+        return None
+    return Retention(float(ttl), pin, priority)
 
 
 def _node_ids(params: Mapping[str, Any], key: str, errors: list[str]) -> frozenset[str] | None:

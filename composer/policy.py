@@ -2,7 +2,7 @@
 
 A tier (``offload-cpu``'s index, and its simulator, which runs the same code)
 does not decide these itself: it asks the policies its node config names
-(``eviction: lru``, ``admission: threshold``). A policy is a class with the
+(``eviction: lru``, ``admission: threshold``, ``retention: request``). A policy is a class with the
 methods of its kind's spec below, registered by a plugin package with one
 hookimpl, as plugin types are::
 
@@ -14,8 +14,9 @@ and found by :func:`composer.discovery.discover` (``registry.policies``). A node
 config field names a policy by kind (``Annotated[str, PolicyName("eviction")]``):
 validation refuses an unknown name before launch, located, with did-you-mean.
 
-The built-ins (:mod:`composer.builtin`): ``lru`` and ``arc`` (eviction) and
-``threshold`` (admission: ``store_threshold``), on the same specs.
+The built-ins (:mod:`composer.builtin_policies`): ``lru`` and ``arc`` (eviction),
+``threshold`` (admission: ``store_threshold``) and ``request`` (retention: what
+each request's ``kv_retention`` asks), on the same specs.
 
 Nothing here imports torch or vLLM.
 """
@@ -26,8 +27,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-Kind = Literal["eviction", "admission"]
-KINDS: tuple[Kind, ...] = ("eviction", "admission")
+from composer.controls import Retention
+
+Kind = Literal["eviction", "admission", "retention"]
+KINDS: tuple[Kind, ...] = ("eviction", "admission", "retention")
 
 
 class Block(Protocol):
@@ -77,11 +80,45 @@ class AdmissionPolicy:
         raise NotImplementedError
 
 
-SPECS: dict[Kind, type] = {"eviction": EvictionPolicy, "admission": AdmissionPolicy}
+class RetentionPolicy:
+    """The spec of a retention policy: what requests asked of the blocks they used
+    (``kv_retention`` in their ``kv_transfer_params``), and which blocks must stay.
+    Constructed once per tier with the tier's size in blocks and the node's config.
+    ``now`` is the tier's clock (seconds; the simulator's is the trace's)."""
+
+    def __init__(self, slots: int, config: Any = None) -> None:
+        self.slots = slots
+
+    def requested(self, block: Block, retention: Retention, now: float) -> bool:
+        """A request that saved or was served ``block`` asked for ``retention``; called
+        when the request finishes (its last use). False: not granted (a pin over the
+        tier's cap)."""
+        raise NotImplementedError
+
+    def kept(self, block: Block, now: float) -> bool:
+        """Whether ``block`` must stay now: the tier evicts the next block of the
+        eviction policy's ``victims()`` instead."""
+        raise NotImplementedError
+
+    def yields(self, kept: Sequence[Block], now: float) -> Block | None:
+        """Every block the tier could evict is kept: the one that goes anyway, or None
+        (nothing new is saved until a block may go). Default: None."""
+        return None
+
+    def removed(self, block: Block) -> None:
+        """A block left the tier. Default: nothing."""
+
+
+SPECS: dict[Kind, type] = {
+    "eviction": EvictionPolicy,
+    "admission": AdmissionPolicy,
+    "retention": RetentionPolicy,
+}
 #: The methods a policy of each kind must define (the others have a default).
 REQUIRED: dict[Kind, tuple[str, ...]] = {
     "eviction": ("added", "victims", "removed"),
     "admission": ("admit",),
+    "retention": ("requested", "kept"),
 }
 
 

@@ -16,10 +16,18 @@ from typing import Any
 
 import pytest
 
-from composer.builtin_policies import Arc, Lru, Threshold
+from composer.builtin_policies import Arc, Lru, RequestRetention, Threshold
 from composer.cli import main
+from composer.controls import Retention, controls_of
 from composer.discovery import MODULES_ENV, PluginConflict, PluginLoadError, discover, find_policy
-from composer.policy import REQUIRED, SPECS, AdmissionPolicy, CachePolicy, EvictionPolicy
+from composer.policy import (
+    REQUIRED,
+    SPECS,
+    AdmissionPolicy,
+    CachePolicy,
+    EvictionPolicy,
+    RetentionPolicy,
+)
 from composer.validation import load_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,7 +198,7 @@ class _NoVictims(EvictionPolicy):
     [
         ("not a policy", PluginLoadError, "registered str, not a CachePolicy"),
         (CachePolicy("", "eviction", Lru), PluginLoadError, "a non-empty string name"),
-        (CachePolicy("x", "retention", Lru), PluginLoadError, "kind must be one of"),  # type: ignore[arg-type]
+        (CachePolicy("x", "tiering", Lru), PluginLoadError, "kind must be one of"),  # type: ignore[arg-type]
         (CachePolicy("x", "admission", Lru), PluginLoadError, "must subclass AdmissionPolicy"),
         (CachePolicy("x", "eviction", _NoVictims), PluginLoadError, "_NoVictims lacks victims"),
         (CachePolicy("lru", "eviction", Lru), PluginConflict, 'cache policy "lru" is registered'),
@@ -295,3 +303,80 @@ def test_the_docs_describe_every_method_of_every_spec() -> None:
                 assert f"`{name}({args})`" in text, (kind, name)
     assert set(REQUIRED) == set(SPECS)
     assert issubclass(Threshold, AdmissionPolicy)
+
+
+@pytest.mark.parametrize(
+    ("retention", "error"),
+    [
+        ({"ttl_s": -1}, "kv_retention.ttl_s: expected seconds from 0 to 86400, got -1"),
+        ({"ttl_s": 1e9}, "kv_retention.ttl_s: expected seconds from 0 to 86400"),
+        ({"ttl_s": float("nan")}, "kv_retention.ttl_s: expected seconds"),
+        ({"ttl_s": float("inf")}, "kv_retention.ttl_s: expected seconds"),
+        ({"ttl_s": "60"}, "kv_retention.ttl_s: expected seconds"),
+        ({"ttl_s": True}, "kv_retention.ttl_s: expected seconds"),
+        ({"pin": "yes"}, "kv_retention.pin: expected true or false, got 'yes'"),
+        ({"pin": 1}, "kv_retention.pin: expected true or false"),
+        ({"priority": 1.5}, "kv_retention.priority: expected a whole number"),
+        ({"priority": 10**6}, "kv_retention.priority: expected a whole number"),
+        ({"ttl": 3}, "kv_retention: unknown key(s) 'ttl'; expected ttl_s, pin, priority"),
+        ([1, 2], "kv_retention: expected an object {ttl_s, pin, priority}"),
+        ("forever", "kv_retention: expected an object"),
+    ],
+)
+def test_a_malformed_kv_retention_is_refused_with_its_reason(retention: Any, error: str) -> None:
+    controls = controls_of({"kv_retention": retention})
+    assert controls.error is not None and error in controls.error
+    # As every malformed control: nothing loaded, nothing saved, nothing kept.
+    assert controls.load == frozenset() and controls.store_limit("cpu") == 0
+    assert controls.retention is None
+
+
+def test_a_well_formed_kv_retention_is_read() -> None:
+    assert controls_of({"kv_retention": {}}).retention == Retention()
+    got = controls_of({"kv_retention": {"ttl_s": 90, "pin": False, "priority": -3}})
+    assert got.error is None and got.retention == Retention(90.0, False, -3)
+
+
+def test_request_retention_keeps_pins_under_the_cap_and_ttls_until_they_end() -> None:
+    config = type("C", (), {"max_pinned_share": 0.5})()
+    policy = RequestRetention(4, config)  # 2 pins
+    a, b, c = _Block(b"a"), _Block(b"b"), _Block(b"c")
+    pin = Retention(pin=True)
+    assert policy.requested(a, pin, 0.0) and policy.requested(b, pin, 0.0)
+    assert not policy.requested(c, pin, 0.0)  # over the cap
+    assert policy.kept(a, 1e9) and not policy.kept(c, 0.0)
+    policy.requested(a, Retention(pin=False), 0.0)
+    assert not policy.kept(a, 0.0)
+    policy.requested(c, Retention(ttl_s=10, priority=2), 5.0)
+    policy.requested(c, Retention(ttl_s=1), 6.0)  # an earlier deadline does not shorten it
+    assert policy.kept(c, 14.9) and not policy.kept(c, 15.0)
+    policy.requested(a, Retention(ttl_s=10, priority=1), 0.0)
+    policy.requested(c, Retention(ttl_s=10, priority=2), 0.0)
+    # Only pinned and TTL'd blocks left: the lowest priority TTL goes, never a pin.
+    assert policy.yields([b, c, a], 1.0) is a
+    assert policy.yields([b], 1.0) is None
+    policy.removed(b)
+    assert not policy.kept(b, 0.0) and b.key not in policy.pinned
+
+
+class _RaisingRetention(RetentionPolicy):
+    def requested(self, block: Any, retention: Retention, now: float) -> bool:
+        return True
+
+    def kept(self, block: Any, now: float) -> bool:
+        raise RuntimeError("retention bug")
+
+
+def test_a_retention_policy_that_raises_keeps_nothing_and_loses_no_block() -> None:
+    from kvc_offload_cpu.index import BlockIndex
+
+    index = BlockIndex(2, "lru", retention=_RaisingRetention(2))
+    for key in (b"a", b"b"):
+        entry = index.allocate(key)
+        assert entry is not None
+        index.mark_ready(entry)
+    c = index.allocate(b"c")  # kept() raises: no retention from now on, lru evicts a
+    assert c is not None and b"a" not in index and b"b" in index
+    assert index.retention is None
+    assert index.policy_failed == "_RaisingRetention raised RuntimeError: retention bug"
+    assert len(index) + index.evictions == 3

@@ -102,6 +102,23 @@ class OffloadCPUConfig(BaseModel):
             "of one-off prompts does not flush blocks that are reused)."
         ),
     )
+    retention: Annotated[str, PolicyName("retention")] = Field(
+        default="request",
+        description=(
+            "The retention policy: a cache policy plugin by name, deciding which blocks must "
+            'stay. Built in: "request": what each request\'s kv_retention asks '
+            "({ttl_s, pin, priority} in its kv_transfer_params)."
+        ),
+    )
+    max_pinned_share: float = Field(
+        default=0.25,
+        gt=0,
+        le=0.9,
+        description=(
+            "The share of the tier's blocks requests may pin (kv_retention pin: true); a pin "
+            "past it is not granted (counted as pins_refused), so pins cannot fill the tier."
+        ),
+    )
     admission: Annotated[str, PolicyName("admission")] = Field(
         default="threshold",
         description=(

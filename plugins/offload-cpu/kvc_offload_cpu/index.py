@@ -14,12 +14,13 @@ block and no request is lost to it.
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
 
-from composer import AdmissionPolicy, EvictionPolicy, find_policy
+from composer import AdmissionPolicy, EvictionPolicy, Retention, RetentionPolicy, find_policy
 
 log = structlog.get_logger("kv_composer")
 
@@ -74,10 +75,16 @@ class BlockIndex:
     """Maps block keys to slots of a pool of ``num_slots`` blocks."""
 
     def __init__(
-        self, num_slots: int, eviction: str | EvictionPolicy = "lru", config: Any = None
+        self,
+        num_slots: int,
+        eviction: str | EvictionPolicy = "lru",
+        config: Any = None,
+        retention: str | RetentionPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``eviction``: a policy, or the name of an installed one (built with the
-        pool's size and ``config``, the node's)."""
+        """``eviction``, ``retention``: policies, or the names of installed ones (built
+        with the pool's size and ``config``, the node's); no retention: none kept.
+        ``clock``: the retention policy's ``now`` (the simulator's is the trace's)."""
         if num_slots < 0:
             raise ValueError("num_slots must be >= 0")
         self.num_slots = num_slots
@@ -89,7 +96,14 @@ class BlockIndex:
             if isinstance(eviction, str)
             else eviction
         )
-        #: Why the configured policy was replaced by lru ("": it was not).
+        #: Which blocks must stay, of those the eviction policy offers (None: none).
+        self.retention: RetentionPolicy | None = (
+            find_policy("retention", retention)(num_slots, config)
+            if isinstance(retention, str)
+            else retention
+        )
+        self.clock = clock
+        #: Why a configured policy was replaced ("": none was).
         self.policy_failed = ""
         #: Free slots, lowest first (consecutive saves get consecutive slots).
         self._free: list[int] = list(range(num_slots))
@@ -210,18 +224,57 @@ class BlockIndex:
     # -- the policy ----------------------------------------------------------- #
 
     def _victim(self) -> Entry | None:
-        """The policy's first unpinned block (None: every ready block is pinned)."""
+        """The eviction policy's first block not in use and not kept by the retention
+        policy; when every one is kept, the one retention yields (None: none)."""
+        kept: list[Entry] = []
+        now = self.clock() if self.retention is not None else 0.0
         try:
             for block in self.policy.victims():
                 entry = self._entries.get(block.key)
-                if entry is block and entry.ready and entry.pins == 0:
-                    return entry
+                if entry is not block or not entry.ready or entry.pins:
+                    continue
+                if self._kept(entry, now):
+                    kept.append(entry)
+                    continue
+                return entry
         except Exception as exc:
             self._policy_failed("victims", exc)
             return self._victim()
-        return None
+        if not kept or self.retention is None:
+            return None
+        try:
+            chosen = self.retention.yields(kept, now)
+        except Exception as exc:
+            self._policy_failed("retention", exc)
+            return kept[0]
+        return next((e for e in kept if e is chosen), None)
+
+    def _kept(self, entry: Entry, now: float) -> bool:
+        if self.retention is None:
+            return False
+        try:
+            return bool(self.retention.kept(entry, now))
+        except Exception as exc:
+            self._policy_failed("retention", exc)
+            return False
+
+    def retain(self, entry: Entry, retention: Retention) -> bool:
+        """A request that used ``entry`` asked for ``retention`` (it just finished);
+        False: not granted."""
+        if self.retention is None or self._entries.get(entry.key) is not entry:
+            return False
+        try:
+            return bool(self.retention.requested(entry, retention, self.clock()))
+        except Exception as exc:
+            self._policy_failed("retention", exc)
+            return False
 
     def _left_policy(self, entry: Entry, evicted: bool) -> None:
+        if self.retention is not None:
+            try:
+                self.retention.removed(entry)
+            except Exception as exc:
+                self._policy_failed("retention", exc)
         if not entry.ready:
             return  # never added: a save still in flight
         try:
@@ -230,7 +283,15 @@ class BlockIndex:
             self._policy_failed("removed", exc)
 
     def _policy_failed(self, hook: str, exc: BaseException) -> None:
-        """lru from now on, over the ready blocks still indexed; said once."""
+        """A retention policy that raised: none from now on. An eviction policy: lru
+        from now on, over the ready blocks still indexed. Said once each."""
+        if hook == "retention":
+            name = type(self.retention).__name__
+            self.policy_failed = f"{name} raised {type(exc).__name__}: {exc}"
+            log.error("cache policy failed; the tier keeps no block for requests",
+                      policy=name, error=repr(exc))
+            self.retention = None
+            return
         name = type(self.policy).__name__
         self.policy_failed = f"{name}.{hook} raised {type(exc).__name__}: {exc}"
         log.error(

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from composer import NULL_BLOCK, NodeContext, Plugin, hookimpl
+from composer import NULL_BLOCK, NodeContext, Plugin, Retention, hookimpl
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.events import TierEvents, vllm_events_enabled
 from kvc_offload_cpu.index import Admission, BlockIndex, Entry
@@ -92,7 +92,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         self.serves = ctx.role in ("load", "both")
         self.saves = ctx.role in ("save", "both")
         self.num_slots = int(config.capacity) // layout.slot_bytes if layout.slot_bytes else 0
-        self.index = BlockIndex(self.num_slots, config.eviction, config)
+        self.index = BlockIndex(self.num_slots, config.eviction, config, config.retention)
         self.admission = Admission(config.admission, self.num_slots, config)
         self.full_groups = [g for g, x in enumerate(layout.groups) if x.kind == "attention"]
         self.window_groups = [g for g, x in enumerate(layout.groups) if x.window]
@@ -285,12 +285,33 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         if st is None:
             return False, None
         st.finished = True
+        retention = st.view.controls.retention
+        if retention is not None:
+            self._retain(st, retention)
         hold = bool(st.inflight) and self.config.save_mode == "async"
         if hold:
             self._pending_hold.append(request.request_id)
         else:
             self._forget(st)
         return hold, None
+
+    def _retain(self, st: _Req, retention: Retention) -> None:
+        """The request's ``kv_retention`` for each of its blocks this tier holds (its last
+        use is now); a pin not granted is counted and said."""
+        refused = 0
+        for g in range(len(st.block_ids)):
+            for k in range(len(st.keys.keys)):
+                entry = self.index.get(self._key(st, g, k))
+                if entry is not None and not self.index.retain(entry, retention):
+                    refused += 1
+        if refused and retention.pin:
+            self.stats.extra.add("pins_refused", refused)
+            self.log.warning(
+                "kv_retention pin not granted: the tier's pinned share is full",
+                request=st.view.request_id,
+                blocks=refused,
+                max_pinned_share=self.config.max_pinned_share,
+            )
 
     def _forget(self, st: _Req) -> None:
         rid = st.view.request_id

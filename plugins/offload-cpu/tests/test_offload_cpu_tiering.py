@@ -1,5 +1,6 @@
 """What the tier admits, keeps and promotes: ``store_threshold``, ``eviction``,
-``promote`` and a request's tier controls (``kv_store_tiers``, ``max_offload_tokens``)."""
+``promote`` and a request's tier controls (``kv_store_tiers``, ``max_offload_tokens``,
+``kv_retention``)."""
 
 from __future__ import annotations
 
@@ -143,3 +144,59 @@ def test_arc_adapts_toward_recency_when_blocks_evicted_once_come_back() -> None:
     assert order.p == 0 and b"c" in order.b1  # type: ignore[union-attr]
     _fill(idx, [b"c"])  # back: the seen-once list was too small
     assert order.p > 0 and b"c" in order.t2  # type: ignore[union-attr]
+
+
+def _flood(eng: Engine, n: int, seed: int = 100) -> None:
+    """``n`` one-off 3-block prompts: under lru, enough to evict anything older."""
+    for i in range(n):
+        _run(eng, f"flood{seed + i}", prompt(seed + i, 100))
+
+
+@pytest.mark.parametrize(
+    ("retention", "kept"),
+    [
+        (None, False),
+        ({"pin": True}, True),
+        ({"ttl_s": 3600}, True),
+        ({"ttl_s": 0}, False),
+        ({"priority": 5}, False),  # a tie-break only: nothing kept
+    ],
+)
+def test_a_requests_kv_retention_keeps_its_blocks_through_a_flood(
+    retention: dict[str, Any] | None, kept: bool
+) -> None:
+    eng = Engine(save_mode="sync", capacity=8 * SLOT, max_pinned_share=0.5)
+    p = prompt(1, 100)  # 3 full blocks
+    params = None if retention is None else {"kv_retention": retention}
+    _run(eng, "session", p, kv_transfer_params=params)
+    _flood(eng, 6)  # 18 blocks through an 8-block tier
+    assert (_run(eng, "next-turn", p)[0] == 96) is kept
+
+
+def test_an_unpinned_prefix_is_evicted_again_and_pins_are_capped() -> None:
+    eng = Engine(save_mode="sync", capacity=8 * SLOT, max_pinned_share=0.5)  # 4 blocks
+    system = prompt(1, 100)
+    _run(eng, "pin", system, kv_transfer_params={"kv_retention": {"pin": True}})
+    # A second pinned prompt: one block fits under the cap, two are refused.
+    _run(eng, "more", prompt(2, 100), kv_transfer_params={"kv_retention": {"pin": True}})
+    assert eng.sched.stats.extra.get("pins_refused") == 2
+    _flood(eng, 4)
+    assert _run(eng, "again", system)[0] == 96
+    _run(eng, "unpin", system, kv_transfer_params={"kv_retention": {"pin": False}})
+    _flood(eng, 4, seed=200)
+    assert _run(eng, "gone", system)[0] == 0
+
+
+def test_ttl_ends_and_kept_blocks_yield_by_priority() -> None:
+    now = [0.0]
+    eng = Engine(save_mode="sync", capacity=6 * SLOT)
+    eng.index.clock = lambda: now[0]
+    low, high = prompt(1, 100), prompt(2, 100)
+    _run(eng, "low", low, kv_transfer_params={"kv_retention": {"ttl_s": 60, "priority": -1}})
+    _run(eng, "high", high, kv_transfer_params={"kv_retention": {"ttl_s": 60, "priority": 1}})
+    # The tier is full of kept blocks: a new prompt's blocks take the lowest priority's.
+    _run(eng, "new", prompt(3, 100))
+    assert _run(eng, "high2", high)[0] == 96 and _run(eng, "low2", low)[0] == 0
+    now[0] = 61.0  # the TTLs have run out: plain lru again
+    _flood(eng, 2)
+    assert _run(eng, "high3", high)[0] == 0
