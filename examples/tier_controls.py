@@ -1,6 +1,7 @@
 """Per-request tier controls against a running ``kvc serve``: which nodes a request
-loads from (``kv_load_tiers``) and saves to (``kv_store_tiers``), and how many
-of its tokens are saved (``max_offload_tokens``), in its ``kv_transfer_params``.
+loads from (``kv_load_tiers``) and saves to (``kv_store_tiers``), how many of
+its tokens are saved (``max_offload_tokens``) and how long a tier keeps them
+(``kv_retention``), in its ``kv_transfer_params``.
 
     python examples/tier_controls.py http://127.0.0.1:8000 MODEL [NODE]
 
@@ -46,6 +47,8 @@ def main(argv: list[str]) -> int:
         {},  # a hit, from whichever node load_policy picks
         {"kv_load_tiers": []},  # loads from no node: computed again
         {"kv_load_tiers": ["no-such-node"]},  # an error in the response, nothing loaded
+        # Kept at least a minute after this request by the tiers that hold it.
+        {"kv_retention": {"ttl_s": 60, "priority": 1}},
     ]
     if node:
         runs.append({"kv_load_tiers": [node]})

@@ -162,12 +162,21 @@ def _tier_controls(base: str, model: str, prompt: str) -> None:
     assert cached(bad) == 0
     error = bad["kv_transfer_params"]["kv_composer"]["error"]
     assert "kv_load_tiers: unknown node(s) 'no-such-node'" in error and "'ex'" in error
+    # kv_retention: the CPU tier's retention policy takes a pin (in vLLM's scheduler
+    # process, at the request's end); a malformed one is refused with its reason.
+    pinned = example.complete(base, model, prompt, kv_retention={"ttl_s": 60, "pin": True})
+    assert "error" not in ((pinned.get("kv_transfer_params") or {}).get("kv_composer") or {})
+    bad = example.complete(base, model, prompt, kv_retention={"ttl_s": -1})
+    assert cached(bad) == 0
+    error = bad["kv_transfer_params"]["kv_composer"]["error"]
+    assert error == "kv_retention.ttl_s: expected seconds from 0 to 86400, got -1"
     # The example's own run prints one line per request, the bad one with its error.
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         assert example.main(["tier_controls.py", base, model, "ex"]) == 0
     lines = buffer.getvalue().splitlines()
-    assert len(lines) == 5 and "unknown node(s)" in lines[3], lines
+    assert len(lines) == 6 and "unknown node(s)" in lines[3], lines
+    assert lines[4].startswith('{"kv_retention": ') and "error" not in lines[4], lines
 
 
 def _raw(base: str) -> str:
