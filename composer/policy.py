@@ -1,10 +1,11 @@
-"""Cache policies: which blocks a tier admits and which it evicts, as plugins.
+"""Cache policies: which blocks a tier admits, which it evicts and which it must keep,
+as plugins.
 
 A tier (``offload-cpu``'s index, and its simulator, which runs the same code)
 does not decide these itself: it asks the policies its node config names
-(``eviction: lru``, ``admission: threshold``, ``retention: request``). A policy is a class with the
-methods of its kind's spec below, registered by a plugin package with one
-hookimpl, as plugin types are::
+(``eviction: lru``, ``admission: threshold``, ``retention: request``). A policy
+is a class with the methods of its kind's spec below, registered by a plugin
+package with one hookimpl, as plugin types are::
 
     @hookimpl
     def register_cache_policies(register):
