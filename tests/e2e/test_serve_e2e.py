@@ -169,7 +169,7 @@ def _tier_controls(base: str, model: str, prompt: str) -> None:
     bad = example.complete(base, model, prompt, kv_retention={"ttl_s": -1})
     assert cached(bad) == 0
     error = bad["kv_transfer_params"]["kv_composer"]["error"]
-    assert error == "kv_retention.ttl_s: expected seconds from 0 to 86400, got -1"
+    assert error == "tier controls: kv_retention.ttl_s: expected seconds from 0 to 86400, got -1"
     # The example's own run prints one line per request, the bad one with its error.
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
