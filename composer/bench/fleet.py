@@ -90,16 +90,11 @@ def policy(name: str) -> Policy:
 def run_fleet(spec: BenchSpec) -> list[RunResult]:
     """Every policy on one fleet (started once, emptied before each policy)."""
     policies = [policy(name) for name in spec.policies or POLICIES]
-    if spec.server is None or spec.url is not None:
-        raise BenchError("--fleet starts its engines: give --model, not --url")
-    if len(spec.configs) != 1 or spec.configs[0].pipeline is None:
-        raise BenchError("--fleet runs one pipeline on every engine: give one --config PIPELINE")
-    if spec.rounds < 1:
-        raise BenchError(f"--rounds must be >= 1, got {spec.rounds}")
+    config, server = own_engines(spec, "--fleet", "every engine")
     prompts, skipped = bench_prompts(spec)
     spec.workdir.mkdir(parents=True, exist_ok=True)
     pooled: dict[str, RunResult] = {}
-    with fleet(spec.configs[0], spec.server, spec.fleet, spec.workdir) as engines:
+    with fleet(config, server, spec.fleet, spec.workdir) as engines:
         for round_index in range(spec.rounds):
             order = policies if round_index % 2 == 0 else policies[::-1]
             for p in order:
@@ -108,6 +103,18 @@ def run_fleet(spec: BenchSpec) -> list[RunResult]:
                 result.skipped = skipped
                 pooled[p.name] = pool(pooled[p.name], result) if p.name in pooled else result
     return [pooled[p.name] for p in policies]
+
+
+def own_engines(spec: BenchSpec, flag: str, engines: str) -> tuple[Config, ServerSpec]:
+    """The one pipeline and the server settings of a run that starts its own engines
+    (``flag``: ``--fleet``, ``--pd``), or a :class:`BenchError` saying what is missing."""
+    if spec.server is None or spec.url is not None:
+        raise BenchError(f"{flag} starts its engines: give --model, not --url")
+    if len(spec.configs) != 1 or spec.configs[0].pipeline is None:
+        raise BenchError(f"{flag} runs one pipeline on {engines}: give one --config PIPELINE")
+    if spec.rounds < 1:
+        raise BenchError(f"--rounds must be >= 1, got {spec.rounds}")
+    return spec.configs[0], spec.server
 
 
 @contextlib.contextmanager

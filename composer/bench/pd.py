@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from composer.bench.fleet import Policy, empty, policy, replay_counted
+from composer.bench.fleet import Policy, empty, own_engines, policy, replay_counted
 from composer.bench.replay import BenchError, Prompt, send, served_model
 from composer.bench.report import RunResult, pool
 from composer.bench.servers import Config, Server, ServerSpec, servers
@@ -50,12 +50,7 @@ class PDEngines:
 
 def run_pd(spec: BenchSpec) -> list[RunResult]:
     """Both modes on one pair of engines (started once, emptied before each mode)."""
-    if spec.server is None or spec.url is not None:
-        raise BenchError("--pd starts its engines: give --model, not --url")
-    if len(spec.configs) != 1 or spec.configs[0].pipeline is None:
-        raise BenchError("--pd runs one pipeline on both engines: give one --config PIPELINE")
-    if spec.rounds < 1:
-        raise BenchError(f"--rounds must be >= 1, got {spec.rounds}")
+    config, server = own_engines(spec, "--pd", "both engines")
     if len(spec.policies) > 1:
         raise BenchError("--pd takes at most one --policy (the plain mode's)")
     plain = policy(spec.policies[0] if spec.policies else PLAIN_POLICY)
@@ -64,7 +59,7 @@ def run_pd(spec: BenchSpec) -> list[RunResult]:
     prompts, skipped = bench_prompts(spec)
     spec.workdir.mkdir(parents=True, exist_ok=True)
     pooled: dict[str, RunResult] = {}
-    with pd_engines(spec.configs[0], spec.server, spec.workdir) as engines:
+    with pd_engines(config, server, spec.workdir) as engines:
         warm_up(engines, prompts[0], spec.workdir / "router-warm-up.log")
         for round_index in range(spec.rounds):
             for mode in MODES if round_index % 2 == 0 else MODES[::-1]:

@@ -11,11 +11,13 @@ from pathlib import Path
 
 from composer.errors import PipelineInvalid
 from composer.export import kv_transfer_config
+from composer.loader import file_marks
 from composer.pipeline import ResolvedPipeline
 from composer.servers.loopback import LOOPBACK, free_port
 from composer.servers.valkey import ValkeyError, ValkeyServer, valkey_server_binary
 from composer.servers.vllm_serve import vllm_command
 from composer.validation import load_pipeline
+from composer.validation.deep_check import sleep_mode_problems
 
 
 def serve_command(file: str, vllm_args: list[str], kv_role: str | None = None) -> list[str]:
@@ -80,8 +82,7 @@ def refuse_sleep_mode(pipeline: ResolvedPipeline, file: str) -> None:
     """Raise PipelineInvalid, each node located, if the pipeline cannot sleep: vLLM
     0.33 would refuse it only at engine start ("ComposedConnector does not support
     sleep mode"), and vLLM 0.32 would not refuse it at all."""
-    from composer.cli.validating import file_marks
-    from composer.validation.deep_check import sleep_mode_problems
+    # vLLM itself, imported only for --enable-sleep-mode (it starts right after).
     from composer.vllm.pipeline_source import sleep_mode_refusals
 
     problems = sleep_mode_problems(pipeline, sleep_mode_refusals(pipeline), marks=file_marks(file))

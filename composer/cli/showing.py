@@ -24,6 +24,7 @@ from composer.cli.common import (
 )
 from composer.discovery import discover
 from composer.errors import escape
+from composer.loader import file_marks
 from composer.model.kv_groups import group_rows
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.plugin_types import Capabilities, PluginType
@@ -39,7 +40,7 @@ def node_tiers(node: ResolvedNode) -> list[str]:
 
 def cmd_graph(args: argparse.Namespace) -> int:
     # Imported here: validating imports this module's neighbours, not the other way round.
-    from composer.cli.validating import file_marks, model_lines, predict_model
+    from composer.cli.validating import model_lines, predict_model
 
     pipeline = load(args.file, discover(), args.kv_role)
     model = predict_model(args)

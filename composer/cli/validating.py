@@ -25,9 +25,10 @@ from composer.cli.common import (
 from composer.discovery import Registry, discover
 from composer.errors import PipelineInvalid, Problem, escape
 from composer.export import kv_transfer_config
-from composer.loader import FileProblem, Marks, load_yaml, read_pipeline_file
+from composer.loader import file_marks
 from composer.model.kv_groups import ModelConfigError, ModelKV, group_rows, predict
 from composer.pipeline import SCHEMA_ID, ResolvedPipeline, typed_pipeline_model
+from composer.validation.deep_check import deep_check, sleep_mode_problems
 from composer.validation.model_check import ModelCheck, check_model
 
 SCHEMA_FILE = "pipeline.schema.json"
@@ -148,21 +149,9 @@ def _served_lines(check: ModelCheck) -> list[str]:
     return [escape(line) for line in lines]
 
 
-def file_marks(file: str) -> Marks | None:
-    """The YAML marks of a pipeline file read a moment ago, to locate later problems."""
-    if file == "-":
-        return None
-    try:
-        _, marks, _ = load_yaml(read_pipeline_file(file))
-    except FileProblem:  # replaced since: report without locations
-        return None
-    return marks
-
-
 def _sleep_mode_problems(pipeline: ResolvedPipeline, file: str) -> list[Problem]:
-    from composer.validation.deep_check import sleep_mode_problems
-
     try:
+        # vLLM itself, asked only here: `kvc validate` without the flag stays light.
         from composer.vllm.pipeline_source import sleep_mode_refusals
 
         return sleep_mode_problems(pipeline, sleep_mode_refusals(pipeline), marks=file_marks(file))
@@ -171,8 +160,6 @@ def _sleep_mode_problems(pipeline: ResolvedPipeline, file: str) -> list[Problem]
 
 
 def _deep_problems(pipeline: ResolvedPipeline, file: str) -> list[Problem]:
-    from composer.validation.deep_check import deep_check
-
     marks = file_marks(file)
     try:
         return deep_check(pipeline, marks=marks)

@@ -22,7 +22,7 @@ from composer.loader.limits import (
     LimitExceeded,
     PipelineLoader,
 )
-from composer.loader.load import YAMLProblem, load_yaml, syntax_problem
+from composer.loader.load import YAMLProblem, file_marks, load_yaml, syntax_problem
 from composer.loader.positions import Marks
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "YAMLProblem",
     "decode_pipeline",
     "expand_env",
+    "file_marks",
     "load_yaml",
     "read_pipeline_file",
     "read_pipeline_stream",

@@ -19,6 +19,7 @@ from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
 from composer.loader.env_vars import EnvProblem, expand_env
+from composer.loader.file import FileProblem, read_pipeline_file
 from composer.loader.limits import (
     LIBYAML,
     MAP_TAG,
@@ -266,3 +267,16 @@ def load_yaml(
         return data, builder.marks, builder.problems
     finally:
         loader.dispose()
+
+
+def file_marks(path: str) -> Marks | None:
+    """The YAML marks of a pipeline file read a moment ago, to locate problems found later
+    (a model check, a refusal of sleep mode); None for stdin (``-``) or a file replaced
+    since."""
+    if path == "-":
+        return None
+    try:
+        _, marks, _ = load_yaml(read_pipeline_file(path))
+    except FileProblem:
+        return None
+    return marks
