@@ -14,8 +14,10 @@ in order, before the lmcache node looks the request up:
 * ``restart_valkey``: start ``valkey-server`` again on its port (empty);
 * ``wait_l2_connected``: hold the scheduler until the lmcache server's RESP
   adapter says it is connected again (its ``/status``): the Valkey outage's end;
-* ``clear_l1``: empty the lmcache server's L1 (``POST /cache/clear``), so the
-  next lookups can only hit in its L2 tiers;
+* ``clear_l1``: empty the lmcache server's L1 (``POST /cache/clear``, again
+  until its ``/status`` counts no object: a plain clear keeps what a store
+  still holds locked), so the next lookups can only hit in its L2 tiers; one
+  still not empty after 30 s is reported (``l1_not_emptied``);
 * ``corrupt_fs``: damage every chunk file under ``fs_path``: every other one
   truncated to half its length, the others with 64 bytes in the middle flipped;
 * ``fs_gone``: move the directory ``fs_path`` away and put a file in its place,
@@ -134,6 +136,8 @@ class FleetFaults(LatencyProbe):
         self.valkey_pid = self.config.valkey_pid
         self.restarted_pids: list[int] = []
         self.corrupted = {"truncated": 0, "flipped": 0}
+        #: (request ordinal, L1 objects left) for each ``clear_l1`` that timed out.
+        self.l1_not_emptied: list[tuple[int, int]] = []
         self._timer: threading.Timer | None = None
         self.pool: Any = None
         self.free_blocks: list[int] = []
@@ -333,7 +337,10 @@ class FleetFaults(LatencyProbe):
             time.sleep(0.05)
         raise TimeoutError(f"the RESP adapter did not reconnect within {timeout} s")
 
-    def _clear_l1(self) -> None:
+    def _clear_l1(self, ordinal: int, timeout: float = 30.0) -> None:
+        # A plain clear keeps the objects a store still holds locked (the last
+        # request's chunks on their way into a failing L2, say), and those
+        # would be served next round: clear again until L1 holds nothing.
         http_url = self.target.supervisor.server.http_url
         request = urllib.request.Request(
             f"{http_url}/cache/clear",
@@ -341,8 +348,19 @@ class FleetFaults(LatencyProbe):
             headers={"Content-Type": "application/json"},
             method="POST",
         )
-        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - loopback
-            assert json.loads(response.read())["status"] == "ok"
+        deadline = time.monotonic() + timeout
+        while True:
+            with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - loopback
+                assert json.loads(response.read())["status"] == "ok"
+            with urllib.request.urlopen(f"{http_url}/status", timeout=10) as response:  # noqa: S310
+                l1s = json.loads(response.read())["storage_manager"]["l1_managers"].values()
+            left = sum(l1["total_object_count"] for l1 in l1s)
+            if not left:
+                return
+            if time.monotonic() > deadline:  # reported, the test says what it costs
+                self.l1_not_emptied.append((ordinal, left))
+                return
+            time.sleep(0.05)
 
     def _run(self, ordinal: int, action: str) -> None:
         if action == "kill_valkey":
@@ -359,7 +377,7 @@ class FleetFaults(LatencyProbe):
         elif action == "wait_l2_connected":
             self._wait_l2_connected()
         elif action == "clear_l1":
-            self._clear_l1()
+            self._clear_l1(ordinal)
         elif action == "corrupt_fs":
             self._corrupt_fs()
         elif action in FS_FAULTS:
@@ -418,6 +436,7 @@ class FleetFaults(LatencyProbe):
             "done": self.done,
             "restarted_pids": self.restarted_pids,
             "corrupted": self.corrupted,
+            "l1_not_emptied": self.l1_not_emptied,
             "gauges": dict(self.target.stats.gauges),
             "free_blocks": self.free_blocks,
             "fs_faults": self.fs_faults,

@@ -242,6 +242,7 @@ def test_valkey_was_killed_in_flight_and_restarted_by_the_faults_node(
     actions = [a for _, a, _ in done]
     assert actions.count("kill_valkey_in_flight") == 2
     assert actions.count("restart_valkey") == 2 and actions.count("clear_l1") == 4
+    assert runs["b/report"]["l1_not_emptied"] == []  # each clear left L1 empty
     assert runs["valkey_killed"]
     assert len(set(runs["b/report"]["restarted_pids"])) == 2
     # Time to resume: from the restarted Valkey answering PING to the lmcache

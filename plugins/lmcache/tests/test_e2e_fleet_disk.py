@@ -213,6 +213,7 @@ def test_a_fresh_engine_and_server_are_served_from_disk(runs: dict[str, Any]) ->
 def test_damaged_chunks_are_recomputed_neverserved(runs: dict[str, Any]) -> None:
     corrupted = runs["reader/report"]["corrupted"]
     assert corrupted["truncated"] > 0 and corrupted["flipped"] > 0, corrupted
+    assert runs["reader/report"]["l1_not_emptied"] == []  # each clear left L1 empty
     assert served(runs["reader"], 1) == [None] * N
     assert [r.cached_tokens for r in runs["reader"].rounds[1]] == [0] * N
     assert runs["reader/report"]["gauges"]["l2_adapters"] == 1
