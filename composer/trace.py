@@ -2,7 +2,11 @@
 
 Traces are Mooncake's format (one JSON object a line: ``input_length``,
 ``output_length``, ``hash_ids``, one id per 512-token prompt block, equal
-leading ids meaning an equal prefix; ``timestamp`` optional). Each id stands
+leading ids meaning an equal prefix; ``timestamp`` optional), with two optional
+fields of ours: ``tenant`` (a string, sent as vLLM's ``cache_salt``: a
+tenant's blocks are its own, equal ids or not) and ``kv_retention`` (what the
+request asks of the tiers, as in its ``kv_transfer_params``:
+:class:`composer.controls.Retention`). Each id stands
 for ``trace_block_tokens`` tokens (512 by default; fewer rescales every length
 by the same factor, as a scaled replay on a CPU does). The partial last block
 of a prompt and the output are unique to their request. ``kvc simulate``
@@ -18,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from composer.controls import RETENTION, Retention, controls_of
 
 #: Tokens per hash id in Mooncake's traces.
 MOONCAKE_BLOCK_TOKENS = 512
@@ -44,6 +50,10 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
     #: Arrival, milliseconds from the trace's start (0 where the line has none).
     timestamp_ms: float = 0.0
+    #: Whose request it is (vLLM's ``cache_salt``; "": no salt).
+    tenant: str = ""
+    #: Its ``kv_retention`` (None: it asks nothing).
+    retention: Retention | None = None
 
 
 def _int_field(obj: dict[str, Any], name: str, file: str, line: int, minimum: int) -> int:
@@ -79,18 +89,26 @@ def read_trace(path: str | Path, *, limit: int | None = None) -> list[TraceReque
 
 def write_trace(path: str | Path, requests: Sequence[TraceRequest]) -> None:
     """``requests`` as a Mooncake-format JSONL trace (what :func:`read_trace` reads)."""
-    lines = (
-        json.dumps(
-            {
-                "timestamp": r.timestamp_ms,
-                "input_length": r.input_length,
-                "output_length": r.output_length,
-                "hash_ids": list(r.hash_ids),
-            }
-        )
-        for r in requests
-    )
+    lines = (json.dumps(_line(r)) for r in requests)
     Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+def _line(r: TraceRequest) -> dict[str, Any]:
+    line: dict[str, Any] = {
+        "timestamp": r.timestamp_ms,
+        "input_length": r.input_length,
+        "output_length": r.output_length,
+        "hash_ids": list(r.hash_ids),
+    }
+    if r.tenant:
+        line["tenant"] = r.tenant
+    if r.retention is not None:
+        line[RETENTION] = {
+            "ttl_s": r.retention.ttl_s,
+            "priority": r.retention.priority,
+            **({"pin": r.retention.pin} if r.retention.pin is not None else {}),
+        }
+    return line
 
 
 def _parse_line(text: str, file: str, number: int) -> TraceRequest:
@@ -120,8 +138,24 @@ def _parse_line(text: str, file: str, number: int) -> TraceRequest:
         raise TraceError(
             file, number, f"timestamp: expected a number >= 0, got {json.dumps(stamp)}"
         )
-    return TraceRequest(input_length, output_length, tuple(ids), float(stamp))
+    tenant = obj.get("tenant", "")
+    if not isinstance(tenant, str) or len(tenant) > MAX_TENANT_CHARS:
+        raise TraceError(
+            file,
+            number,
+            f"tenant: expected a string of at most {MAX_TENANT_CHARS} characters, "
+            f"got {json.dumps(tenant)[:60]}",
+        )
+    controls = controls_of({RETENTION: obj.get(RETENTION)})
+    if controls.error is not None:
+        raise TraceError(file, number, controls.error)
+    return TraceRequest(
+        input_length, output_length, tuple(ids), float(stamp), tenant, controls.retention
+    )
 
+
+#: The longest ``tenant`` a line may name.
+MAX_TENANT_CHARS = 256
 
 #: Leading trace blocks that name a request's conversation (:func:`conversation`).
 CONVERSATION_BLOCKS = 3
@@ -148,9 +182,10 @@ class KeyMaker:
     """Block keys of trace requests for a given vLLM block size.
 
     The key of block ``k`` names the whole prefix ``[0, (k + 1) * block_size)``:
-    the chain of hash ids up to the trace block holding its last token, and
-    where in that trace block it ends. Equal prefixes give equal keys, in any
-    request.
+    the request's tenant, the chain of hash ids up to the trace block holding
+    its last token, and where in that trace block it ends. Equal prefixes of
+    one tenant give equal keys, in any request (vLLM hashes ``cache_salt`` into
+    the first block's key, so two tenants share none).
     """
 
     def __init__(self, block_size: int, trace_block_tokens: int) -> None:
@@ -160,7 +195,9 @@ class KeyMaker:
             raise ValueError(f"trace block tokens must be < {MAX_TRACE_BLOCK_TOKENS}")
         self.block_size = block_size
         self.trace_block_tokens = trace_block_tokens
+        #: (parent chain id, hash id) -> chain id; a tenant's root is (-1, its number).
         self._chains: dict[tuple[int, int], int] = {}
+        self._tenants: dict[str, int] = {"": 0}
         self._unique = 0
 
     def scale(self, tokens: int) -> int:
@@ -177,6 +214,10 @@ class KeyMaker:
         chains = self._chains
         chain_ids: list[int] = []
         parent = 0
+        if req.tenant:
+            number = self._tenants.setdefault(req.tenant, len(self._tenants))
+            root = (-1, number)
+            parent = chains.get(root) or chains.setdefault(root, len(chains) + 1)
         for hid in req.hash_ids[:full_trace]:
             pair = (parent, hid)
             cid = chains.get(pair)

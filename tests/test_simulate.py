@@ -22,11 +22,12 @@ from kvc_offload_cpu.index import BlockIndex
 from kvc_offload_cpu.simulate import OffloadCPUModel
 
 from composer.cli import main
+from composer.controls import Retention
 from composer.discovery import discover
 from composer.pipeline import ResolvedPipeline
 from composer.simulate import VLLM_CACHE_ID, Result, SimKVGroup, SimulateError, simulate
 from composer.simulate.shape import model_shape
-from composer.trace import KeyMaker, TraceRequest, read_trace
+from composer.trace import KeyMaker, TraceRequest, read_trace, write_trace
 from composer.validation import validate_text
 
 BS = 32
@@ -340,17 +341,32 @@ def test_slice_units_are_close_to_exact() -> None:
 # --------------------------------------------------------------------------- #
 
 GEMMA3 = {  # one sliding-window layer (64 tokens: 2 blocks) and one full-attention layer
-    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "dtype": "bfloat16",
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-    "hidden_size": 128, "layer_types": ["sliding_attention", "full_attention"],
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "dtype": "bfloat16",
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "hidden_size": 128,
+    "layer_types": ["sliding_attention", "full_attention"],
     "sliding_window": 64,
 }
 GRANITE = {  # one mamba layer, one attention layer
-    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
-    "dtype": "bfloat16", "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "hidden_size": 128, "layer_types": ["mamba", "attention"],
-    "mamba_d_conv": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_expand": 2,
-    "mamba_n_groups": 1, "mamba_n_heads": 8,
+    "architectures": ["GraniteMoeHybridForCausalLM"],
+    "model_type": "granitemoehybrid",
+    "dtype": "bfloat16",
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_size": 128,
+    "layer_types": ["mamba", "attention"],
+    "mamba_d_conv": 4,
+    "mamba_d_head": 32,
+    "mamba_d_state": 16,
+    "mamba_expand": 2,
+    "mamba_n_groups": 1,
+    "mamba_n_heads": 8,
 }
 #: One layer's 32-token block: K and V x 2 heads x 32 dims x 2 bytes x 32 tokens.
 LAYER_BLOCK = 2 * 2 * 32 * 2 * BS
@@ -365,7 +381,8 @@ def config_file(tmp_path: Path, config: dict[str, Any], name: str = "config.json
 def test_gemma3_groups_and_slot(tmp_path: Path) -> None:
     shape = model_shape(config_file(tmp_path, GEMMA3), BS)
     assert shape.groups == (
-        SimKVGroup("sliding_window", LAYER_BLOCK, 64), SimKVGroup("attention", LAYER_BLOCK)
+        SimKVGroup("sliding_window", LAYER_BLOCK, 64),
+        SimKVGroup("attention", LAYER_BLOCK),
     )
     assert (shape.block_size, shape.bytes_per_block) == (BS, LAYER_BLOCK)  # one group's block
     full = {**GEMMA3, "layer_types": ["full_attention"] * 2}
@@ -379,8 +396,11 @@ def run_model(
 ) -> Result:
     shape = model_shape(config_file(tmp_path, config), BS)
     return run(
-        pipeline(tier("cpu", "1MiB", extra)), trace,
-        bytes_per_block=shape.bytes_per_block, block_size=shape.block_size, groups=shape.groups,
+        pipeline(tier("cpu", "1MiB", extra)),
+        trace,
+        bytes_per_block=shape.bytes_per_block,
+        block_size=shape.block_size,
+        groups=shape.groups,
     )
 
 
@@ -389,8 +409,9 @@ def test_window_group_stores_fewer_bytes_than_full_attention(tmp_path: Path) -> 
     # two blocks a hit at the prompt's end needs (blocks 8 and 9).
     trace = [req(range(1, 12), partial=True)]
     gemma = node(run_model(tmp_path, GEMMA3, trace), "cpu")
-    full = node(run_model(tmp_path, {**GEMMA3, "layer_types": ["full_attention"] * 2}, trace),
-                "cpu")
+    full = node(
+        run_model(tmp_path, {**GEMMA3, "layer_types": ["full_attention"] * 2}, trace), "cpu"
+    )
     assert full.bytes_saved == 10 * 2 * LAYER_BLOCK and full.window_saving is None
     assert gemma.bytes_saved == (10 + 2) * LAYER_BLOCK == gemma.bytes_saved_per_request
     assert gemma.window_saving == pytest.approx(12 / 20)
@@ -429,9 +450,7 @@ def test_mamba_hybrid_gets_no_tier_hits(tmp_path: Path) -> None:
     assert cpu.note.startswith("the model has mamba KV cache groups: their recurrent state")
 
 
-def test_hybrid_model_config_command(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_hybrid_model_config_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     gemma, granite = config_file(tmp_path, GEMMA3), config_file(tmp_path, GRANITE, "g.json")
     pipe = tmp_path / "p.yaml"
     pipe.write_text("version: 1\nnodes:\n" + tier("cpu", "64MiB"))
@@ -477,10 +496,18 @@ def pipe(tmp_path: Path) -> Path:
 
 
 def test_json(pipe: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main([
-        "simulate", str(pipe), str(CONVERSATION), "--bytes-per-block", "256KiB",
-        "--vllm-cache-blocks", "64", "--json",
-    ])
+    code = main(
+        [
+            "simulate",
+            str(pipe),
+            str(CONVERSATION),
+            "--bytes-per-block",
+            "256KiB",
+            "--vllm-cache-blocks",
+            "64",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert code == 0
     assert out["requests"] == 500 and out["bytes_per_block"] == 256 * 1024
@@ -496,10 +523,17 @@ def test_text_and_model_config(
     pipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "hidden_size": 256, "torch_dtype": "bfloat16",
-    }))
+    config.write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "hidden_size": 256,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
     assert main(["simulate", str(pipe), str(SYNTHETIC), "--model-config", str(config)]) == 0
     out = capsys.readouterr().out
     # 2 layers x K,V x 2 heads x 64 dims x 2 bytes x 32 tokens
@@ -509,10 +543,19 @@ def test_text_and_model_config(
 
 def test_sweep_writes_table_and_png(pipe: Path, tmp_path: Path) -> None:
     out_file = tmp_path / "sweep.txt"
-    code = main([
-        "simulate", str(pipe), str(CONVERSATION), "--bytes-per-block", "256KiB",
-        "--sweep", "capacity=16MiB,1GiB,64GiB", "-o", str(out_file),
-    ])
+    code = main(
+        [
+            "simulate",
+            str(pipe),
+            str(CONVERSATION),
+            "--bytes-per-block",
+            "256KiB",
+            "--sweep",
+            "capacity=16MiB,1GiB,64GiB",
+            "-o",
+            str(out_file),
+        ]
+    )
     assert code == 0
     table = out_file.read_text().splitlines()
     assert table[1].split() == ["capacity", "cpu", "total"]
@@ -538,10 +581,18 @@ def test_sweep_load_policy_on_the_ranges_example(
     out_file = tmp_path / "sweep.txt"
     example = str(root / "examples/tiers-ranges.yaml")
     options = ["--bytes-per-block", "32MiB", "--trace-block-tokens", "32", "--exact"]
-    code = main([
-        "simulate", example, str(trace), *options,
-        "--sweep", "load_policy=first_hit,longest_hit,ranges", "-o", str(out_file),
-    ])
+    code = main(
+        [
+            "simulate",
+            example,
+            str(trace),
+            *options,
+            "--sweep",
+            "load_policy=first_hit,longest_hit,ranges",
+            "-o",
+            str(out_file),
+        ]
+    )
     assert code == 0
     table = out_file.read_text().splitlines()
     assert table[1].split() == ["load_policy", "fast", "slow", "total"]
@@ -556,16 +607,25 @@ def test_sweep_load_policy_on_the_ranges_example(
     assert "--sweep load_policy: 'range': expected one of 'first_hit'" in capsys.readouterr().err
 
 
+#: A valid trace line, open for more fields.
+_LINE = '{"input_length": 5, "output_length": 1, "hash_ids": [1]'
+
+
 @pytest.mark.parametrize(
     ("lines", "message"),
     [
         (['{"input_length": 512, "output_length": 1, "hash_ids": [1]}', "{oops"], ":2: not JSON"),
         (['{"input_length": 1024, "output_length": 1, "hash_ids": [1]}'], ":1: hash_ids: 1 ids"),
         (["", '{"output_length": 1, "hash_ids": [1]}'], ":2: input_length: expected an integer"),
-        (['[1, 2]'], ":1: expected a JSON object"),
+        (["[1, 2]"], ":1: expected a JSON object"),
         (['{"input_length": 5, "output_length": -1, "hash_ids": [1]}'], ":1: output_length"),
         (['{"input_length": 5, "output_length": 1, "hash_ids": ["a"]}'], ":1: hash_ids"),
         ([], ": trace has no requests"),
+        ([_LINE + ', "tenant": 7}'], ":1: tenant: expected a string"),
+        ([_LINE + f', "tenant": "{"t" * 257}"}}'], ":1: tenant: expected a string of at most 256"),
+        ([_LINE + ', "kv_retention": {"ttl_s": -1}}'], ":1: kv_retention.ttl_s: expected seconds"),
+        ([_LINE + ', "kv_retention": [1]}'], ":1: kv_retention: expected an object"),
+        ([_LINE + ', "kv_retention": {"pin": 1}}'], ":1: kv_retention.pin: expected true or false"),
     ],
 )
 def test_bad_trace_lines(
@@ -600,6 +660,21 @@ def test_usage_errors(
     assert main(["simulate", str(pipe), str(SYNTHETIC), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_tenants_and_retention_survive_a_written_trace(tmp_path: Path) -> None:
+    requests = [
+        TraceRequest(1024, 8, (1, 2), 5.0, "chat", Retention(30.0, True, 2)),
+        TraceRequest(1024, 8, (1, 2), 6.0, "scan", Retention(0.0, None, -1)),
+        TraceRequest(1024, 8, (1, 2), 7.0),
+    ]
+    write_trace(tmp_path / "t.jsonl", requests)
+    assert read_trace(tmp_path / "t.jsonl") == requests
+    # A tenant's prefix is its own: equal hash ids, other keys (vLLM's cache_salt).
+    keymaker = KeyMaker(BS, 512)
+    chat, scan, plain = (keymaker.keys(r, 1024) for r in requests)
+    assert not {*chat} & {*scan} and not {*chat} & {*plain}
+    assert keymaker.keys(requests[0], 1024) == chat
 
 
 def test_missing_trace_file(pipe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
