@@ -34,7 +34,7 @@ from composer.policy import (
     PolicyName,
     RetentionPolicy,
 )
-from composer.simulate import SimKVGroup, TierModel
+from composer.simulate import SimKVGroup, SimRequest, TierModel
 from composer.validation import load_pipeline, validate_text
 from composer.views import RequestView, StepView
 
@@ -70,6 +70,7 @@ __all__ = [
     "ResolvedNode",
     "ResolvedPipeline",
     "SimKVGroup",
+    "SimRequest",
     "StepView",
     "TierModel",
     "Unavailable",

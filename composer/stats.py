@@ -99,10 +99,21 @@ class NodeStats:
     extra: Counters = field(init=False)
     #: Plugin-specific current values (pool use, ...): the latest wins, kept across reports.
     gauges: Gauges = field(init=False)
+    #: Per-tenant counters, keyed ``"<counter>:<tenant>"`` (:meth:`tenant_add`), summed
+    #: as ``extra``; the tenant is vLLM's ``cache_salt`` as the node's quotas name it.
+    tenants: Counters = field(init=False)
+    #: Per-tenant current values, keyed ``"<gauge>:<tenant>"``, kept as ``gauges``.
+    tenant_gauges: Gauges = field(init=False)
 
     def __post_init__(self) -> None:
         self.extra = Counters(self.changes)
         self.gauges = Gauges(self.changes)
+        self.tenants = Counters(self.changes)
+        self.tenant_gauges = Gauges(self.changes)
+
+    def tenant_add(self, key: str, tenant: str, amount: float = 1) -> None:
+        """Add ``amount`` to ``tenant``'s counter ``key`` (``blocks_evicted``, ...)."""
+        self.tenants.add(f"{key}:{tenant}", amount)
 
     def __setattr__(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
@@ -135,11 +146,12 @@ class NodeStats:
             value = getattr(self, f.name)
             mapping = isinstance(value, dict | UserDict)
             snapshot[f.name] = dict(value) if mapping else value
-            if f.name not in ("disabled", "gauges"):
+            if f.name not in ("disabled", *KEPT):
                 # A reset is not a change: object.__setattr__ leaves ``changes`` alone.
                 object.__setattr__(self, f.name, {} if mapping else 0)
         object.__setattr__(self, "extra", Counters(self.changes))
-        self.gauges.changed = False
+        object.__setattr__(self, "tenants", Counters(self.changes))
+        self.gauges.changed = self.tenant_gauges.changed = False
         return snapshot
 
     def is_empty(self) -> bool:
@@ -154,8 +166,20 @@ class NodeStats:
                 self.hook_seconds,
                 self.extra,
                 self.gauges.changed,
+                self.tenants,
+                self.tenant_gauges.changed,
             )
         )
+
+
+#: The snapshot keys that hold current values (the latest wins), not counts.
+KEPT = ("gauges", "tenant_gauges")
+
+
+def split_tenant(key: str) -> tuple[str, str]:
+    """``"<counter>:<tenant>"`` as (counter, tenant): a tenant may hold ``:``, a counter not."""
+    name, _, tenant = key.partition(":")
+    return name, tenant
 
 
 def merge(a: dict[str, object], b: dict[str, object]) -> dict[str, object]:
@@ -163,7 +187,7 @@ def merge(a: dict[str, object], b: dict[str, object]) -> dict[str, object]:
     out: dict[str, object] = dict(a)
     for key, value in b.items():
         old = out.get(key)
-        if key == "gauges" and isinstance(value, dict):
+        if key in KEPT and isinstance(value, dict):
             out[key] = {**old, **value} if isinstance(old, dict) else dict(value)
         elif isinstance(value, dict):
             merged = dict(old) if isinstance(old, dict) else {}

@@ -50,6 +50,12 @@ class RequestView:
         return getattr(self.raw, "block_hashes", ()) or ()
 
     @property
+    def tenant(self) -> str:
+        """Whose request it is: vLLM's ``cache_salt`` (the tenant boundary vLLM hashes
+        into its block keys); "" without one."""
+        return getattr(self.raw, "cache_salt", None) or ""
+
+    @property
     def kv_transfer_params(self) -> dict[str, Any] | None:
         return getattr(self.raw, "kv_transfer_params", None)
 

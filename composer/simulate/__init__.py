@@ -33,12 +33,13 @@ Traces and their block keys are :mod:`composer.trace`'s; a sweep's runs
 ``config.json`` :mod:`composer.simulate.shape`'s.
 """
 
-from composer.simulate.replay import NodeResult, Result, simulate
+from composer.simulate.replay import NodeResult, Result, TenantResult, simulate
 from composer.simulate.tiers import (
     DEFAULT_BLOCK_SIZE,
     VLLM_CACHE_ID,
     PrefixCacheModel,
     SimKVGroup,
+    SimRequest,
     SimulateError,
     TierModel,
 )
@@ -50,7 +51,9 @@ __all__ = [
     "PrefixCacheModel",
     "Result",
     "SimKVGroup",
+    "SimRequest",
     "SimulateError",
+    "TenantResult",
     "TierModel",
     "simulate",
 ]

@@ -16,6 +16,7 @@ from composer.simulate.tiers import (
     VLLM_CACHE_ID,
     PrefixCacheModel,
     SimKVGroup,
+    SimRequest,
     SimulateError,
     TierModel,
 )
@@ -49,6 +50,20 @@ class NodeResult:
 
 
 @dataclass
+class TenantResult:
+    """One tenant's requests (vLLM's ``cache_salt``, the trace's ``tenant``; "": none)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    #: Prompt tokens served, by vLLM's prefix cache and every node.
+    tokens_served: int = 0
+
+    @property
+    def fraction_served(self) -> float:
+        return self.tokens_served / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
 class Result:
     trace: str
     requests: int
@@ -65,6 +80,8 @@ class Result:
     tokens_served: int = 0
     prefill_tokens_computed: int = 0
     fraction_served: float = 0.0
+    #: Per tenant (the trace's ``tenant``), when the trace names any.
+    tenants: dict[str, TenantResult] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -84,6 +101,10 @@ class Result:
                 "fraction_served": self.fraction_served,
                 "prefill_tokens_saved": self.tokens_served,
                 "prefill_tokens_computed": self.prefill_tokens_computed,
+            },
+            "tenants": {
+                name: {**vars(t), "fraction_served": t.fraction_served}
+                for name, t in self.tenants.items()
             },
         }
 
@@ -151,6 +172,7 @@ def simulate(
         tokens_served=served_total,
         prefill_tokens_computed=prompt_total - served_total,
         fraction_served=served_total / prompt_total if prompt_total else 0.0,
+        tenants=run.tenants if any(run.tenants) else {},
     )
 
 
@@ -215,6 +237,7 @@ class _Replay:
         self.save_nodes = [(models[n], results[n]) for n in pipeline.save_to if n in models]
         self.longest = pipeline.load_policy == "longest_hit"
         self.prompt_total = self.served_total = 0
+        self.tenants: dict[str, TenantResult] = {}
 
     def _add_node(
         self,
@@ -258,10 +281,19 @@ class _Replay:
         prompt, keys, limit = self.units(req)
         unit = self.unit
         self.prompt_total += prompt
+        arrival = SimRequest(req.tenant, req.retention, req.timestamp_ms / 1000.0)
+        for model in self.models.values():
+            model.arrive(arrival)
         start = self._vllm_hit(keys, limit)
         plan = self._load(keys, start, limit)
         served = start + sum(hit for _, _, hit in plan)
         self.served_total += served * unit
+        tenant = self.tenants.get(req.tenant)
+        if tenant is None:
+            tenant = self.tenants[req.tenant] = TenantResult()
+        tenant.requests += 1
+        tenant.prompt_tokens += prompt
+        tenant.tokens_served += served * unit
         if self.vllm_blocks:
             self.vllm.finish(keys)
         for model, res in self.save_nodes:

@@ -47,6 +47,8 @@ def format_result(result: Result) -> str:
         f"prefill tokens saved {result.tokens_served:,} of {result.prompt_tokens:,}; "
         f"computed {result.prefill_tokens_computed:,}",
     ]
+    if result.tenants:
+        lines += ["", *_tenant_table(result)]
     for n in result.nodes:
         if n.window_saving is not None:
             lines.append(
@@ -62,6 +64,19 @@ def format_result(result: Result) -> str:
             f"{', '.join(unmodelled)}"
         )
     return "\n".join(lines)
+
+
+def _tenant_table(result: Result) -> list[str]:
+    """One row per tenant (the trace's ``tenant``, "" shown as -): what was served of
+    its prompts, by vLLM's prefix cache and every node together."""
+    rows = [("tenant", "requests", "prompt tokens", "tokens served", "served")]
+    for name, t in sorted(result.tenants.items()):
+        rows.append((
+            name or "-", f"{t.requests:,}", f"{t.prompt_tokens:,}", f"{t.tokens_served:,}",
+            f"{100 * t.fraction_served:.1f}%",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
 def _node_table(result: Result) -> list[str]:

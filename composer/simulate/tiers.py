@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from composer.controls import Retention
+
 DEFAULT_BLOCK_SIZE = 32
 #: The row of vLLM's own prefix cache (not a valid node id, so it cannot clash with one).
 VLLM_CACHE_ID = "<vllm>"
@@ -35,6 +37,18 @@ class SimKVGroup:
         return {"kind": self.kind, "block_bytes": self.block_bytes, "window": self.window}
 
 
+@dataclass(frozen=True)
+class SimRequest:
+    """What a tier model is told of the request it is about to see (``TierModel.arrive``)."""
+
+    #: Whose request it is (vLLM's ``cache_salt``; "": none).
+    tenant: str = ""
+    #: Its ``kv_retention`` (None: it asks nothing).
+    retention: Retention | None = None
+    #: Its arrival, seconds on the trace's clock (a retention policy's ``now``).
+    now: float = 0.0
+
+
 # --------------------------------------------------------------------------- #
 # models
 # --------------------------------------------------------------------------- #
@@ -56,6 +70,11 @@ class TierModel(Protocol):
     @property
     def evictions(self) -> int:
         """Blocks dropped to make room so far."""
+        ...
+
+    def arrive(self, request: SimRequest) -> None:
+        """The next request's tenant, retention and time: what the calls until the next
+        ``arrive`` are about (its lookup, load and save)."""
         ...
 
     def lookup(self, keys: Sequence[bytes], start: int, limit: int) -> int:
@@ -97,7 +116,7 @@ class TierModel(Protocol):
         """A finished request's full blocks (of ``prompt_tokens`` prompt tokens; vLLM
         had the first ``computed`` before computing it; ``loaded``: the block
         ranges ``[start, end)`` other nodes loaded into it); returns the slots it
-        newly stored."""
+        newly stored. Its retention (``arrive``) applies to its blocks from now."""
         ...
 
 

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from composer.stats import counters_empty, flatten, merge, zeroed
+from composer.stats import counters_empty, flatten, merge, split_tenant, zeroed
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -226,8 +226,10 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
     ``vllm:kv_composer_unavailable_total{hook}`` (calls that found the node's store away),
     ``vllm:kv_composer_events_total{event}`` (a plugin's own counters:
     evictions, load_errors, ...), ``vllm:kv_composer_gauge{gauge}`` (a plugin's
-    current values: pool_use, load_gib_s, ...), ``vllm:kv_composer_disabled``
-    (1 once the node is switched off).
+    current values: pool_use, load_gib_s, ...), ``vllm:kv_composer_tenant_total{tenant,
+    counter}`` and ``vllm:kv_composer_tenant_gauge{tenant, gauge}`` (per tenant: blocks
+    held, tokens served, blocks evicted), ``vllm:kv_composer_disabled`` (1 once the
+    node is switched off).
     """
 
     def __init__(
@@ -272,6 +274,18 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
             name=f"{PREFIX}gauge",
             documentation="A plugin's current values (pool_use, load_gib_s, ...).",
             labelnames=[*names, "gauge"],
+            multiprocess_mode="mostrecent",
+        )
+        self.tenant_counts: Any = counter_cls(
+            name=f"{PREFIX}tenant",
+            documentation="A node's counts per tenant (vLLM's cache_salt, as its quotas name "
+            "it; * for the others): tokens_hit, blocks_evicted, ...",
+            labelnames=[*names, "tenant", "counter"],
+        )
+        self.tenant_gauges: Any = gauge_cls(
+            name=f"{PREFIX}tenant_gauge",
+            documentation="A node's current values per tenant: blocks_held, ...",
+            labelnames=[*names, "tenant", "gauge"],
             multiprocess_mode="mostrecent",
         )
         self.disabled: Any = gauge_cls(
@@ -327,6 +341,13 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
                 self.events.labels(*labels, event).inc(count)
         for gauge, value in _numbers(counters.get("gauges")):
             self.gauges.labels(*labels, gauge).set(value)
+        for key, count in _numbers(counters.get("tenants")):
+            if count > 0:
+                name, tenant = split_tenant(key)
+                self.tenant_counts.labels(*labels, tenant, name).inc(count)
+        for key, value in _numbers(counters.get("tenant_gauges")):
+            name, tenant = split_tenant(key)
+            self.tenant_gauges.labels(*labels, tenant, name).set(value)
         if "disabled" in counters:
             self.disabled.labels(*labels).set(1 if counters["disabled"] else 0)
 

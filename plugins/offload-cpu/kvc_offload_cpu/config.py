@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from composer import Int, PolicyName, PositiveByteSize
 
@@ -119,6 +120,20 @@ class OffloadCPUConfig(BaseModel):
             "past it is not granted (counted as pins_refused), so pins cannot fill the tier."
         ),
     )
+    quotas: dict[
+        Annotated[str, Field(min_length=1, max_length=256)],
+        Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)],
+    ] = Field(
+        default_factory=dict,
+        description=(
+            "Per-tenant shares of the tier, keyed by vLLM's cache_salt (the tenant a request "
+            'names): {"chat": 0.6, "batch": 0.3}; "*" is every tenant not named (and requests '
+            "without a salt), with what the named shares leave unless given. When the tier is "
+            "full a tenant at its share evicts its own blocks first, never a block of a tenant "
+            "within its share; free slots are anyone's. Shares sum to at most 1. Each named "
+            "tenant's blocks held, tokens served and blocks evicted are on /metrics."
+        ),
+    )
     admission: Annotated[str, PolicyName("admission")] = Field(
         default="threshold",
         description=(
@@ -133,3 +148,13 @@ class OffloadCPUConfig(BaseModel):
             "error and vLLM recomputes the block."
         ),
     )
+
+    @field_validator("quotas")
+    @classmethod
+    def _shares(cls, quotas: dict[str, float]) -> dict[str, float]:
+        total = sum(quotas.values())
+        if total > 1 + 1e-9:
+            raise PydanticCustomError(
+                "quota_sum", "the shares sum to {total}; at most 100%", {"total": f"{total:.0%}"}
+            )
+        return quotas

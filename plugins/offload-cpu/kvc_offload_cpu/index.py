@@ -9,13 +9,21 @@ becomes ready, is served or leaves, and takes the first unpinned block of its
 ``victims()``. A pinned block is never a victim. A policy that raises is
 replaced by ``lru`` over the blocks the index holds, said once in the log: no
 block and no request is lost to it.
+
+With per-tenant quotas (:class:`Quotas`, the node's ``quotas``) each block
+belongs to its request's tenant (vLLM's ``cache_salt``), and when the pool is
+full a tenant at its share evicts its own blocks first, then those of tenants
+past theirs, never a block of a tenant within its share; a tenant within its
+share evicts from tenants past theirs first. Free slots are anyone's: a quota
+bites only when the pool is full.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -25,13 +33,19 @@ from composer import AdmissionPolicy, EvictionPolicy, Retention, RetentionPolicy
 log = structlog.get_logger("kv_composer")
 
 
-class Entry:
-    __slots__ = ("key", "slot", "gen", "ready", "pins", "dropped", "event")
+#: The tenants a quota does not name, together (and a request without a ``cache_salt``).
+OTHERS = "*"
 
-    def __init__(self, key: bytes, slot: int, gen: int) -> None:
+
+class Entry:
+    __slots__ = ("key", "slot", "gen", "tenant", "ready", "pins", "dropped", "event")
+
+    def __init__(self, key: bytes, slot: int, gen: int, tenant: str = OTHERS) -> None:
         self.key = key
         self.slot = slot
         self.gen = gen
+        #: Whose block it is: a tenant a quota names, or :data:`OTHERS`.
+        self.tenant = tenant
         #: False while the save is in flight: not a hit until every worker confirms it.
         self.ready = False
         #: Pending loads reading this slot; a pinned slot is never evicted or reused.
@@ -44,6 +58,27 @@ class Entry:
     def __repr__(self) -> str:
         state = "ready" if self.ready else "saving"
         return f"Entry(slot={self.slot}, gen={self.gen}, {state}, pins={self.pins})"
+
+
+class Quotas:
+    """Each tenant's share of the pool (``quotas``: tenant -> share; :data:`OTHERS`
+    names everyone else, and gets what the named shares leave when not given), in
+    slots, and the slots each holds now."""
+
+    def __init__(self, shares: Mapping[str, float], num_slots: int) -> None:
+        self.limit = {tenant: int(share * num_slots) for tenant, share in shares.items()}
+        self.limit.setdefault(OTHERS, num_slots - sum(self.limit.values()))
+        self.held: Counter[str] = Counter()
+        #: Blocks evicted, by tenant.
+        self.evicted: Counter[str] = Counter()
+
+    def of(self, tenant: str) -> str:
+        """The quota ``tenant`` (a request's ``cache_salt``, "" for none) counts against."""
+        return tenant if tenant in self.limit and tenant != "" else OTHERS
+
+    def past(self) -> set[str]:
+        """The tenants holding more than their share."""
+        return {t for t, n in self.held.items() if n > self.limit[t]}
 
 
 class Admission:
@@ -81,10 +116,12 @@ class BlockIndex:
         config: Any = None,
         retention: str | RetentionPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        quotas: Mapping[str, float] | None = None,
     ) -> None:
         """``eviction``, ``retention``: policies, or the names of installed ones (built
         with the pool's size and ``config``, the node's); no retention: none kept.
-        ``clock``: the retention policy's ``now`` (the simulator's is the trace's)."""
+        ``clock``: the retention policy's ``now`` (the simulator's is the trace's).
+        ``quotas``: each tenant's share of the pool (None or empty: no quotas)."""
         if num_slots < 0:
             raise ValueError("num_slots must be >= 0")
         self.num_slots = num_slots
@@ -110,6 +147,7 @@ class BlockIndex:
         self._gen: list[int] = [0] * num_slots
         self._by_slot: list[Entry | None] = [None] * num_slots
         self.evictions = 0
+        self.quotas = Quotas(quotas, num_slots) if quotas else None
         #: Called with every entry that leaves the index (evicted, dropped, reset).
         self.on_remove: Callable[[Entry], None] | None = None
 
@@ -153,23 +191,30 @@ class BlockIndex:
             except Exception as exc:
                 self._policy_failed("touched", exc)
 
-    def allocate(self, key: bytes) -> Entry | None:
-        """A slot for a new block (evicting the LRU unpinned one if full), or None."""
+    def allocate(self, key: bytes, tenant: str = "") -> Entry | None:
+        """A slot for a new block of ``tenant`` (its request's ``cache_salt``), evicting
+        the eviction policy's first block (as the quotas allow) if full; None: no
+        block may go."""
         if key in self._entries:
             raise KeyError(f"key already indexed: {key.hex()}")
+        owner = self.quotas.of(tenant) if self.quotas is not None else OTHERS
         if self._free:
             slot = heapq.heappop(self._free)
         else:
-            victim = self._victim()
+            victim = self._victim_for(owner)
             if victim is None:
                 return None
             self._remove(victim, evicted=True)
             self.evictions += 1
+            if self.quotas is not None:
+                self.quotas.evicted[victim.tenant] += 1
             slot = victim.slot
         self._gen[slot] += 1
-        entry = Entry(key, slot, self._gen[slot])
+        entry = Entry(key, slot, self._gen[slot], owner)
         self._entries[key] = entry
         self._by_slot[slot] = entry
+        if self.quotas is not None:
+            self.quotas.held[owner] += 1
         return entry
 
     def mark_ready(self, entry: Entry) -> None:
@@ -187,6 +232,7 @@ class BlockIndex:
             return
         if entry.pins:
             del self._entries[entry.key]
+            self._left_quota(entry)
             self._left_policy(entry, evicted=False)
             entry.dropped = True
             if self.on_remove is not None:
@@ -217,15 +263,33 @@ class BlockIndex:
 
     def _remove(self, entry: Entry, evicted: bool = False) -> None:
         del self._entries[entry.key]
+        self._left_quota(entry)
         self._left_policy(entry, evicted)
         if self.on_remove is not None:
             self.on_remove(entry)
 
+    def _left_quota(self, entry: Entry) -> None:
+        if self.quotas is not None:
+            self.quotas.held[entry.tenant] -= 1
+
     # -- the policy ----------------------------------------------------------- #
 
-    def _victim(self) -> Entry | None:
-        """The eviction policy's first block not in use and not kept by the retention
-        policy; when every one is kept, the one retention yields (None: none)."""
+    def _victim_for(self, owner: str) -> Entry | None:
+        """The block a new block of ``owner`` replaces (see the module's docstring)."""
+        if self.quotas is None:
+            return self._victim()
+        past = self.quotas.past()
+        if self.quotas.held[owner] >= self.quotas.limit[owner]:
+            first = self._victim(lambda e: e.tenant == owner)
+            return first or (self._victim(lambda e: e.tenant in past) if past else None)
+        if past:
+            return self._victim(lambda e: e.tenant in past) or self._victim()
+        return self._victim()
+
+    def _victim(self, eligible: Callable[[Entry], bool] | None = None) -> Entry | None:
+        """The eviction policy's first block (of those ``eligible``) not in use and not
+        kept by the retention policy; when every one is kept, the one retention
+        yields (None: none)."""
         kept: list[Entry] = []
         now = self.clock() if self.retention is not None else 0.0
         try:
@@ -233,13 +297,15 @@ class BlockIndex:
                 entry = self._entries.get(block.key)
                 if entry is not block or not entry.ready or entry.pins:
                     continue
+                if eligible is not None and not eligible(entry):
+                    continue
                 if self._kept(entry, now):
                     kept.append(entry)
                     continue
                 return entry
         except Exception as exc:
             self._policy_failed("victims", exc)
-            return self._victim()
+            return self._victim(eligible)
         if not kept or self.retention is None:
             return None
         try:

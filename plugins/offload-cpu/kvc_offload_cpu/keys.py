@@ -5,7 +5,8 @@ so a shared prefix gives the same keys in every request, and a hit on block
 ``k`` implies the blocks before it match too. vLLM's own ``block_hashes`` are
 used when its hash block size divides ours (they also cover LoRA, multimodal
 inputs and cache salts); otherwise the keys are our own BLAKE2b chain over the
-token ids, which is the same in every process (never Python's ``hash()``).
+token ids, from a root of the request's cache salt (a tenant's blocks are its
+own, as in vLLM's hashes), the same in every process (never Python's ``hash()``).
 """
 
 from __future__ import annotations
@@ -31,10 +32,17 @@ def chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def block_keys(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def root(cache_salt: str = "") -> bytes:
+    """The parent of block 0 of a request with ``cache_salt`` ("": none)."""
+    if not cache_salt:
+        return ROOT
+    return hashlib.blake2b(ROOT + b"/salt/" + cache_salt.encode(), digest_size=DIGEST_SIZE).digest()
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[bytes]:
     """Keys of every full block of ``token_ids`` (a trailing partial block has none)."""
     keys: list[bytes] = []
-    parent = ROOT
+    parent = root(cache_salt)
     for k in range(len(token_ids) // block_size):
         parent = chain_hash(parent, token_ids[k * block_size : (k + 1) * block_size])
         keys.append(parent)
@@ -69,7 +77,7 @@ class RequestKeys:
             return limit
         tokens = request.all_token_ids
         limit = min(num_blocks, len(tokens) // block_size)
-        parent = self.keys[-1] if self.keys else ROOT
+        parent = self.keys[-1] if self.keys else root(request.tenant)
         for k in range(len(self.keys), limit):
             parent = chain_hash(parent, tokens[k * block_size : (k + 1) * block_size])
             self.keys.append(parent)

@@ -92,7 +92,9 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         self.serves = ctx.role in ("load", "both")
         self.saves = ctx.role in ("save", "both")
         self.num_slots = int(config.capacity) // layout.slot_bytes if layout.slot_bytes else 0
-        self.index = BlockIndex(self.num_slots, config.eviction, config, config.retention)
+        self.index = BlockIndex(
+            self.num_slots, config.eviction, config, config.retention, quotas=config.quotas
+        )
         self.admission = Admission(config.admission, self.num_slots, config)
         self.full_groups = [g for g, x in enumerate(layout.groups) if x.kind == "attention"]
         self.window_groups = [g for g, x in enumerate(layout.groups) if x.window]
@@ -121,6 +123,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         self._pending_loads: list[Transfer] = []
         self._pending_hold: list[str] = []
         self._evictions_seen = 0
+        self._tenant_evictions_seen: dict[str, int] = {}
         self.events = self._make_events(ctx)
         log.info(
             "offload-cpu scheduler",
@@ -204,6 +207,11 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
     @hookimpl
     def on_new_request(self, request: Any) -> None:
         self._req(request)
+        quotas = self.index.quotas
+        if quotas is not None:  # per-tenant figures only for the tenants quotas name
+            tenant = quotas.of(request.tenant)
+            self.stats.tenant_add("requests", tenant)
+            self.stats.tenant_add("prompt_tokens", tenant, request.num_prompt_tokens)
 
     @hookimpl
     def get_num_new_matched_tokens(
@@ -256,6 +264,9 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         bs = self.block_size
         computed = st.lookup[0] if st.lookup is not None else 0
         st.lookup = None
+        if self.index.quotas is not None:
+            tenant = self.index.quotas.of(st.view.tenant)
+            self.stats.tenant_add("tokens_hit", tenant, num_external_tokens)
         start, n = computed // bs, num_external_tokens // bs
         # (lookups, hits and what was served are the chain's counts, for every node)
         transfer = Transfer(request.request_id)
@@ -379,7 +390,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
                 if known is not None:  # stored or being stored (maybe by another request)
                     self.index.touch(known)
                     continue
-                entry = self.index.allocate(key)
+                entry = self.index.allocate(key, view.tenant)
                 if entry is None:  # every slot pinned or in flight: try again next step
                     self.stats.extra.add("save_skipped_full")
                     st.next_save = k
@@ -514,6 +525,16 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         gauges["pool_slots_used"] = self.index.used_slots
         gauges["pool_bytes_used"] = self.index.used_slots * self.layout.slot_bytes
         gauges["pool_use"] = self.index.used_slots / self.num_slots if self.num_slots else 0.0
+        quotas = self.index.quotas
+        if quotas is not None:
+            seen = self._tenant_evictions_seen
+            for tenant, evicted in quotas.evicted.items():
+                if evicted > seen.get(tenant, 0):
+                    self.stats.tenant_add("blocks_evicted", tenant, evicted - seen.get(tenant, 0))
+                    seen[tenant] = evicted
+            for tenant, limit in quotas.limit.items():
+                self.stats.tenant_gauges[f"blocks_held:{tenant}"] = quotas.held[tenant]
+                self.stats.tenant_gauges[f"blocks_quota:{tenant}"] = limit
 
 
 def _num_workers(vllm_config: Any) -> int:

@@ -9,7 +9,9 @@ the policy says); with ``store_threshold`` a block is saved once that many
 requests contained it (each request counted once, at its first save), and
 with ``promote: never`` the blocks other nodes loaded are not saved. Saves
 complete at once here: the replay runs one request at a time, so no block is
-ever in flight or pinned.
+ever in flight or pinned. A block belongs to its request's tenant (the
+node's ``quotas``), and a request's ``kv_retention`` reaches the retention
+policy at its end, with the trace's clock as the policy's ``now``.
 
 With several KV cache groups (a hybrid model), as the scheduler half: a slot
 holds one group's block, keyed by the block key and the group;
@@ -25,7 +27,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from composer import SimKVGroup
+from composer import SimKVGroup, SimRequest
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.index import Admission, BlockIndex
 from kvc_offload_cpu.layout import SERVED_KINDS, GroupLayout
@@ -44,7 +46,16 @@ class OffloadCPUModel:
         self.config = config
         self.block_size = block_size
         self.capacity_blocks = int(config.capacity) // bytes_per_block if bytes_per_block else 0
-        self.index = BlockIndex(self.capacity_blocks, config.eviction, config)
+        #: The request being replayed (``arrive``).
+        self.request = SimRequest()
+        self.index = BlockIndex(
+            self.capacity_blocks,
+            config.eviction,
+            config,
+            config.retention,
+            clock=lambda: self.request.now,
+            quotas=config.quotas,
+        )
         self.admission = Admission(config.admission, self.capacity_blocks, config)
         groups = tuple(groups) or (SimKVGroup("attention", bytes_per_block),)
         self.layouts = tuple(GroupLayout(g.kind, block_size, g.window) for g in groups)
@@ -79,6 +90,9 @@ class OffloadCPUModel:
     def _key(self, group: int, key: bytes) -> bytes:
         """The index key of a block of ``group`` (the block key alone with one group)."""
         return key + bytes((group,)) if self.several else key
+
+    def arrive(self, request: SimRequest) -> None:
+        self.request = request
 
     def lookup(self, keys: Sequence[bytes], start: int, limit: int) -> int:
         if self.disabled_reason:
@@ -128,11 +142,10 @@ class OffloadCPUModel:
     ) -> int:
         if not self.capacity_blocks or self.disabled_reason:  # the real tier disables itself
             return 0
-        index, key, group_bytes = self.index, self._key, self.group_bytes
+        group_bytes = self.group_bytes
         prompt_blocks = min(prompt_tokens // self.block_size, len(keys))
         stop = prompt_blocks if self.config.save == "prompt" else len(keys)
         stop = min(stop, self._admitted(keys, prompt_blocks))
-        never = self.config.promote == "never"
         keep = {
             g: {k for k in range(stop) if self._kept(self.layouts[g], prompt_tokens, k)}
             for g in self.window_groups
@@ -142,6 +155,22 @@ class OffloadCPUModel:
             self._kept_bytes += sum(group_bytes[g] * stop for g in self.full_groups) + sum(
                 group_bytes[g] * len(positions) for g, positions in keep.items()
             )
+        stored = self._store(keys, stop, computed, keep, loaded)
+        self._retain(keys)
+        return stored
+
+    def _store(
+        self,
+        keys: Sequence[bytes],
+        stop: int,
+        computed: int,
+        keep: dict[int, set[int]],
+        loaded: Sequence[tuple[int, int]],
+    ) -> int:
+        """Store blocks ``[0, stop)`` of every group (as ``save`` decided), until a block
+        finds no slot; returns the slots newly stored."""
+        index, key, group_bytes = self.index, self._key, self.group_bytes
+        never = self.config.promote == "never"
         stored = 0
         for k in range(stop):
             if never and any(a <= k < b for a, b in loaded):
@@ -155,13 +184,28 @@ class OffloadCPUModel:
                 if known is not None:
                     index.touch(known)
                     continue
-                entry = index.allocate(block)
-                if entry is None:  # pragma: no cover - nothing is pinned in a replay
+                # None: every block is kept (retention) or the tenant is at its share;
+                # the real tier tries again next step, where a replay has nothing new.
+                entry = index.allocate(block, self.request.tenant)
+                if entry is None:
                     return stored
                 index.mark_ready(entry)
                 stored += 1
                 self.bytes_saved += group_bytes[g]
         return stored
+
+    def _retain(self, keys: Sequence[bytes]) -> None:
+        """The request's ``kv_retention`` for each of its blocks the tier holds (as the
+        scheduler half's ``request_finished``)."""
+        retention = self.request.retention
+        if retention is None:
+            return
+        index, key = self.index, self._key
+        for g in range(len(self.group_bytes)):
+            for k in range(len(keys)):
+                entry = index.get(key(g, keys[k]))
+                if entry is not None:
+                    index.retain(entry, retention)
 
     def _admitted(self, keys: Sequence[bytes], prompt_blocks: int) -> int:
         """The leading blocks the admission policy admits (as the scheduler half asks it:

@@ -95,6 +95,10 @@ def test_keys_are_chained_deterministic_and_the_same_in_another_process() -> Non
     assert block_keys(tokens[:64] + [7] * 36, BLOCK)[:2] == keys[:2]
     assert block_keys([1] + tokens[1:], BLOCK)[2] != keys[2]  # a change anywhere before
     assert keys[1] == chain_hash(keys[0], tokens[32:64])
+    # A tenant's (vLLM's cache_salt) keys are its own, as in vLLM's hashes.
+    salted = block_keys(tokens, BLOCK, "acme")
+    assert not set(salted) & set(keys) and not set(salted) & set(block_keys(tokens, BLOCK, "b"))
+    assert block_keys(tokens, BLOCK, "acme") == salted
     code = (
         "from kvc_offload_cpu.keys import block_keys; "
         "print(block_keys(list(range(100)), 32)[2].hex())"
