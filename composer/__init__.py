@@ -6,7 +6,7 @@ which may move. Importing this package never imports torch or vLLM.
 """
 
 from composer.builtin import VllmConnectorConfig
-from composer.controls import Retention
+from composer.controls import Retention, cache_salt_problem
 from composer.discovery import Registry, discover, find_policy
 from composer.errors import PipelineInvalid, Problem, did_you_mean, one_of
 from composer.export import kv_transfer_config
@@ -78,6 +78,7 @@ __all__ = [
     "available_memory",
     "did_you_mean",
     "discover",
+    "cache_salt_problem",
     "find_policy",
     "hookimpl",
     "hookspec",

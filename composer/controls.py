@@ -34,6 +34,20 @@ KEYS = (LOAD_TIERS, STORE_TIERS, MAX_OFFLOAD_TOKENS, RETENTION)
 MAX_TTL_S = 86_400.0
 #: ``priority`` bounds.
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+#: What vLLM's API server accepts as a ``cache_salt`` (a tenant's name here).
+MAX_CACHE_SALT_CHARS = 128
+CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
+
+
+def cache_salt_problem(value: object) -> str | None:
+    """Why vLLM would refuse ``value`` as a ``cache_salt``; None: it would not."""
+    if not isinstance(value, str) or not value:
+        return "expected a non-empty string (vLLM's cache_salt)"
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        return f"expected at most {MAX_CACHE_SALT_CHARS} characters (vLLM's cache_salt)"
+    if any(c in value for c in CACHE_SALT_FORBIDDEN):
+        return "must not contain '@', '/', '\\' or NUL (vLLM's cache_salt)"
+    return None
 
 
 @dataclass(frozen=True)

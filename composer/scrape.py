@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import urllib.request
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: The prefix of KV Composer's per-node series (composer.vllm.metrics.PREFIX).
 PREFIX = "vllm:kv_composer_"
@@ -71,6 +71,8 @@ class NodeView:
     gauges: dict[str, float]
     events: dict[str, float]
     disabled: bool
+    #: Per tenant (a node with quotas): its counters and gauges by name, summed.
+    tenants: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def nodes(samples: list[Sample]) -> dict[str, NodeView]:
@@ -85,7 +87,11 @@ def nodes(samples: list[Sample]) -> dict[str, NodeView]:
         if view is None:
             view = views[node] = NodeView(node, s.labels.get("plugin", ""), {}, {}, {}, False)
         short = s.name[len(PREFIX) :]
-        if short == "gauge":
+        if short in ("tenant_total", "tenant_gauge"):
+            name = s.labels.get("counter") or s.labels.get("gauge", "")
+            per = view.tenants.setdefault(s.labels.get("tenant", ""), {})
+            per[name] = per.get(name, 0.0) + s.value
+        elif short == "gauge":
             view.gauges[s.labels.get("gauge", "")] = s.value
         elif short == "events_total":
             key = s.labels.get("event", "")

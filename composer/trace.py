@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from composer.controls import RETENTION, Retention, controls_of
+from composer.controls import RETENTION, Retention, cache_salt_problem, controls_of
 
 #: Tokens per hash id in Mooncake's traces.
 MOONCAKE_BLOCK_TOKENS = 512
@@ -139,13 +139,9 @@ def _parse_line(text: str, file: str, number: int) -> TraceRequest:
             file, number, f"timestamp: expected a number >= 0, got {json.dumps(stamp)}"
         )
     tenant = obj.get("tenant", "")
-    if not isinstance(tenant, str) or len(tenant) > MAX_TENANT_CHARS:
-        raise TraceError(
-            file,
-            number,
-            f"tenant: expected a string of at most {MAX_TENANT_CHARS} characters, "
-            f"got {json.dumps(tenant)[:60]}",
-        )
+    problem = None if tenant == "" else cache_salt_problem(tenant)
+    if problem is not None:
+        raise TraceError(file, number, f"tenant: {problem}, got {json.dumps(tenant)[:60]}")
     controls = controls_of({RETENTION: obj.get(RETENTION)})
     if controls.error is not None:
         raise TraceError(file, number, controls.error)
@@ -153,9 +149,6 @@ def _parse_line(text: str, file: str, number: int) -> TraceRequest:
         input_length, output_length, tuple(ids), float(stamp), tenant, controls.retention
     )
 
-
-#: The longest ``tenant`` a line may name.
-MAX_TENANT_CHARS = 256
 
 #: Leading trace blocks that name a request's conversation (:func:`conversation`).
 CONVERSATION_BLOCKS = 3

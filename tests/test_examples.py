@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pluggy
 import pytest
+from kvc_offload_cpu.index import BlockIndex
 
 from composer import (
     Node,
@@ -45,6 +46,7 @@ YAML_EXAMPLES = {
     "tiers-ranges.yaml": (["fast", "slow"], "ComposedConnector"),
     # Also the prefill and the decode engine of tests/e2e/test_pd_e2e.py.
     "pd-nixl.yaml": (["cpu", "nixl"], "ComposedConnector"),
+    "tenants.yaml": (["cpu"], "ComposedConnector"),
 }
 #: tier_controls.py runs against a real `kvc serve` in tests/e2e/test_serve_e2e.py;
 #: cache_policy_fifo.py is chosen by name in tests/test_cache_policies.py.
@@ -99,6 +101,15 @@ def test_native_example_exports_plain_multiconnector() -> None:
             ]
         },
     }
+
+
+def test_tenants_example_gives_each_tenant_its_share_of_the_tier() -> None:
+    (cpu,) = load_pipeline(EXAMPLES / "tenants.yaml").nodes
+    assert cpu.config.quotas == {"chat": 0.6, "agents": 0.3, "*": 0.1}
+    index = BlockIndex(1000, quotas=cpu.config.quotas)
+    assert index.quotas is not None
+    assert index.quotas.limit == {"chat": 600, "agents": 300, "*": 100}
+    assert index.quotas.of("a-user-no-quota-names") == "*"
 
 
 def test_offload_before_nixl_uses_longest_hit_with_nixl_as_transport() -> None:

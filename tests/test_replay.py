@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -89,6 +90,7 @@ class _Streaming(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body["sent_s"] = time.perf_counter()  # when it arrived (the tests read it)
         cls = type(self)
         with cls.lock:
             cls.bodies.append(body)
@@ -157,6 +159,29 @@ def test_arrival_times_are_kept_divided_by_the_speedup(server: str) -> None:
     # The last request arrives at 0.4 s of trace time, 0.2 s after a 2x speedup.
     assert wall >= 0.2 and time.perf_counter() - start >= 0.2
     assert len(records) == 5 and all(r.error is None for r in records)
+
+
+def test_prompts_are_sent_in_arrival_order_whatever_their_order_in_the_list(
+    server: str,
+) -> None:
+    # Two traces merged: each sorted, the whole not. Each arrives at its own time.
+    merged = [*_prompts(3), *(replace(p, index=p.index + 3) for p in _prompts(3))]
+    start = time.perf_counter()
+    records, _ = replay.replay(server, "m", merged, speedup=1.0)
+    assert [r.index for r in records] == list(range(6))
+    sent = sorted(_Streaming.bodies, key=lambda b: b["sent_s"])
+    assert [round(b["sent_s"] - start, 1) for b in sent] == [0.0, 0.0, 0.1, 0.1, 0.2, 0.2]
+
+
+def test_tenant_and_kv_transfer_params_are_sent_as_vllm_reads_them(server: str) -> None:
+    retention = {"kv_retention": {"ttl_s": 30.0, "pin": None, "priority": 0}}
+    prompt = replay.Prompt(0, [5] * 40, 2, 0.0, "s", "acme", retention)
+    (record,) = replay.replay(server, "m", [prompt], concurrency=1)[0]
+    body = _Streaming.bodies[0]
+    assert body["cache_salt"] == "acme" and body["kv_transfer_params"] == retention
+    assert record.tenant == "acme"
+    (plain,) = replay.replay(server, "m", _prompts(1), concurrency=1)[0]
+    assert "cache_salt" not in _Streaming.bodies[1] and plain.tenant == ""
 
 
 def test_errors_are_counted_not_raised(server: str) -> None:

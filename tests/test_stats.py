@@ -339,6 +339,12 @@ def test_every_node_gets_prometheus_series_with_node_and_plugin_labels() -> None
     later.unavailable.update(wait_for_save=1, get_num_new_matched_tokens=4)
     later.gauges["pool_use"] = 0.75
     later.disabled = True
+    # Per tenant (a tenant's name may hold ":"; a counter's may not).
+    first.tenant_add("tokens_hit", "acme:eu", 32)
+    later.tenant_add("tokens_hit", "acme:eu", 16)
+    later.tenant_add("blocks_evicted", "*", 3)
+    first.tenant_gauges["blocks_held:acme:eu"] = 9
+    later.tenant_gauges["blocks_held:acme:eu"] = 7
     for stats in (first, later):
         payload = ComposedStats(
             data={"ExampleConnector": {"plugin": "vllm", "counters": stats.take()}}
@@ -359,4 +365,8 @@ def test_every_node_gets_prometheus_series_with_node_and_plugin_labels() -> None
     lookups = value("vllm:kv_composer_unavailable_total", ex, hook="get_num_new_matched_tokens")
     assert lookups == 4
     assert value("vllm:kv_composer_disabled", ex) == 1
+    tenant = {"tenant": "acme:eu"}
+    assert value("vllm:kv_composer_tenant_total", ex, **tenant, counter="tokens_hit") == 48
+    assert value("vllm:kv_composer_tenant_total", ex, tenant="*", counter="blocks_evicted") == 3
+    assert value("vllm:kv_composer_tenant_gauge", ex, **tenant, gauge="blocks_held") == 7
     assert value("vllm:kv_composer_lookups_total", "NixlConnector") == 0  # untouched

@@ -159,3 +159,30 @@ def test_a_plugins_own_counters_are_shown_largest_first() -> None:
     cells = _cpu_cells(_text(top.render(top.Snapshot(0.0, samples)), width=240))
     assert cells[11] == "prompts 12, hits_a 2, misses 1, +2 more"
     assert scrape.nodes(samples)["cpu"].events["prompts"] == 12
+
+
+def test_each_tenant_of_a_node_with_quotas_has_a_row_and_leaves_the_nodes_counts_alone() -> None:
+    labels = 'engine="0",model_name="m",node="cpu",plugin="offload-cpu"'
+    series = {
+        ("chat", "counter", "requests"): 4,
+        ("chat", "counter", "prompt_tokens"): 2048,
+        ("chat", "counter", "tokens_hit"): 512,
+        ("chat", "counter", "blocks_evicted"): 3,
+        ("chat", "gauge", "blocks_held"): 12,
+        ("chat", "gauge", "blocks_quota"): 40,
+        ("*", "counter", "requests"): 1,
+    }
+    lines = [
+        f'{scrape.PREFIX}{"tenant_total" if kind == "counter" else "tenant_gauge"}'
+        f'{{{labels},tenant="{tenant}",{kind}="{name}"}} {value}'
+        for (tenant, kind, name), value in series.items()
+    ]
+    text = _with_per_request_series(RECORDED.read_text()) + "\n".join(lines) + "\n"
+    cpu = scrape.nodes(scrape.parse(text))["cpu"]
+    assert cpu.tenants["chat"]["tokens_hit"] == 512 and cpu.tenants["*"] == {"requests": 1}
+    assert "tenant" not in cpu.counters and cpu.counters["tokens_hit"] == 480
+    view = _text(top.render(top.Snapshot(0.0, scrape.parse(text))), width=240)
+    row = next(line for line in view.splitlines() if "tenant chat" in line)
+    cells = [c.strip() for c in row.strip("│ \n").split("│")]
+    assert cells[2:6] == ["4", "-", "25.0%", "512"]
+    assert cells[8] == "12 of 40 blocks" and cells[-1] == "blocks_evicted 3"

@@ -26,9 +26,11 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from composer.controls import RETENTION
 from composer.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, conversation
 
 #: Token ids below this are left out of generated prompts (special tokens of small vocabularies).
@@ -54,6 +56,10 @@ class Prompt:
     #: The request's conversation (:func:`composer.trace.conversation`), sent as
     #: ``x-session-id``: what a router's session affinity keys on.
     session: str = ""
+    #: Whose request it is, sent as vLLM's ``cache_salt`` ("": none).
+    tenant: str = ""
+    #: Sent as the request's ``kv_transfer_params`` (its ``kv_retention``, tier controls).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def trace_block_tokens(scale: int) -> int:
@@ -101,7 +107,9 @@ class PromptMaker:
         out = max(1, self.scaled(req.output_length))
         if max_output_tokens is not None:
             out = min(out, max_output_tokens)
-        return Prompt(index, ids, out, req.timestamp_ms / 1000.0, conversation(req))
+        params = None if req.retention is None else {RETENTION: asdict(req.retention)}
+        arrival = req.timestamp_ms / 1000.0
+        return Prompt(index, ids, out, arrival, conversation(req), req.tenant, params)
 
 
 def make_prompts(
@@ -151,11 +159,13 @@ class Record:
     ttft_s: float | None = None
     e2e_s: float | None = None
     error: str | None = None
+    #: Whose request it was (its ``cache_salt``; "": none).
+    tenant: str = ""
 
 
 def send(base_url: str, model: str, prompt: Prompt, timeout: float = 600) -> Record:
     """One streamed completion; TTFT is the time to the first streamed token."""
-    record = Record(prompt.index, len(prompt.token_ids))
+    record = Record(prompt.index, len(prompt.token_ids), tenant=prompt.tenant)
     body = {
         "model": model,
         "prompt": prompt.token_ids,
@@ -165,6 +175,10 @@ def send(base_url: str, model: str, prompt: Prompt, timeout: float = 600) -> Rec
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if prompt.tenant:
+        body["cache_salt"] = prompt.tenant
+    if prompt.kv_transfer_params is not None:
+        body["kv_transfer_params"] = prompt.kv_transfer_params
     url = urllib.parse.urlsplit(base_url)
     conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
     start = time.perf_counter()
@@ -248,7 +262,10 @@ def replay(
             raise BenchError(f"--speedup must be > 0, got {speedup}")
         first = min((p.arrival_s for p in prompts), default=0.0)
         threads: list[threading.Thread] = []
-        for position, prompt in enumerate(prompts):
+        # In arrival order (a trace need not be sorted; merged traces are not).
+        order = sorted(range(len(prompts)), key=lambda i: prompts[i].arrival_s)
+        for position in order:
+            prompt = prompts[position]
             delay = (prompt.arrival_s - first) / speedup - (time.perf_counter() - start)
             if delay > 0:
                 time.sleep(delay)

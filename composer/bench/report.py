@@ -76,6 +76,19 @@ class RunResult:
     def fraction(self, tokens: float) -> float:
         return tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    def tenants(self) -> dict[str, float]:
+        """Per tenant (the trace's ``tenant``, sent as ``cache_salt``) when any is named:
+        the prompt tokens vLLM counted as cached (its prefix cache and the connector)
+        over the prompt tokens, by its requests' own usage."""
+        if not any(r.tenant for r in self.records):
+            return {}
+        prompt: dict[str, int] = {}
+        cached: dict[str, int] = {}
+        for r in self.ok:
+            prompt[r.tenant] = prompt.get(r.tenant, 0) + r.prompt_tokens
+            cached[r.tenant] = cached.get(r.tenant, 0) + (r.cached_tokens or 0)
+        return {t: cached[t] / prompt[t] if prompt[t] else 0.0 for t in sorted(prompt)}
+
     def summary(self) -> dict[str, Any]:
         ok = self.ok
         ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -105,6 +118,7 @@ class RunResult:
             "bytes_saved": self.node_bytes_saved,
             "tokens_served_by_engine_and_node": self.side_tokens,
             "nixl_bytes": self.nixl_bytes,
+            "served_by_tenant": self.tenants(),
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -131,6 +145,10 @@ def markdown_table(results: Sequence[RunResult]) -> str:
     for result in results:
         s = result.summary()
         served = ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["served"].items() if v) or "0%"
+        if s["served_by_tenant"]:
+            served += "; by tenant: " + ", ".join(
+                f"{t or '-'} {100 * v:.1f}%" for t, v in s["served_by_tenant"].items()
+            )
         engines = ""
         if fleet:
             by_engine = "/".join(f"{n:.0f}" for n in result.engine_requests)

@@ -72,6 +72,26 @@ def _percent(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
+def _tenant_rows(table: Table, view: scrape.NodeView) -> None:
+    """A row under the node for each tenant its quotas name (and ``*``, the rest)."""
+    for tenant, per in sorted(view.tenants.items()):
+        held, quota = per.get("blocks_held", 0.0), per.get("blocks_quota", 0.0)
+        table.add_row(
+            f"  tenant {tenant}",
+            "",
+            f"{per.get('requests', 0.0):,.0f}",
+            "-",
+            _percent(per.get("tokens_hit", 0.0), per.get("prompt_tokens", 0.0)),
+            f"{per.get('tokens_hit', 0.0):,.0f}",
+            "",
+            "",
+            f"{held:,.0f} of {quota:,.0f} blocks",
+            "",
+            "",
+            f"blocks_evicted {per.get('blocks_evicted', 0.0):,.0f}",
+        )
+
+
 def render(now: Snapshot, before: Snapshot | None = None, source: str = "") -> Group:
     """The view of one scrape (``before``: the previous one, for the rates)."""
     views = scrape.nodes(now.samples)
@@ -114,6 +134,7 @@ def render(now: Snapshot, before: Snapshot | None = None, source: str = "") -> G
             _state(view),
             _own(view),
         )
+        _tenant_rows(table, view)
     queries = scrape.total(now.samples, "vllm:prefix_cache_queries_total")
     hits = scrape.total(now.samples, "vllm:prefix_cache_hits_total")
     running = scrape.total(now.samples, "vllm:num_requests_running")

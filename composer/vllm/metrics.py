@@ -276,18 +276,7 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
             labelnames=[*names, "gauge"],
             multiprocess_mode="mostrecent",
         )
-        self.tenant_counts: Any = counter_cls(
-            name=f"{PREFIX}tenant",
-            documentation="A node's counts per tenant (vLLM's cache_salt, as its quotas name "
-            "it; * for the others): tokens_hit, blocks_evicted, ...",
-            labelnames=[*names, "tenant", "counter"],
-        )
-        self.tenant_gauges: Any = gauge_cls(
-            name=f"{PREFIX}tenant_gauge",
-            documentation="A node's current values per tenant: blocks_held, ...",
-            labelnames=[*names, "tenant", "gauge"],
-            multiprocess_mode="mostrecent",
-        )
+        self.tenant_counts, self.tenant_gauges = self._tenant_metrics(names)
         self.disabled: Any = gauge_cls(
             name=f"{PREFIX}disabled",
             documentation="1 once the node has been switched off.",
@@ -301,6 +290,23 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
                 for counter in self.counters.values():
                     counter.labels(*self._labels(engine, node_id))
                 self.disabled.labels(*self._labels(engine, node_id)).set(0)
+
+    def _tenant_metrics(self, names: list[str]) -> tuple[Any, Any]:
+        counter_cls: Any = self._counter_cls
+        gauge_cls: Any = self._gauge_cls
+        counts = counter_cls(
+            name=f"{PREFIX}tenant",
+            documentation="A node's counts per tenant (vLLM's cache_salt, as its quotas name "
+            "it; * for the others): tokens_hit, blocks_evicted, ...",
+            labelnames=[*names, "tenant", "counter"],
+        )
+        gauges = gauge_cls(
+            name=f"{PREFIX}tenant_gauge",
+            documentation="A node's current values per tenant: blocks_held, ...",
+            labelnames=[*names, "tenant", "gauge"],
+            multiprocess_mode="mostrecent",
+        )
+        return counts, gauges
 
     def _labels(self, engine_idx: int, node_id: str) -> list[object]:
         plugin = self.nodes.get(node_id, "")

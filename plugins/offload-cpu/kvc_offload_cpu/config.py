@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from composer import Int, PolicyName, PositiveByteSize
+from composer import Int, PolicyName, PositiveByteSize, cache_salt_problem
+
+
+def _tenant(name: str) -> str:
+    """A quota's tenant: a cache_salt vLLM accepts (``*``: every tenant not named)."""
+    problem = cache_salt_problem(name)
+    if problem is not None:
+        raise PydanticCustomError(
+            "tenant", "tenant {name}: {problem}", {"name": repr(name), "problem": problem}
+        )
+    return name
 
 
 class OffloadCPUConfig(BaseModel):
@@ -121,7 +131,7 @@ class OffloadCPUConfig(BaseModel):
         ),
     )
     quotas: dict[
-        Annotated[str, Field(min_length=1, max_length=256)],
+        Annotated[str, AfterValidator(_tenant)],
         Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)],
     ] = Field(
         default_factory=dict,

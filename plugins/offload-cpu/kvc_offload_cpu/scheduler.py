@@ -296,9 +296,10 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         if st is None:
             return False, None
         st.finished = True
-        retention = st.view.controls.retention
-        if retention is not None:
-            self._retain(st, retention)
+        controls = st.view.controls
+        used = self.node_id in controls.load if controls.load is not None else True
+        if controls.retention is not None and (used or controls.store_limit(self.node_id) != 0):
+            self._retain(st, controls.retention)  # only where the request may load or save
         hold = bool(st.inflight) and self.config.save_mode == "async"
         if hold:
             self._pending_hold.append(request.request_id)
