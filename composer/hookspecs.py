@@ -137,7 +137,9 @@ class Combine(StrEnum):
     MERGE = "merge"
     """``a.merge(b)`` over the non-None results, in node order."""
     HOLD_ANY_PARAMS_NO_CLASH = "hold if any, params merged without clash"
-    """(any node holds, merged params); a params key written by two nodes is an error."""
+    """(any node holds, merged params); a params key written by two nodes is an error, but
+    ``kv_composer``, whose entries (one per node under a key, ``retention.<node>``)
+    are merged beside the chain's note."""
     PER_NODE = "per node"
     """A dict keyed by node id, delivered back to the same node (in the other process)."""
     DONE_WHEN_ALL_HOLDERS = "done when all holders are"
@@ -449,7 +451,8 @@ class NodeSpec:
         ``None`` is ``(False, None)``: nothing held, no params. Combine: blocks
         are held until every node that said True reports the request in
         ``get_finished``; transfer params are merged and a key written by two
-        nodes is an error.
+        nodes is an error, but ``kv_composer``: a node says something of the request
+        there under an entry of its own (``{"kv_composer": {"retention": {node: ...}}}``).
         """
 
     @hook(

@@ -119,6 +119,14 @@ def hold_any_params_no_clash(hook: str) -> None:
     assert drive(scripted(hook, ((False, None),) * 3), hook) == (False, None)
     with pytest.raises(TransferParamsClash, match="written by node"):
         drive(scripted(hook, ((False, {"x": 1}), (False, None), (True, {"x": 2}))), hook)
+    # kv_composer is everyone's: each node's entries are merged, one level down.
+    notes = (
+        (False, {"kv_composer": {"retention": {"a": "pin not granted"}}}),
+        (False, {"x": 1, "kv_composer": {"retention": {"c": "pin not granted"}, "y": 2}}),
+        (False, None),
+    )
+    merged = {"retention": {"a": "pin not granted", "c": "pin not granted"}, "y": 2}
+    assert drive(scripted(hook, notes), hook) == (False, {"kv_composer": merged, "x": 1})
 
 
 def per_node(hook: str) -> None:

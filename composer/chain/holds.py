@@ -1,6 +1,7 @@
 """Holding blocks: a finished request's blocks stay held while any node still saves
 from them, and its nodes' ``kv_transfer_params`` are merged, a key written by two
-nodes an error. What the request's loads delivered (the
+nodes an error (but ``kv_composer``, where each node may write entries of its
+own beside the chain's note). What the request's loads delivered (the
 :class:`~composer.chain.loads.LoadPlanner` hands it over) is settled here too.
 """
 
@@ -17,6 +18,8 @@ from composer.views import RequestView
 
 #: What a request_finished call that raised stands for.
 FAULTED = object()
+#: The ``kv_transfer_params`` key of what KV Composer says about a request.
+NOTE = "kv_composer"
 
 
 class BlockHolder:
@@ -85,7 +88,7 @@ class BlockHolder:
             note = self._note(loads) if self.pipeline.annotate_outputs else {}
             if refused:
                 note["error"] = f"tier controls: {refused}"
-            params = {**(params or {}), "kv_composer": note}
+            params = {**(params or {}), NOTE: {**(params or {}).get(NOTE, {}), **note}}
         return bool(holders), params
 
     def _note(self, loads: list[PlannedLoad]) -> dict[str, Any]:
@@ -147,12 +150,22 @@ def hold_and_params(
             holders.append(node_id)
         if node_params is None:
             continue
-        clash = sorted(set(writer) & set(node_params))
+        # "kv_composer" is everyone's: each node writes its own entries in it
+        # (kv_composer.retention.<node>), merged; any other key is one node's.
+        own = {k: v for k, v in node_params.items() if k != NOTE}
+        clash = sorted(set(writer) & set(own))
         if clash:
             raise TransferParamsClash(
                 f"kv_transfer_params key(s) {clash} written by node "
                 f'"{writer[clash[0]]}" and node "{node_id}"'
             )
-        writer.update(dict.fromkeys(node_params, node_id))
-        params = {**(params or {}), **node_params}
+        writer.update(dict.fromkeys(own, node_id))
+        params = {**(params or {}), **own}
+        note = node_params.get(NOTE)
+        if isinstance(note, dict):
+            merged = params.setdefault(NOTE, {})
+            for key, value in note.items():
+                old = merged.get(key)
+                both = isinstance(old, dict) and isinstance(value, dict)
+                merged[key] = {**old, **value} if both else value
     return holders, params

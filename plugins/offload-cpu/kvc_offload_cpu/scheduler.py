@@ -291,39 +291,45 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         self._pending_loads.append(transfer)
 
     @hookimpl
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.get(request.request_id)
         if st is None:
             return False, None
         st.finished = True
         controls = st.view.controls
         used = self.node_id in controls.load if controls.load is not None else True
+        params = None
         if controls.retention is not None and (used or controls.store_limit(self.node_id) != 0):
-            self._retain(st, controls.retention)  # only where the request may load or save
+            params = self._retain(st, controls.retention)  # only where it may load or save
         hold = bool(st.inflight) and self.config.save_mode == "async"
         if hold:
             self._pending_hold.append(request.request_id)
         else:
             self._forget(st)
-        return hold, None
+        return hold, params
 
-    def _retain(self, st: _Req, retention: Retention) -> None:
+    def _retain(self, st: _Req, retention: Retention) -> dict[str, Any] | None:
         """The request's ``kv_retention`` for each of its blocks this tier holds (its last
-        use is now); a pin not granted is counted and said."""
-        refused = 0
+        use is now); a pin not granted is counted, logged and said in the request's
+        ``kv_transfer_params`` (``kv_composer.retention.<node>``)."""
+        refused = asked = 0
         for g in range(len(st.block_ids)):
             for k in range(len(st.keys.keys)):
                 entry = self.index.get(self._key(st, g, k))
-                if entry is not None and not self.index.retain(entry, retention):
-                    refused += 1
-        if refused and retention.pin:
-            self.stats.extra.add("pins_refused", refused)
-            self.log.warning(
-                "kv_retention pin not granted: the tier's pinned share is full",
-                request=st.view.request_id,
-                blocks=refused,
-                max_pinned_share=self.config.max_pinned_share,
-            )
+                if entry is not None:
+                    asked += 1
+                    refused += not self.index.retain(entry, retention)
+        if not (refused and retention.pin):
+            return None
+        self.stats.extra.add("pins_refused", refused)
+        reason = (
+            f"pin not granted for {refused} of {asked} blocks: max_pinned_share "
+            f"{self.config.max_pinned_share} of the tier is pinned"
+        )
+        self.log.warning("kv_retention " + reason, request=st.view.request_id)
+        return {"kv_composer": {"retention": {self.node_id: reason}}}
 
     def _forget(self, st: _Req) -> None:
         rid = st.view.request_id

@@ -269,6 +269,8 @@ class Engine:
         self.running: dict[str, Running] = {}
         self.finished_pending: set[str] = set()
         self.held: set[str] = set()
+        #: Each finished request's kv_transfer_params, as the tier returned them.
+        self.params: dict[str, Any] = {}
         self.errors: set[int] = set()
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
@@ -318,7 +320,7 @@ class Engine:
 
     def finish(self, req_id: str) -> bool:
         r = self.running.pop(req_id)
-        hold, _ = self.sched.request_finished(r.view, r.block_ids)
+        hold, self.params[req_id] = self.sched.request_finished(r.view, r.block_ids)
         self.finished_pending.add(req_id)
         if hold:
             self.held.add(req_id)

@@ -180,6 +180,10 @@ def test_an_unpinned_prefix_is_evicted_again_and_pins_are_capped() -> None:
     # A second pinned prompt: one block fits under the cap, two are refused.
     _run(eng, "more", prompt(2, 100), kv_transfer_params={"kv_retention": {"pin": True}})
     assert eng.sched.stats.extra.get("pins_refused") == 2
+    # The request is told, by the node's name (the pinned one was not).
+    reason = "pin not granted for 2 of 3 blocks: max_pinned_share 0.5 of the tier is pinned"
+    assert eng.params["more"] == {"kv_composer": {"retention": {"cpu": reason}}}
+    assert eng.params["pin"] is None
     _flood(eng, 4)
     assert _run(eng, "again", system)[0] == 96
     _run(eng, "unpin", system, kv_transfer_params={"kv_retention": {"pin": False}})
