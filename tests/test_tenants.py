@@ -16,7 +16,7 @@ from composer.cli import main
 from composer.controls import Retention
 from composer.simulate import Result, simulate
 from composer.testing.policy_traces import pinned_prefix, sessions, two_tenants
-from composer.trace import TraceRequest, multi_turn, read_trace
+from composer.trace import TraceRequest, multi_turn, read_trace, write_trace
 from composer.validation import load_pipeline
 
 
@@ -170,8 +170,14 @@ SLOT = 1024  # bytes of one block: the capacity below is in blocks
 def _simulate(trace: list[TraceRequest], blocks: int, **config: object) -> Result:
     nodes = {"cpu": {"plugin": "offload-cpu", "config": {"capacity": blocks * SLOT, **config}}}
     pipeline = load_pipeline({"version": 1, "nodes": nodes})
-    return simulate(pipeline, trace, bytes_per_block=SLOT, block_size=BLOCK,
-                    trace_block_tokens=BLOCK, exact=True)
+    return simulate(
+        pipeline,
+        trace,
+        bytes_per_block=SLOT,
+        block_size=BLOCK,
+        trace_block_tokens=BLOCK,
+        exact=True,
+    )
 
 
 TRACES = Path(__file__).parent / "data" / "traces"
@@ -202,3 +208,27 @@ def test_a_pinned_prefix_survives_memory_pressure_and_an_unpinned_one_does_not()
     kept = _simulate(pinned, blocks).tenants["app"].fraction_served
     lost = _simulate(unpinned, blocks).tenants["app"].fraction_served
     assert lost < 0.05 < kept, (kept, lost)
+
+
+def test_kvc_simulate_reports_each_tenant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kept, _, blocks = sessions()
+    trace = tmp_path / "sessions.jsonl"
+    write_trace(trace, kept)
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(
+        "version: 1\nnodes:\n  cpu:\n    plugin: offload-cpu\n"
+        f"    config: {{capacity: {blocks * SLOT}}}\n"
+    )
+    options = ["--bytes-per-block", str(SLOT), "--trace-block-tokens", "32", "--exact"]
+    assert main(["simulate", str(pipeline), str(trace), *options]) == 0
+    out = capsys.readouterr().out
+    rows = {
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.startswith(("agent", "batch"))
+    }
+    expected = _simulate(kept, blocks).tenants
+    assert rows["agent"][-1] == f"{100 * expected['agent'].fraction_served:.1f}%"
+    assert rows["batch"][-1] == "0.0%" and rows["agent"][1] == "6"

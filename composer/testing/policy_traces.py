@@ -10,6 +10,11 @@ measured by a real engine on the same memory (``plugins/offload-cpu/tests`` and
 * :func:`pinned_prefix`: an app's system prompt, pinned (``kv_retention: {pin:
   true}``) or not, under a ``scan`` tenant's pressure.
 
+:func:`runs` gives the eight runs (each trace and its controls, a tier each),
+:func:`predict` what ``kvc simulate`` says of one, :func:`measure` what a real
+engine serving a tier per run does (``tests/e2e/test_sim_vs_real.py``,
+``benchmarks/cache_policies.py``).
+
 One trace id is one block (``trace_block_tokens`` = the block size): a request
 of ``n`` ids has ``n - 1`` full shared blocks and a partial last block of its
 own, so at most ``n - 1`` blocks are ever served. Timestamps are seconds apart
@@ -20,10 +25,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
-from composer.controls import Retention
+from composer.bench import run as bench_run
+from composer.bench.replay import Prompt, make_prompts
+from composer.bench.report import RunResult
+from composer.controls import LOAD_TIERS, STORE_TIERS, Retention
+from composer.simulate import simulate
 from composer.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from composer.validation import load_pipeline
 
 #: Output tokens of every generated request (in Mooncake units: 512 = one block).
 _OUTPUT = 64
@@ -130,3 +141,149 @@ def pinned_prefix(
         plain.append(_request(question, next(at) * gap_s, "app"))
     pinned = [replace(plain[0], retention=Retention(pin=True)), *plain[1:]]
     return pinned, plain, 4 * prefix_blocks
+
+
+# --------------------------------------------------------------------------- #
+# the runs: each trace beside its control, a tier each, in one engine
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class Run:
+    """One trace through one tier of its own (node ``name``)."""
+
+    name: str
+    #: Its requests, each tenant named ``<run>.<tenant>``: its blocks are its own.
+    trace: list[TraceRequest]
+    #: The tier's blocks, and what its config adds to ``save: prompt, save_mode: sync``.
+    blocks: int
+    config: dict[str, Any]
+    #: Replayed at its arrival times (the sessions); else one request at a time.
+    timed: bool = False
+
+    def node(self, slot_bytes: int) -> dict[str, Any]:
+        """The run's tier, as a pipeline node (``slot_bytes``: one block of every layer)."""
+        config = {"capacity": self.blocks * slot_bytes, **SYNC, **self.config}
+        return {"plugin": "offload-cpu", "config": config}
+
+
+#: Saves complete within the step, as the simulator's do at once.
+SYNC = {"save": "prompt", "save_mode": "sync"}
+
+
+def runs(chat: Sequence[TraceRequest], *, share: float = 0.7, think_s: float = 4.0) -> list[Run]:
+    """The three traces and their controls: ``solo``, ``shared`` and ``guarded``
+    (:func:`two_tenants` of ``chat``; ``guarded`` with ``quotas``), ``ttl``, ``short``
+    (a TTL of a quarter of the pause) and ``lru`` (:func:`sessions`), ``pinned`` and
+    ``unpinned`` (:func:`pinned_prefix`)."""
+    alone, mixed, chat_blocks, share = two_tenants(chat, share=share)
+    kept, plain, session_blocks = sessions(think_s=think_s)
+    short, _, _ = sessions(think_s=think_s, ttl_s=think_s / 4)
+    pinned, unpinned, prefix_blocks = pinned_prefix()
+
+    def run(name: str, trace: list[TraceRequest], blocks: int, **more: Any) -> Run:
+        own = [replace(r, tenant=f"{name}.{r.tenant}") for r in trace]
+        return Run(name, own, blocks, more.pop("config", {}), **more)
+
+    return [
+        run("solo", alone, chat_blocks),
+        run("shared", mixed, chat_blocks),
+        run("guarded", mixed, chat_blocks, config={"quotas": {"guarded.chat": share}}),
+        run("ttl", kept, session_blocks, timed=True),
+        run("short", short, session_blocks, timed=True),
+        run("lru", plain, session_blocks, timed=True),
+        run("pinned", pinned, prefix_blocks),
+        run("unpinned", unpinned, prefix_blocks),
+    ]
+
+
+def predict(
+    run: Run, slot_bytes: int, block_size: int, trace_block_tokens: int
+) -> dict[str, float]:
+    """``kvc simulate``'s share of each tenant's prompt tokens served, for ``run``."""
+    pipeline = load_pipeline({"version": 1, "nodes": {run.name: run.node(slot_bytes)}})
+    result = simulate(
+        pipeline,
+        run.trace,
+        bytes_per_block=slot_bytes,
+        block_size=block_size,
+        trace_block_tokens=trace_block_tokens,
+        exact=True,
+    )
+    return {t: r.fraction_served for t, r in result.tenants.items()}
+
+
+def prompts_for(
+    trace: Sequence[TraceRequest],
+    node: str,
+    *,
+    vocab: int,
+    scale: int,
+    output: int,
+    max_model_len: int,
+) -> tuple[list[TraceRequest], list[Prompt]]:
+    """The requests of ``trace`` that fit the model, and their prompts, each restricted
+    to tier ``node`` (``kv_load_tiers``/``kv_store_tiers``; its kv_retention kept)."""
+    prompts, skipped = make_prompts(
+        trace,
+        scale=scale,
+        vocab_size=vocab,
+        max_output_tokens=output,
+        max_model_len=max_model_len,
+    )
+    tiers = {LOAD_TIERS: [node], STORE_TIERS: [node]}
+    fits = [r for i, r in enumerate(trace) if i not in set(skipped)]
+    return fits, [
+        replace(p, kv_transfer_params={**(p.kv_transfer_params or {}), **tiers}) for p in prompts
+    ]
+
+
+def measure(
+    base_url: str,
+    all_runs: Sequence[Run],
+    *,
+    vocab: int,
+    scale: int,
+    output: int,
+    max_model_len: int,
+) -> dict[str, dict[str, float]]:
+    """Each run through its tier of the server at ``base_url`` (vLLM's prefix cache off):
+    the share of each tenant's prompt tokens served, by the requests' own usage. The
+    timed runs go together, at their arrival times; the others one request at a time."""
+    options = {"vocab": vocab, "scale": scale, "output": output, "max_model_len": max_model_len}
+    results: dict[str, RunResult] = {}
+    timed: list[Prompt] = []
+    for run in all_runs:
+        fits, prompts = prompts_for(run.trace, run.name, **options)
+        if len(fits) != len(run.trace):
+            raise ValueError(f"{run.name}: {len(run.trace) - len(fits)} prompts do not fit")
+        if run.timed:
+            timed += prompts
+            continue
+        results[run.name] = bench_run.measure(
+            run.name,
+            base_url,
+            prompts,
+            concurrency=1,
+            speedup=1.0,
+            progress=False,
+            settle_s=0.0,
+        )
+    if timed:
+        timed = [replace(p, index=i) for i, p in enumerate(timed)]
+        results["timed"] = bench_run.measure(
+            "timed",
+            base_url,
+            timed,
+            concurrency=None,
+            speedup=1.0,
+            progress=False,
+            settle_s=0.0,
+        )
+    out: dict[str, dict[str, float]] = {}
+    for run in all_runs:
+        result = results["timed" if run.timed else run.name]
+        if result.errors:
+            raise RuntimeError(f"{run.name}: {[r.error for r in result.records if r.error][:3]}")
+        out[run.name] = {t: v for t, v in result.tenants().items() if t.startswith(f"{run.name}.")}
+    return out

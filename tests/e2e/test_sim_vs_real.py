@@ -15,14 +15,14 @@ simulator's complete at once):
   shorter than the pause and plain LRU do not; (c) a pinned system prompt is
   served through a scan that pushes an unpinned one out.
 
-Each run's tenants are prefixed with the run's name (``solo.chat``): its blocks
-are its own, as vLLM's ``cache_salt`` makes them.
+The runs are :func:`composer.testing.policy_traces.runs`' (each run's tenants
+named ``<run>.<tenant>``: its blocks are its own, as vLLM's ``cache_salt``
+makes them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,9 @@ from composer import scrape, simulate
 from composer.bench import replay
 from composer.bench import run as bench_run
 from composer.bench import servers as bench_servers
-from composer.bench.report import RunResult
 from composer.simulate.shape import bytes_per_block_from_config
-from composer.testing.policy_traces import pinned_prefix, sessions, two_tenants
-from composer.trace import TraceRequest, multi_turn, read_trace
+from composer.testing.policy_traces import SYNC, measure, predict, prompts_for, runs
+from composer.trace import multi_turn, read_trace
 from composer.validation import load_pipeline
 
 pytestmark = pytest.mark.e2e
@@ -49,39 +48,9 @@ MAX_MODEL_LEN = 4096
 OUTPUT = 4  # outputs are not saved (save: prompt); short keeps it fast
 #: The chat tenant: the conversations that come back among the trace's first 250 requests.
 CHAT_FROM = 250
-#: The chat tenant's share with quotas.
-SHARE = 0.7
-#: Think time between an agent session's turns (the sessions are replayed in real time).
-THINK_S = 4.0
-
-
-def _scenarios() -> dict[str, tuple[list[TraceRequest], int, dict[str, Any]]]:
-    """Run name -> (trace, tier blocks, the tier's extra config)."""
-    chat, mixed, chat_blocks, share = two_tenants(
-        multi_turn(read_trace(TRACE, limit=CHAT_FROM)), share=SHARE
-    )
-    kept, plain, session_blocks = sessions(think_s=THINK_S)
-    short, _, _ = sessions(think_s=THINK_S, ttl_s=THINK_S / 4)  # ended before the noise
-    pinned, unpinned, prefix_blocks = pinned_prefix()
-    return {
-        "solo": (chat, chat_blocks, {}),
-        "shared": (mixed, chat_blocks, {}),
-        "guarded": (mixed, chat_blocks, {"quotas": {"guarded.chat": share}}),
-        "ttl": (kept, session_blocks, {}),
-        "short": (short, session_blocks, {}),
-        "lru": (plain, session_blocks, {}),
-        "pinned": (pinned, prefix_blocks, {}),
-        "unpinned": (unpinned, prefix_blocks, {}),
-    }
-
-
-def _own(run: str, trace: Sequence[TraceRequest]) -> list[TraceRequest]:
-    return [replace(r, tenant=f"{run}.{r.tenant}") for r in trace]
-
-
-#: Runs replayed together at their arrival times (the sessions'); the others one
-#: request at a time, in trace order.
-TIMED = ("ttl", "short", "lru")
+#: Each run of the cache policies' traces (one tier each).
+RUNS = {run.name: run for run in runs(multi_turn(read_trace(TRACE, limit=CHAT_FROM)))}
+OPTIONS = {"scale": SCALE, "output": OUTPUT, "max_model_len": MAX_MODEL_LEN}
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +59,8 @@ def engine(
 ) -> Iterator[dict[str, Any]]:
     workdir = tmp_path_factory.mktemp("sim-vs-real")
     slot = bytes_per_block_from_config(Path(tiny_model) / "config.json", BLOCK_SIZE)
-    common = {"save": "prompt", "save_mode": "sync"}
-    scenarios = {run: (_own(run, t), b, c) for run, (t, b, c) in _scenarios().items()}
-    nodes = {"cpu": {"plugin": "offload-cpu", "config": {"capacity": "64MiB", **common}}}
-    for run, (_, blocks, extra) in scenarios.items():
-        config = {"capacity": blocks * slot, **common, **extra}
-        nodes[run] = {"plugin": "offload-cpu", "config": config}
+    cpu = {"plugin": "offload-cpu", "config": {"capacity": "64MiB", **SYNC}}
+    nodes = {"cpu": cpu, **{name: run.node(slot) for name, run in RUNS.items()}}
     pipeline = workdir / "tiers.yaml"
     pipeline.write_text(yaml.safe_dump({"version": 1, "nodes": nodes}, sort_keys=False))
     config = bench_servers.Config("tiers", pipeline, prefix_caching=False)
@@ -108,72 +73,8 @@ def engine(
     )
     vocab = replay.vocab_size_of(tiny_model) or 512
     with bench_servers.server(config, spec, workdir / "serve.log") as base:
-        yield {
-            "base": base,
-            "vocab": vocab,
-            "slot": slot,
-            "nodes": nodes,
-            "scenarios": scenarios,
-            "results": _policy_runs(base, vocab, scenarios),
-        }
-
-
-def _fitting(
-    trace: Sequence[TraceRequest], node: str, vocab: int
-) -> tuple[list[TraceRequest], list[replay.Prompt]]:
-    """The requests of ``trace`` that fit the model, and their prompts, each restricted to
-    ``node`` (its kv_retention kept)."""
-    prompts, skipped = replay.make_prompts(
-        trace, scale=SCALE, vocab_size=vocab, max_output_tokens=OUTPUT, max_model_len=MAX_MODEL_LEN
-    )
-    tiers = {"kv_load_tiers": [node], "kv_store_tiers": [node]}
-    fits = [r for i, r in enumerate(trace) if i not in set(skipped)]
-    return fits, [
-        replace(p, kv_transfer_params={**(p.kv_transfer_params or {}), **tiers}) for p in prompts
-    ]
-
-
-def _prompts(trace: Sequence[TraceRequest], node: str, vocab: int) -> list[replay.Prompt]:
-    """Every request's prompt (each fits the model), restricted to ``node``."""
-    fits, prompts = _fitting(trace, node, vocab)
-    assert len(fits) == len(trace)
-    return prompts
-
-
-def _policy_runs(
-    base: str, vocab: int, scenarios: dict[str, tuple[list[TraceRequest], int, dict[str, Any]]]
-) -> dict[str, RunResult]:
-    results = {}
-    for run, (trace, _, _) in scenarios.items():
-        if run not in TIMED:
-            prompts = _prompts(trace, run, vocab)
-            results[run] = bench_run.measure(run, base, prompts, concurrency=1, speedup=1.0,
-                                             progress=False, settle_s=0.0)
-    # The sessions' three runs at once, at the trace's times: each on its own tier.
-    timed = [p for run in TIMED for p in _prompts(scenarios[run][0], run, vocab)]
-    timed = [replace(p, index=i) for i, p in enumerate(timed)]
-    results["timed"] = bench_run.measure("timed", base, timed, concurrency=None, speedup=1.0,
-                                         progress=False, settle_s=0.0)
-    return results
-
-
-def _predicted(engine: dict[str, Any], run: str) -> simulate.Result:
-    trace, _, _ = engine["scenarios"][run]
-    pipeline = load_pipeline({"version": 1, "nodes": {run: engine["nodes"][run]}})
-    return simulate.simulate(
-        pipeline,
-        trace,
-        bytes_per_block=engine["slot"],
-        block_size=BLOCK_SIZE,
-        trace_block_tokens=replay.trace_block_tokens(SCALE),
-        exact=True,
-    )
-
-
-def _measured(engine: dict[str, Any], run: str) -> dict[str, float]:
-    result = engine["results"]["timed" if run in TIMED else run]
-    assert result.errors == 0, [r.error for r in result.records if r.error][:3]
-    return {t: v for t, v in result.tenants().items() if t.startswith(f"{run}.")}
+        measured = measure(base, list(RUNS.values()), vocab=vocab, **OPTIONS)
+        yield {"base": base, "vocab": vocab, "slot": slot, "cpu": cpu, "measured": measured}
 
 
 def test_simulated_hit_rate_matches_a_real_engine(
@@ -181,9 +82,11 @@ def test_simulated_hit_rate_matches_a_real_engine(
 ) -> None:
     # Its 64 MiB tier is smaller than the slice's working set (~6,400 blocks of 16 KiB):
     # LRU evicts, so the prediction has to get the eviction order right, not only the sharing.
-    trace, prompts = _fitting(read_trace(TRACE, limit=REQUESTS), "cpu", engine["vocab"])
+    trace, prompts = prompts_for(
+        read_trace(TRACE, limit=REQUESTS), "cpu", vocab=engine["vocab"], **OPTIONS
+    )
     assert len(prompts) > 250
-    pipeline = load_pipeline({"version": 1, "nodes": {"cpu": engine["nodes"]["cpu"]}})
+    pipeline = load_pipeline({"version": 1, "nodes": {"cpu": engine["cpu"]}})
     predicted = simulate.simulate(
         pipeline,
         trace,
@@ -214,12 +117,12 @@ def test_simulated_hit_rate_matches_a_real_engine(
     assert gap <= 0.05, (node.fraction_served, measured)
 
 
-@pytest.mark.parametrize("run", list(_scenarios()))
+@pytest.mark.parametrize("run", list(RUNS))
 def test_each_tenants_hit_rate_is_predicted_within_a_point(
     engine: dict[str, Any], run: str, figures: Callable[[str], None]
 ) -> None:
-    predicted = {t: r.fraction_served for t, r in _predicted(engine, run).tenants.items()}
-    measured = _measured(engine, run)
+    predicted = predict(RUNS[run], engine["slot"], BLOCK_SIZE, replay.trace_block_tokens(SCALE))
+    measured = engine["measured"][run]
     assert sorted(measured) == sorted(predicted)
     figures(
         f"{run}: "
@@ -235,9 +138,9 @@ def test_each_tenants_hit_rate_is_predicted_within_a_point(
 def test_with_quotas_the_chat_tenant_keeps_its_solo_hit_rate_and_without_them_not(
     engine: dict[str, Any],
 ) -> None:
-    solo = _measured(engine, "solo")["solo.chat"]
-    guarded = _measured(engine, "guarded")["guarded.chat"]
-    shared = _measured(engine, "shared")["shared.chat"]
+    solo = engine["measured"]["solo"]["solo.chat"]
+    guarded = engine["measured"]["guarded"]["guarded.chat"]
+    shared = engine["measured"]["shared"]["shared.chat"]
     assert solo > 0.3 and abs(guarded - solo) <= 0.02 and solo - shared > 0.02, (
         solo, guarded, shared
     )
@@ -246,15 +149,15 @@ def test_with_quotas_the_chat_tenant_keeps_its_solo_hit_rate_and_without_them_no
 def test_a_ttl_keeps_a_paused_sessions_prefix_and_a_shorter_one_or_lru_does_not(
     engine: dict[str, Any],
 ) -> None:
-    kept = _measured(engine, "ttl")["ttl.agent"]
-    expired = _measured(engine, "short")["short.agent"]
-    lru = _measured(engine, "lru")["lru.agent"]
+    kept = engine["measured"]["ttl"]["ttl.agent"]
+    expired = engine["measured"]["short"]["short.agent"]
+    lru = engine["measured"]["lru"]["lru.agent"]
     assert lru < 0.05 and expired < 0.05 < kept, (kept, expired, lru)
 
 
 def test_a_pinned_prefix_is_served_through_a_scan_and_an_unpinned_one_is_not(
     engine: dict[str, Any],
 ) -> None:
-    kept = _measured(engine, "pinned")["pinned.app"]
-    lost = _measured(engine, "unpinned")["unpinned.app"]
+    kept = engine["measured"]["pinned"]["pinned.app"]
+    lost = engine["measured"]["unpinned"]["unpinned.app"]
     assert lost < 0.05 < kept, (kept, lost)

@@ -1,0 +1,93 @@
+"""Cache policies on traces, predicted and measured side by side: two tenants with and
+without ``quotas``, paused agent sessions with a TTL (and a shorter one, and plain
+LRU), a pinned system prompt with and without its pin
+(:mod:`composer.testing.policy_traces`).
+
+1. ``kvc simulate`` on the whole Mooncake conversation trace as the chat tenant
+   (12,031 requests), a 33-block one-off scan prompt after each, for a model
+   whose KV block is 4 MiB (an 8B model's, 32 tokens): the chat tenant's
+   served share alone, beside the scan without quotas, and with
+   ``quotas: {chat: 0.7}``, on the same memory.
+2. One real engine (the tiny model, vLLM's prefix cache off) with a tier per
+   run, each run through its own tier: every tenant's served share measured
+   by the requests' usage, beside ``kvc simulate``'s prediction. The chat
+   tenant is the conversations that come back among the first 500 requests
+   of the trace (its ``tests/data`` slice), lengths scaled by 16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from benchmarks.router_fleet import TRACE
+from composer.bench import replay
+from composer.bench.servers import Config, ServerSpec, server
+from composer.simulate import simulate
+from composer.simulate.shape import bytes_per_block_from_config
+from composer.testing.policy_traces import SYNC, measure, predict, runs, two_tenants
+from composer.testing.tiny_model import build_tiny_model
+from composer.trace import multi_turn, read_trace
+from composer.validation import load_pipeline
+
+ROOT = Path(__file__).parent.parent
+SLICE = ROOT / "tests/data/traces/mooncake-conversation_trace-500.jsonl"
+WORKDIR = Path("kvc-bench-cache-policies")
+SCALE, BLOCK, MAX_LEN, OUTPUT = 16, 32, 4096, 4
+SIM_BLOCK_BYTES = 4 * 1024**2
+
+
+def print_simulation() -> None:
+    alone, mixed, blocks, share = two_tenants(read_trace(TRACE))
+
+    def chat(trace: list, **config: object) -> float:
+        node = {"plugin": "offload-cpu", "config": {"capacity": blocks * SIM_BLOCK_BYTES, **config}}
+        result = simulate(
+            load_pipeline({"version": 1, "nodes": {"cpu": node}}),
+            trace,
+            bytes_per_block=SIM_BLOCK_BYTES,
+        )
+        return result.tenants["chat"].fraction_served
+
+    print(f"kvc simulate, {TRACE} as the chat tenant, {blocks:,} blocks of 4 MiB\n")
+    print("| run | chat served |\n| --- | ---: |")
+    print(f"| chat alone | {100 * chat(alone):.1f}% |")
+    print(f"| chat + scan, no quotas | {100 * chat(mixed):.1f}% |")
+    print(
+        f"| chat + scan, quotas chat {share} | {100 * chat(mixed, quotas={'chat': share}):.1f}% |"
+    )
+    print()
+
+
+def main() -> int:
+    print_simulation()
+    model = str(build_tiny_model())
+    slot = bytes_per_block_from_config(Path(model) / "config.json", BLOCK)
+    all_runs = runs(multi_turn(read_trace(SLICE)))
+    nodes = {run.name: run.node(slot) for run in all_runs}
+    WORKDIR.mkdir(exist_ok=True)
+    pipeline = WORKDIR / "tiers.yaml"
+    pipeline.write_text(yaml.safe_dump({"version": 1, "nodes": nodes}, sort_keys=False))
+    spec = ServerSpec(
+        model=model, block_size=BLOCK, max_model_len=MAX_LEN, extra_args=["--enforce-eager"]
+    )
+    vocab = replay.vocab_size_of(model) or 512
+    with server(
+        Config("tiers", pipeline, prefix_caching=False), spec, WORKDIR / "serve.log"
+    ) as base:
+        measured = measure(
+            base, all_runs, vocab=vocab, scale=SCALE, output=OUTPUT, max_model_len=MAX_LEN
+        )
+    print(f"one engine, a tier per run ({SYNC['save_mode']} saves); {SLICE.name}'s conversations")
+    print("\n| run | tier | tenant | measured | predicted | gap (points) |")
+    print("| --- | ---: | --- | ---: | ---: | ---: |")
+    for run in all_runs:
+        predicted = predict(run, slot, BLOCK, replay.trace_block_tokens(SCALE))
+        for tenant, p in sorted(predicted.items()):
+            m = measured[run.name][tenant]
+            print(
+                f"| {run.name} | {run.blocks} blocks | {tenant.split('.', 1)[1]} "
+                f"| {100 * m:.1f}% | {100 * p:.1f}% | {100 * abs(m - p):.2f} |"
+            )
+    return 0
