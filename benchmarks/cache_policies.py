@@ -4,10 +4,10 @@ LRU), a pinned system prompt with and without its pin
 (:mod:`composer.testing.policy_traces`).
 
 1. ``kvc simulate`` on the whole Mooncake conversation trace as the chat tenant
-   (12,031 requests), a 33-block one-off scan prompt after each, for a model
+   (12,031 requests), a 33-id one-off scan prompt after each, for a model
    whose KV block is 4 MiB (an 8B model's, 32 tokens): the chat tenant's
-   served share alone, beside the scan without quotas, and with
-   ``quotas: {chat: 0.7}``, on the same memory.
+   served share alone, beside the scan without quotas, and with quotas of 0.7
+   and 0.9, on the same memory, for tiers of several sizes.
 2. One real engine (the tiny model, vLLM's prefix cache off) with a tier per
    run, each run through its own tier: every tenant's served share measured
    by the requests' usage, beside ``kvc simulate``'s prediction. The chat
@@ -28,35 +28,52 @@ from composer.simulate import simulate
 from composer.simulate.shape import bytes_per_block_from_config
 from composer.testing.policy_traces import SYNC, measure, predict, runs, two_tenants
 from composer.testing.tiny_model import build_tiny_model
-from composer.trace import multi_turn, read_trace
+from composer.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, multi_turn, read_trace
 from composer.validation import load_pipeline
 
 ROOT = Path(__file__).parent.parent
 SLICE = ROOT / "tests/data/traces/mooncake-conversation_trace-500.jsonl"
 WORKDIR = Path("kvc-bench-cache-policies")
 SCALE, BLOCK, MAX_LEN, OUTPUT = 16, 32, 4096, 4
-SIM_BLOCK_BYTES = 4 * 1024**2
+#: The whole trace's simulation: an 8B model's block (4 MiB of 32 tokens), tiers of
+#: these fractions of what the chat tenant ever holds.
+SIM_BLOCK_BYTES, SIM_BLOCK_TOKENS = 4 * 1024**2, 32
+SIM_FRACTIONS = (0.05, 0.1, 0.25, 0.5, 1.0)
+SCAN_BLOCKS = 32
 
 
 def print_simulation() -> None:
-    alone, mixed, blocks, share = two_tenants(read_trace(TRACE))
+    """The chat tenant's served share on tiers of several sizes (fractions of what it
+    ever holds), alone, beside the scan, and beside it with quotas of 0.7 and 0.9."""
+    alone, mixed, blocks, share = two_tenants(read_trace(TRACE), scan_blocks=SCAN_BLOCKS)
+    footprint = int((blocks - 1) * share)  # in trace ids of 512 tokens: 16 blocks each
+    per_id = MOONCAKE_BLOCK_TOKENS // SIM_BLOCK_TOKENS
 
-    def chat(trace: list, **config: object) -> float:
-        node = {"plugin": "offload-cpu", "config": {"capacity": blocks * SIM_BLOCK_BYTES, **config}}
-        result = simulate(
-            load_pipeline({"version": 1, "nodes": {"cpu": node}}),
-            trace,
-            bytes_per_block=SIM_BLOCK_BYTES,
-        )
-        return result.tenants["chat"].fraction_served
+    def chat(trace: list[TraceRequest], fraction: float, **config: object) -> str:
+        capacity = int(footprint * fraction) * per_id * SIM_BLOCK_BYTES
+        node = {"plugin": "offload-cpu", "config": {"capacity": capacity, **config}}
+        pipeline = load_pipeline({"version": 1, "nodes": {"cpu": node}})
+        result = simulate(pipeline, trace, bytes_per_block=SIM_BLOCK_BYTES)
+        return f"{100 * result.tenants['chat'].fraction_served:.1f}%"
 
-    print(f"kvc simulate, {TRACE} as the chat tenant, {blocks:,} blocks of 4 MiB\n")
-    print("| run | chat served |\n| --- | ---: |")
-    print(f"| chat alone | {100 * chat(alone):.1f}% |")
-    print(f"| chat + scan, no quotas | {100 * chat(mixed):.1f}% |")
     print(
-        f"| chat + scan, quotas chat {share} | {100 * chat(mixed, quotas={'chat': share}):.1f}% |"
+        f"kvc simulate, {TRACE} ({len(alone):,} requests) as the chat tenant, a "
+        f"{SCAN_BLOCKS + 1}-id one-off scan prompt after each; {SIM_BLOCK_BYTES // 2**20} MiB "
+        f"blocks of {SIM_BLOCK_TOKENS} tokens; the chat tenant ever holds "
+        f"{footprint * per_id:,} blocks\n"
     )
+    print(
+        "| tier (of what chat holds) | chat alone | + scan | + scan, quotas chat 0.7 "
+        "| + scan, quotas chat 0.9 |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for fraction in SIM_FRACTIONS:
+        cells = [
+            chat(alone, fraction),
+            chat(mixed, fraction),
+            *(chat(mixed, fraction, quotas={"chat": q}) for q in (0.7, 0.9)),
+        ]
+        print(f"| {fraction:.0%} | " + " | ".join(cells) + " |")
     print()
 
 

@@ -11,11 +11,13 @@ replaced by ``lru`` over the blocks the index holds, said once in the log: no
 block and no request is lost to it.
 
 With per-tenant quotas (:class:`Quotas`, the node's ``quotas``) each block
-belongs to its request's tenant (vLLM's ``cache_salt``), and when the pool is
-full a tenant at its share evicts its own blocks first, then those of tenants
-past theirs, never a block of a tenant within its share; a tenant within its
-share evicts from tenants past theirs first. Free slots are anyone's: a quota
-bites only when the pool is full.
+belongs to its request's tenant (vLLM's ``cache_salt``), each tenant's blocks
+are ordered by an eviction policy of their own (sized by the tenant's share:
+finding a tenant's next victim never walks another tenant's blocks), and when
+the pool is full a tenant at its share evicts its own blocks first, then those
+of tenants past theirs (the furthest past first), never a block of a tenant
+within its share; a tenant within its share evicts from tenants past theirs
+first. Free slots are anyone's: a quota bites only when the pool is full.
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ class Quotas:
         """The tenants holding more than their share."""
         return {t for t, n in self.held.items() if n > self.limit[t]}
 
+    def room(self, tenant: str) -> int:
+        """Slots ``tenant`` may still take within its share (below 0: past it)."""
+        return self.limit[tenant] - self.held[tenant]
+
 
 class Admission:
     """The admission policy the node config names (``admission``), asked once per request
@@ -126,13 +132,20 @@ class BlockIndex:
             raise ValueError("num_slots must be >= 0")
         self.num_slots = num_slots
         self._entries: dict[bytes, Entry] = {}
-        #: Ordering the ready entries: each is ``added`` once ready and ``removed`` when
-        #: it leaves, while still ready.
-        self.policy: EvictionPolicy = (
-            find_policy("eviction", eviction)(num_slots, config)
-            if isinstance(eviction, str)
-            else eviction
+        self.config = config
+        self.eviction = eviction if isinstance(eviction, str) else type(eviction)
+        self.quotas = Quotas(quotas, num_slots) if quotas else None
+        #: Ordering the ready entries of each tenant (one, :data:`OTHERS`, without
+        #: quotas): each is ``added`` once ready and ``removed`` when it leaves, while
+        #: still ready.
+        self.policies: dict[str, EvictionPolicy] = (
+            {OTHERS: self._new_policy(self.eviction, num_slots)}
+            if isinstance(eviction, str) or self.quotas is not None
+            else {OTHERS: eviction}
         )
+        if self.quotas is not None:
+            for tenant, limit in self.quotas.limit.items():
+                self.policies[tenant] = self._new_policy(self.eviction, max(1, limit))
         #: Which blocks must stay, of those the eviction policy offers (None: none).
         self.retention: RetentionPolicy | None = (
             find_policy("retention", retention)(num_slots, config)
@@ -147,9 +160,18 @@ class BlockIndex:
         self._gen: list[int] = [0] * num_slots
         self._by_slot: list[Entry | None] = [None] * num_slots
         self.evictions = 0
-        self.quotas = Quotas(quotas, num_slots) if quotas else None
         #: Called with every entry that leaves the index (evicted, dropped, reset).
         self.on_remove: Callable[[Entry], None] | None = None
+
+    def _new_policy(self, eviction: str | type, slots: int) -> EvictionPolicy:
+        cls = find_policy("eviction", eviction) if isinstance(eviction, str) else eviction
+        policy: EvictionPolicy = cls(slots, self.config)
+        return policy
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy of the tenants no quota names (of every block, without quotas)."""
+        return self.policies[OTHERS]
 
     # -- queries ------------------------------------------------------------ #
 
@@ -187,7 +209,7 @@ class BlockIndex:
     def touch(self, entry: Entry) -> None:
         if entry.ready and self._entries.get(entry.key) is entry:
             try:
-                self.policy.touched(entry)
+                self.policies[entry.tenant].touched(entry)
             except Exception as exc:
                 self._policy_failed("touched", exc)
 
@@ -222,7 +244,7 @@ class BlockIndex:
             return
         entry.ready = True
         try:
-            self.policy.added(entry)
+            self.policies[entry.tenant].added(entry)
         except Exception as exc:
             self._policy_failed("added", exc)
 
@@ -276,28 +298,34 @@ class BlockIndex:
 
     def _victim_for(self, owner: str) -> Entry | None:
         """The block a new block of ``owner`` replaces (see the module's docstring)."""
-        if self.quotas is None:
-            return self._victim()
-        past = self.quotas.past()
-        if self.quotas.held[owner] >= self.quotas.limit[owner]:
-            first = self._victim(lambda e: e.tenant == owner)
-            return first or (self._victim(lambda e: e.tenant in past) if past else None)
-        if past:
-            return self._victim(lambda e: e.tenant in past) or self._victim()
-        return self._victim()
+        quotas = self.quotas
+        if quotas is None:
+            return self._victim(OTHERS)
+        if quotas.held[owner] >= quotas.limit[owner]:
+            return self._victim(owner) or self._first_victim(quotas.past() - {owner})
+        # (Nobody past: the shares' rounding left slots over; anyone's, furthest first.)
+        return self._first_victim(quotas.past()) or self._first_victim(set(quotas.limit))
 
-    def _victim(self, eligible: Callable[[Entry], bool] | None = None) -> Entry | None:
-        """The eviction policy's first block (of those ``eligible``) not in use and not
-        kept by the retention policy; when every one is kept, the one retention
-        yields (None: none)."""
+    def _first_victim(self, tenants: set[str]) -> Entry | None:
+        """The first victim of ``tenants``, the furthest past its share first."""
+        assert self.quotas is not None
+        room = self.quotas.room
+        for tenant in sorted(tenants, key=lambda t: (room(t), t)):
+            victim = self._victim(tenant)
+            if victim is not None:
+                return victim
+        return None
+
+    def _victim(self, tenant: str) -> Entry | None:
+        """``tenant``'s eviction policy's first block not in use and not kept by the
+        retention policy; when every one is kept, the one retention yields (None:
+        none)."""
         kept: list[Entry] = []
         now = self.clock() if self.retention is not None else 0.0
         try:
-            for block in self.policy.victims():
+            for block in self.policies[tenant].victims():
                 entry = self._entries.get(block.key)
                 if entry is not block or not entry.ready or entry.pins:
-                    continue
-                if eligible is not None and not eligible(entry):
                     continue
                 if self._kept(entry, now):
                     kept.append(entry)
@@ -305,7 +333,7 @@ class BlockIndex:
                 return entry
         except Exception as exc:
             self._policy_failed("victims", exc)
-            return self._victim(eligible)
+            return self._victim(tenant)
         if not kept or self.retention is None:
             return None
         try:
@@ -344,7 +372,7 @@ class BlockIndex:
         if not entry.ready:
             return  # never added: a save still in flight
         try:
-            self.policy.removed(entry, evicted)
+            self.policies[entry.tenant].removed(entry, evicted)
         except Exception as exc:
             self._policy_failed("removed", exc)
 
@@ -366,7 +394,9 @@ class BlockIndex:
             hook=hook,
             error=repr(exc),
         )
-        self.policy = find_policy("eviction", "lru")(self.num_slots)
+        self.eviction = "lru"
+        for tenant, old in self.policies.items():
+            self.policies[tenant] = self._new_policy("lru", old.slots)
         for entry in self._entries.values():
             if entry.ready:
-                self.policy.added(entry)
+                self.policies[entry.tenant].added(entry)
