@@ -28,7 +28,13 @@ from composer.simulate import simulate
 from composer.simulate.shape import bytes_per_block_from_config
 from composer.testing.policy_traces import SYNC, measure, predict, runs, two_tenants
 from composer.testing.tiny_model import build_tiny_model
-from composer.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, multi_turn, read_trace
+from composer.trace import (
+    MOONCAKE_BLOCK_TOKENS,
+    TraceRequest,
+    conversation,
+    multi_turn,
+    read_trace,
+)
 from composer.validation import load_pipeline
 
 ROOT = Path(__file__).parent.parent
@@ -81,7 +87,10 @@ def main() -> int:
     print_simulation()
     model = str(build_tiny_model())
     slot = bytes_per_block_from_config(Path(model) / "config.json", BLOCK)
-    all_runs = runs(multi_turn(read_trace(SLICE)))
+    # The conversations whose every turn fits the tiny model (lengths divided by SCALE).
+    chat = multi_turn(read_trace(SLICE))
+    too_long = {conversation(r) for r in chat if r.input_length // SCALE + OUTPUT > MAX_LEN - BLOCK}
+    all_runs = runs([r for r in chat if conversation(r) not in too_long])
     nodes = {run.name: run.node(slot) for run in all_runs}
     WORKDIR.mkdir(exist_ok=True)
     pipeline = WORKDIR / "tiers.yaml"
