@@ -74,7 +74,15 @@ def engine(
     vocab = replay.vocab_size_of(tiny_model) or 512
     with bench_servers.server(config, spec, workdir / "serve.log") as base:
         measured = measure(base, list(RUNS.values()), vocab=vocab, **OPTIONS)
-        yield {"base": base, "vocab": vocab, "slot": slot, "cpu": cpu, "measured": measured}
+        tiers = scrape.nodes(scrape.fetch(base))
+        yield {
+            "base": base,
+            "vocab": vocab,
+            "slot": slot,
+            "cpu": cpu,
+            "measured": measured,
+            "tiers": tiers,
+        }
 
 
 def test_simulated_hit_rate_matches_a_real_engine(
@@ -142,8 +150,27 @@ def test_with_quotas_the_chat_tenant_keeps_its_solo_hit_rate_and_without_them_no
     guarded = engine["measured"]["guarded"]["guarded.chat"]
     shared = engine["measured"]["shared"]["shared.chat"]
     assert solo > 0.3 and abs(guarded - solo) <= 0.02 and solo - shared > 0.02, (
-        solo, guarded, shared
+        solo,
+        guarded,
+        shared,
     )
+
+
+def test_each_tenant_of_a_tier_with_quotas_is_on_metrics(engine: dict[str, Any]) -> None:
+    # /metrics per node and tenant: the chat tenant's served share as its requests'
+    # usage says; the scan (every tenant not named: *) served nothing and, at its
+    # share, evicted its own blocks; neither holds more than the tier.
+    tenants = engine["tiers"]["guarded"].tenants
+    chat, others = tenants["guarded.chat"], tenants["*"]
+    run = RUNS["guarded"]
+    assert chat["requests"] == others["requests"] == len(run.trace) // 2
+    assert (
+        chat["tokens_hit"] / chat["prompt_tokens"] == engine["measured"]["guarded"]["guarded.chat"]
+    )
+    assert others.get("tokens_hit", 0) == 0 and others["blocks_evicted"] > 0
+    assert chat.get("blocks_evicted", 0) == 0
+    assert chat["blocks_held"] + others["blocks_held"] <= run.blocks
+    assert chat["blocks_quota"] == int(0.7 * run.blocks)
 
 
 def test_a_ttl_keeps_a_paused_sessions_prefix_and_a_shorter_one_or_lru_does_not(

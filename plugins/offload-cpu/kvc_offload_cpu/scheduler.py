@@ -208,7 +208,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
     def on_new_request(self, request: Any) -> None:
         self._req(request)
         quotas = self.index.quotas
-        if quotas is not None:  # per-tenant figures only for the tenants quotas name
+        if quotas is not None and self._involved(request):  # the tenants quotas name
             tenant = quotas.of(request.tenant)
             self.stats.tenant_add("requests", tenant)
             self.stats.tenant_add("prompt_tokens", tenant, request.num_prompt_tokens)
@@ -298,17 +298,24 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         if st is None:
             return False, None
         st.finished = True
-        controls = st.view.controls
-        used = self.node_id in controls.load if controls.load is not None else True
+        retention = st.view.controls.retention
         params = None
-        if controls.retention is not None and (used or controls.store_limit(self.node_id) != 0):
-            params = self._retain(st, controls.retention)  # only where it may load or save
+        if retention is not None and self._involved(st.view):
+            params = self._retain(st, retention)
         hold = bool(st.inflight) and self.config.save_mode == "async"
         if hold:
             self._pending_hold.append(request.request_id)
         else:
             self._forget(st)
         return hold, params
+
+    def _involved(self, request: Any) -> bool:
+        """Whether ``request`` (a :class:`composer.RequestView`) may load from or save to
+        this tier (its tier controls): only then do its retention and its tenant's
+        figures concern it."""
+        controls = request.controls
+        loads = controls.load is None or self.node_id in controls.load
+        return loads or controls.store_limit(self.node_id) != 0
 
     def _retain(self, st: _Req, retention: Retention) -> dict[str, Any] | None:
         """The request's ``kv_retention`` for each of its blocks this tier holds (its last
