@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import textwrap
 from collections.abc import Callable, Mapping
@@ -23,6 +24,16 @@ from composer import (
 )
 
 _ROOT = Path(__file__).resolve().parent.parent
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# A test run stopped with SIGTERM (a CI timeout, a developer's kill) stops as on
+# Ctrl-C: pytest tears its fixtures down, so every server a test started (an
+# engine, an lmcache server, Valkey, a router) is stopped, not left running.
+signal.signal(signal.SIGTERM, _terminated)
 
 
 @pytest.fixture(scope="session")

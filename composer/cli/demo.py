@@ -85,6 +85,12 @@ def main(file: str | None = None, *, max_tokens: int = 16) -> int:
         print(exc, file=sys.stderr)
         return 1
 
+    return _report(named_rounds, reference.rounds, composed.rounds)
+
+
+def _report(named_rounds: list[list[tuple[str, str]]], reference: Any, composed: Any) -> int:
+    """The table of every request: what served it, and whether its output is the
+    reference's; 0 when every one is and the pipeline served some."""
     print()
     width = max(len(name) for requests in named_rounds for name, _ in requests)
     columns = f"{'request':<{width}} {'prompt':>6}  {'served by':<18} {'ttft ms':>8}  same output"
@@ -94,7 +100,7 @@ def main(file: str | None = None, *, max_tokens: int = 16) -> int:
     all_same = True
     hits = 0
     for r, (requests, ref_round, got_round) in enumerate(
-        zip(named_rounds, reference.rounds, composed.rounds, strict=True)
+        zip(named_rounds, reference, composed, strict=True)
     ):
         for (name, _), ref, got in zip(requests, ref_round, got_round, strict=True):
             info = (got.kv_transfer_params or {}).get("kv_composer") or {}
