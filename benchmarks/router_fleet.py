@@ -86,6 +86,8 @@ def main() -> int:
             trace_block_tokens=512 // SCALE,
             vllm_cache_blocks=VLLM_BLOCKS,
             groups=shape.groups,
+            concurrency=1,
+            max_output_tokens=OUTPUT,
         )
         for policy in POLICIES
     }

@@ -244,8 +244,33 @@ def _add_simulate_size_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--router", action="append", metavar="POLICY",
-        help="with --fleet: round_robin, consistent_hash, cache_aware, kv_aware-vllm or "
-        "kv_aware-tiers, modelled on vllm-router (repeat for several; default: all five)",
+        help="with --fleet: round_robin, random, consistent_hash, power_of_two, "
+        "sticky_least_loaded, cache_aware, kv_aware-vllm or kv_aware-tiers, modelled on "
+        "vllm-router's policies, their load terms included (repeat for several; default: all)",
+    )
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--concurrency", type=int, metavar="N",
+        help="with --fleet: N requests in flight, each sent when one ends, in trace order (as "
+        "kvc bench --concurrency; default: at the trace's timestamps)",
+    )
+    group.add_argument(
+        "--speedup", type=float, default=1.0,
+        help="with --fleet: arrivals at the trace's timestamps divided by this (default 1)",
+    )
+    p.add_argument(
+        "--max-output-tokens", type=int, metavar="N",
+        help="with --fleet: cap every request's output (as kvc bench does)",
+    )
+    p.add_argument(
+        "--cost", metavar="NAME=SECONDS,...",
+        help="with --fleet: the engine's cost model over the calibrated one (request_s, "
+        "prefill_token_s, load_token_s, decode_token_s, speedup_4, speedup_8; see "
+        "docs/simulate.md)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0,
+        help="with --fleet: the random and power_of_two policies' draws (default 0)",
     )
 
 

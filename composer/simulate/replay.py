@@ -109,6 +109,22 @@ class Result:
         }
 
 
+@dataclass
+class Started:
+    """A request an engine has looked up and loaded, not yet stored (:meth:`_Replay.start`)."""
+
+    prompt: int
+    keys: list[bytes]
+    #: (node model, first unit, units) per range it loaded.
+    plan: list[tuple[TierModel, int, int]]
+    #: Prompt tokens vLLM's own prefix cache served.
+    vllm_tokens: int
+    #: Prompt tokens served in all (vLLM's cache and the nodes).
+    tokens_served: int
+    #: What the tier models were told of it (told again when it is stored).
+    arrival: SimRequest
+
+
 def _label(node: ResolvedNode) -> str:
     if node.plugin.name == "vllm":
         return f"vllm ({getattr(node.config, 'connector', '?')})"
@@ -278,15 +294,24 @@ class _Replay:
         return start, more
 
     def request(self, req: TraceRequest) -> None:
-        prompt, keys, limit = self.units(req)
-        unit = self.unit
+        self.finish(self.start(*self.units(req), req))
+
+    def start(
+        self, prompt: int, keys: list[bytes], limit: int, req: TraceRequest,
+        now_s: float | None = None,
+    ) -> Started:
+        """A request's lookups and loads (what it finds when the engine schedules it, at
+        ``now_s``: its trace time by default); :meth:`finish` stores it. Between the two
+        other requests may run (a fleet's engine serves several at once)."""
         self.prompt_total += prompt
-        arrival = SimRequest(req.tenant, req.retention, req.timestamp_ms / 1000.0)
+        when = req.timestamp_ms / 1000.0 if now_s is None else now_s
+        arrival = SimRequest(req.tenant, req.retention, when)
         for model in self.models.values():
             model.arrive(arrival)
         start = self._vllm_hit(keys, limit)
         plan = self._load(keys, start, limit)
         served = start + sum(hit for _, _, hit in plan)
+        unit = self.unit
         self.served_total += served * unit
         tenant = self.tenants.get(req.tenant)
         if tenant is None:
@@ -294,11 +319,19 @@ class _Replay:
         tenant.requests += 1
         tenant.prompt_tokens += prompt
         tenant.tokens_served += served * unit
+        return Started(prompt, keys, plan, start * unit, served * unit, arrival)
+
+    def finish(self, started: Started) -> None:
+        """The request's blocks stored: into vLLM's own cache and every ``save_to`` node
+        (each model told again whose they are: others may have arrived since)."""
+        keys, plan = started.keys, started.plan
         if self.vllm_blocks:
             self.vllm.finish(keys)
+        served = started.tokens_served // self.unit
         for model, res in self.save_nodes:
+            model.arrive(started.arrival)
             loaded = [(s, s + hit) for m, s, hit in plan if m is not model]
-            res.blocks_saved += model.save(keys, prompt, served, loaded) * self.group
+            res.blocks_saved += model.save(keys, started.prompt, served, loaded) * self.group
 
     def _vllm_hit(self, keys: Sequence[bytes], limit: int) -> int:
         """Leading units vLLM's own prefix cache serves."""

@@ -1,10 +1,13 @@
-"""``kvc simulate``'s output: the per-node table, the sweep table and the sweep's plot."""
+"""``kvc simulate``'s output: the per-node table, the sweep tables and the sweeps' plots
+(a fleet's own table is :func:`composer.simulate.fleet.format_fleet`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from composer.simulate.fleet import PERCENTILES, FleetResult
 from composer.simulate.replay import NodeResult, Result
 from composer.simulate.tiers import VLLM_CACHE_ID, SimulateError
 
@@ -134,15 +137,7 @@ def plot_sweep(
     path: Path, field_name: str, values: Sequence[str], results: Sequence[Result]
 ) -> None:
     """Hit rate (fraction of prompt tokens served) against the swept value, per node."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise SimulateError(
-            f"--sweep's plot needs matplotlib ({exc}); install 'kv-composer[plot]'"
-        ) from None
+    plt = _pyplot()
     ids = [n.id for n in results[0].nodes if n.modelled and n.lookup]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = list(range(len(values)))
@@ -158,6 +153,24 @@ def plot_sweep(
     ax.set_title(f"kvc simulate: {results[0].trace} ({results[0].requests:,} requests)")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    _save(plt, fig, path)
+
+
+def _pyplot() -> Any:
+    try:
+        # Deferred: matplotlib is optional and heavy; only a sweep's plot needs it.
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SimulateError(
+            f"--sweep's plot needs matplotlib ({exc}); install 'kv-composer[plot]'"
+        ) from None
+    return plt
+
+
+def _save(plt: Any, fig: Any, path: Path) -> None:
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=100)
@@ -165,3 +178,59 @@ def plot_sweep(
         raise SimulateError(f"cannot write {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
+
+
+def _grid(
+    field_name: str, values: Sequence[str], routers: Sequence[str], results: Sequence[FleetResult]
+) -> list[list[FleetResult]]:
+    """A fleet sweep's results by value, then router (as
+    :func:`~composer.simulate.sweep.fleet_runs` orders them)."""
+    n = len(routers)
+    return [list(results[i * n:(i + 1) * n]) for i in range(len(values))]
+
+
+def format_fleet_sweep(
+    field_name: str, values: Sequence[str], routers: Sequence[str], results: Sequence[FleetResult]
+) -> str:
+    """Per value and router: the fraction served, the imbalance, TTFT percentiles."""
+    header = (field_name, "router", "served", "imbalance", *(f"TTFT p{p} ms" for p in PERCENTILES))
+    rows: list[tuple[str, ...]] = []
+    for value, row in zip(values, _grid(field_name, values, routers, results), strict=True):
+        for r in row:
+            rows.append((
+                value, r.router, f"{100 * r.fraction_served:.1f}%",
+                "-" if r.imbalance is None else f"{r.imbalance:.2f}",
+                *(f"{1000 * r.ttft_s[p]:,.0f}" if p in r.ttft_s else "-" for p in PERCENTILES),
+            ))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    first = results[0]
+    lines = [f"fleet sweep: {first.requests:,} requests, arrivals: {first.arrivals}"]
+    for cells in [header, *rows]:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def plot_fleet_sweep(
+    path: Path, field_name: str, values: Sequence[str], routers: Sequence[str],
+    results: Sequence[FleetResult], trace: str,
+) -> None:
+    """Fraction served and TTFT p90 against the swept value, one line per router."""
+    plt = _pyplot()
+    grid = _grid(field_name, values, routers, results)
+    fig, (served, ttft) = plt.subplots(1, 2, figsize=(11, 4.5))
+    xs = list(range(len(values)))
+    for i, router in enumerate(routers):
+        served.plot(xs, [100 * row[i].fraction_served for row in grid], marker="o", label=router)
+        ttft.plot(xs, [1000 * row[i].ttft_s.get(90, 0.0) for row in grid], marker="o",
+                  label=router)
+    for ax, label in ((served, "prompt tokens served (%)"), (ttft, "TTFT p90 (ms)")):
+        ax.set_xticks(xs, list(values))
+        ax.set_xlabel(field_name)
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    served.set_ylim(0, 100)
+    ttft.set_yscale("log")
+    served.legend(fontsize="small")
+    fig.suptitle(f"kvc simulate --fleet: {trace} ({results[0].requests:,} requests, "
+                 f"{results[0].arrivals})")
+    _save(plt, fig, path)

@@ -188,6 +188,8 @@ def test_the_simulator_predicts_the_served_fraction(
         trace_block_tokens=32,
         vllm_cache_blocks=VLLM_BLOCKS,
         groups=shape.groups,
+        concurrency=1,
+        max_output_tokens=OUTPUT,
     )
     measured = result.fraction(result.prefix_cache_tokens + result.connector_tokens)
     figures(
