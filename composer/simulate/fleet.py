@@ -40,6 +40,8 @@ __all__ = [
     "ROUTERS", "EngineStats", "FleetResult", "format_fleet", "simulate_fleet", "simulate_many"
 ]
 
+#: A request's prompt tokens, its units' keys, and how many may be served.
+Units = tuple[int, list[bytes], int]
 #: Work left below this many seconds is done (float sums of shares).
 _EPS = 1e-12
 PERCENTILES = (50, 90, 99)
@@ -184,13 +186,16 @@ def simulate_fleet(
     cost: CostModel = CALIBRATED,
     seed: int = 0,
     overrides: dict[str, Any] | None = None,
+    units: Sequence[Units] | None = None,
 ) -> FleetResult:
     """Replay ``trace`` through ``engines`` copies of ``pipeline`` behind ``router``.
 
     Blocks move in units as :func:`composer.simulate.simulate` moves them (a
     whole trace block where the block size divides it, unless ``exact``).
     ``max_output_tokens`` caps each request's output (as ``kvc bench
-    --max-output-tokens``). ``seed``: the random policies' draws."""
+    --max-output-tokens``). ``seed``: the random policies' draws. ``units``: each
+    request's :meth:`~composer.simulate.replay._Replay.units`, when already made
+    (:func:`simulate_many` makes them once for all its runs)."""
     _check_options(bytes_per_block, block_size, trace_block_tokens, vllm_cache_blocks)
     if engines < 1:
         raise SimulateError(f"--fleet must be >= 1, got {engines}")
@@ -209,8 +214,12 @@ def simulate_fleet(
                 kv_groups)
         for _ in range(engines)
     ]
+    if units is None:
+        units = [replays[0].units(r) for r in trace]
+    elif len(units) != len(trace):
+        raise ValueError("units: one per request of the trace")
     run = _Run(replays, router, keymaker, cost, seed, max_output_tokens)
-    run.replay(trace, concurrency, speedup)
+    run.replay(trace, units, concurrency, speedup)
     return run.result(router, len(trace), concurrency, speedup)
 
 
@@ -241,7 +250,8 @@ class _Run:
         heapq.heappush(self.events, (when, kind, self.order, what, version))
 
     def replay(
-        self, trace: Sequence[TraceRequest], concurrency: int | None, speedup: float
+        self, trace: Sequence[TraceRequest], units: Sequence[Units], concurrency: int | None,
+        speedup: float,
     ) -> None:
         if concurrency is not None:
             sent = min(concurrency, len(trace))
@@ -257,7 +267,7 @@ class _Run:
         while events:
             now, kind, _, what, version = heapq.heappop(events)
             if kind == 1:
-                self._arrive(now, what, trace[what])
+                self._arrive(now, what, trace[what], units[what])
                 continue
             engine = engines[what]
             if version != engine.version:
@@ -271,9 +281,9 @@ class _Run:
                         sent += 1
         self.end = max((e.last for e in engines), default=0.0)
 
-    def _arrive(self, now: float, index: int, req: TraceRequest) -> None:
+    def _arrive(self, now: float, index: int, req: TraceRequest, units: Units) -> None:
         replays, view = self.replays, self.view
-        prompt, keys, limit = replays[0].units(req)
+        prompt, keys, limit = units
         e = self.choose(view, req, keys, limit, now)
         self.counts[e] += 1
         view.load[e] += 1
@@ -440,23 +450,63 @@ def simulate_many(
     """:func:`simulate_fleet` once per item of ``runs`` (its arguments over ``common``; a
     ``pipeline`` item replaces the pipeline), in order, side by side on the machine's
     cores where there are several (forked processes; one run each, no state shared)."""
+    # The trace's keys, made once: every run of one unit size replays the same keys
+    # (each run's engines are its own; a key names a prefix, not where it is held).
+    made: dict[tuple[int, int], list[Units]] = {}
+    keyed = [{**run, "units": _units_for(pipeline, trace, {**common, **run}, made)}
+             for run in runs]
     workers = min(len(runs), os.cpu_count() or 1)
     if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return [_one(pipeline, trace, {**common, **run}) for run in runs]
-    _SHARED.update(pipeline=pipeline, trace=trace, common=common)
+        return [_one(pipeline, trace, made, {**common, **run}) for run in keyed]
+    _SHARED.update(pipeline=pipeline, trace=trace, common=common, made=made)
     try:
         context = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            return list(pool.map(_shared_run, runs))
+            # Only the run's own arguments cross the pipe: the trace and its keys are
+            # the fork's copy of the parent's.
+            return list(pool.map(_shared_run, keyed))
     finally:
         _SHARED.clear()
 
 
 def _shared_run(run: dict[str, Any]) -> FleetResult:
-    return _one(_SHARED["pipeline"], _SHARED["trace"], {**_SHARED["common"], **run})
+    return _one(_SHARED["pipeline"], _SHARED["trace"], _SHARED["made"],
+                {**_SHARED["common"], **run})
 
 
 def _one(
-    pipeline: ResolvedPipeline, trace: Sequence[TraceRequest], kwargs: dict[str, Any]
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    made: dict[tuple[int, int], list[Units]],
+    kwargs: dict[str, Any],
 ) -> FleetResult:
+    key = kwargs.pop("units")
+    kwargs["units"] = made[key] if key is not None else None
     return simulate_fleet(kwargs.pop("pipeline", pipeline), trace, **kwargs)
+
+
+def _units_for(
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    kwargs: dict[str, Any],
+    made: dict[tuple[int, int], list[Units]],
+) -> tuple[int, int] | None:
+    """The key in ``made`` of the trace's units for a run's block sizes (made once for the
+    runs of the same ones), or None where its options are bad (its own run says why)."""
+    bytes_per_block = kwargs.get("bytes_per_block", 0)
+    groups = tuple(kwargs.get("groups") or (SimKVGroup("attention", bytes_per_block),))
+    block_size = kwargs.get("block_size", 32)
+    tbt = kwargs.get("trace_block_tokens", MOONCAKE_BLOCK_TOKENS)
+    try:
+        _check_options(bytes_per_block, block_size, tbt, 0)
+    except SimulateError:
+        return None
+    unit = _unit(groups, block_size, tbt, kwargs.get("exact", False), [])
+    if (unit * block_size, tbt) not in made:
+        keymaker = KeyMaker(block_size * unit, tbt)
+        # (A replay of the run's sizes: its tiers' slots are allocated, not used.)
+        probe = _Replay(
+            kwargs.get("pipeline", pipeline), {}, keymaker, unit, bytes_per_block, 0, groups
+        )
+        made[unit * block_size, tbt] = [probe.units(r) for r in trace]
+    return unit * block_size, tbt
