@@ -15,9 +15,10 @@ from composer import load_pipeline
 from composer.cli import main
 from composer.simulate import SimKVGroup, SimulateError
 from composer.simulate.cost import CALIBRATED, CostModel, parse_cost
-from composer.simulate.fleet import simulate_fleet, simulate_many
+from composer.simulate.fleet import simulate_fleet
 from composer.simulate.replay import _Replay
 from composer.simulate.routers import ROUTERS, FleetView, make_router, session
+from composer.simulate.sweep import simulate_many
 from composer.trace import (
     KeyMaker,
     TraceRequest,

@@ -107,10 +107,9 @@ def _simulate_fleet(
     kwargs: dict[str, Any],
 ) -> str:
     from composer.simulate.cost import CALIBRATED, parse_cost
-    from composer.simulate.fleet import format_fleet, simulate_many
-    from composer.simulate.report import format_fleet_sweep, plot_fleet_sweep
+    from composer.simulate.report import format_fleet, format_fleet_sweep, plot_fleet_sweep
     from composer.simulate.routers import ROUTERS, check_router
-    from composer.simulate.sweep import fleet_runs, parse_sweep
+    from composer.simulate.sweep import fleet_runs, parse_sweep, simulate_many
 
     routers = args.router or list(ROUTERS)
     for router in routers:
@@ -170,6 +169,30 @@ def _simulate_sweep(
         return dump({"sweep": name, "values": values, "plot": str(png),
                      "results": [r.as_dict() for r in results]})
     return format_sweep(name, values, results)
+
+
+def cmd_trace_generate(args: argparse.Namespace) -> int:
+    from composer.simulate import SimulateError
+    from composer.simulate.generate import generate, shape_from
+    from composer.trace import write_trace
+
+    try:
+        shape = shape_from(vars(args))
+    except SimulateError as exc:
+        raise CommandError(str(exc)) from None
+    requests = generate(shape)
+    try:
+        write_trace(args.output, requests)
+    except OSError as exc:
+        raise CommandError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    tenants = len({r.tenant for r in requests})
+    print(
+        f"wrote {args.output}: {len(requests):,} requests, {tenants} tenants, "
+        f"{sum(r.input_length for r in requests):,} prompt tokens over "
+        f"{requests[-1].timestamp_ms / 1000:,.0f} s (seed {shape.seed})",
+        file=sys.stderr,
+    )
+    return EXIT_OK
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

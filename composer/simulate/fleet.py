@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import heapq
 import math
-import multiprocessing
-import os
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,12 +30,10 @@ from composer.pipeline import ResolvedPipeline
 from composer.simulate.cost import CALIBRATED, CostModel
 from composer.simulate.replay import Started, _check_options, _Replay, _unit
 from composer.simulate.routers import ROUTERS, FleetView, check_router, make_router
-from composer.simulate.tiers import VLLM_CACHE_ID, SimKVGroup, SimulateError
+from composer.simulate.tiers import SimKVGroup, SimulateError
 from composer.trace import MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
 
-__all__ = [
-    "ROUTERS", "EngineStats", "FleetResult", "format_fleet", "simulate_fleet", "simulate_many"
-]
+__all__ = ["ROUTERS", "EngineStats", "FleetResult", "simulate_fleet"]
 
 #: A request's prompt tokens, its units' keys, and how many may be served.
 Units = tuple[int, list[bytes], int]
@@ -195,7 +190,8 @@ def simulate_fleet(
     ``max_output_tokens`` caps each request's output (as ``kvc bench
     --max-output-tokens``). ``seed``: the random policies' draws. ``units``: each
     request's :meth:`~composer.simulate.replay._Replay.units`, when already made
-    (:func:`simulate_many` makes them once for all its runs)."""
+    (:func:`composer.simulate.sweep.simulate_many` makes them once for all its
+    runs)."""
     _check_options(bytes_per_block, block_size, trace_block_tokens, vllm_cache_blocks)
     if engines < 1:
         raise SimulateError(f"--fleet must be >= 1, got {engines}")
@@ -380,133 +376,3 @@ def _percentiles(values: list[float]) -> dict[int, float]:
     ordered = sorted(values)
     n = len(ordered)
     return {p: ordered[min(n - 1, max(0, math.ceil(p / 100 * n) - 1))] for p in PERCENTILES}
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{1000 * seconds:,.0f}"
-
-
-def format_fleet(results: Sequence[FleetResult]) -> str:
-    """One row per router: requests by engine, imbalance, what served the prompts, TTFT;
-    then each engine's queueing (up to 8 engines; --json has every engine)."""
-    nodes = sorted({n for r in results for n in r.tokens_served}, key=lambda n: n != VLLM_CACHE_ID)
-    header = [
-        "router", "requests by engine (busiest first)", "imbalance", *nodes, "total served",
-        *(f"TTFT p{p} ms" for p in PERCENTILES), "in flight (mean, busiest)",
-    ]
-    rows = [header]
-    for r in results:
-        imbalance = "-" if r.imbalance is None else f"{r.imbalance:.2f}"
-        busiest = max(r.per_engine, key=lambda e: e.mean_in_flight, default=None)
-        by_engine = r.engine_requests
-        shown = "/".join(map(str, by_engine)) if len(by_engine) <= 16 else (
-            f"{by_engine[0]}/{by_engine[1]}/.../{by_engine[-1]} ({len(by_engine)} engines)"
-        )
-        rows.append(
-            [
-                r.router,
-                shown,
-                imbalance,
-                *(f"{100 * r.fraction(n):.1f}%" for n in nodes),
-                f"{100 * r.fraction_served:.1f}%",
-                *(_ms(r.ttft_s.get(p)) for p in PERCENTILES),
-                "-" if busiest is None else f"{busiest.mean_in_flight:.2f}",
-            ]
-        )
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    first = results[0] if results else None
-    lines = [
-        f"{first.engines} engines, {first.requests:,} requests, {first.prompt_tokens:,} prompt "
-        f"tokens, arrivals: {first.arrivals} (vLLM's prefix cache is the <vllm> column)"
-        if first
-        else ""
-    ]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-              for row in rows]
-    for r in results:
-        if len(r.per_engine) > 8:
-            continue
-        lines.append(f"\n{r.router}, per engine: requests, served, mean/max in flight, mean wait")
-        for i, e in enumerate(r.per_engine):
-            lines.append(
-                f"  engine {i}: {e.requests:,} requests, {100 * e.fraction_served:.1f}% served, "
-                f"{e.mean_in_flight:.2f}/{e.max_in_flight} in flight, "
-                f"wait {_ms(e.mean_wait_s)} ms"
-            )
-    return "\n".join(lines)
-
-
-#: What :func:`simulate_many`'s forked workers share with their parent (set just before
-#: the fork: a child reads the parent's trace and pipeline without a copy through a pipe).
-_SHARED: dict[str, Any] = {}
-
-
-def simulate_many(
-    pipeline: ResolvedPipeline,
-    trace: Sequence[TraceRequest],
-    runs: Sequence[dict[str, Any]],
-    **common: Any,
-) -> list[FleetResult]:
-    """:func:`simulate_fleet` once per item of ``runs`` (its arguments over ``common``; a
-    ``pipeline`` item replaces the pipeline), in order, side by side on the machine's
-    cores where there are several (forked processes; one run each, no state shared)."""
-    # The trace's keys, made once: every run of one unit size replays the same keys
-    # (each run's engines are its own; a key names a prefix, not where it is held).
-    made: dict[tuple[int, int], list[Units]] = {}
-    keyed = [{**run, "units": _units_for(pipeline, trace, {**common, **run}, made)}
-             for run in runs]
-    workers = min(len(runs), os.cpu_count() or 1)
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return [_one(pipeline, trace, made, {**common, **run}) for run in keyed]
-    _SHARED.update(pipeline=pipeline, trace=trace, common=common, made=made)
-    try:
-        context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            # Only the run's own arguments cross the pipe: the trace and its keys are
-            # the fork's copy of the parent's.
-            return list(pool.map(_shared_run, keyed))
-    finally:
-        _SHARED.clear()
-
-
-def _shared_run(run: dict[str, Any]) -> FleetResult:
-    return _one(_SHARED["pipeline"], _SHARED["trace"], _SHARED["made"],
-                {**_SHARED["common"], **run})
-
-
-def _one(
-    pipeline: ResolvedPipeline,
-    trace: Sequence[TraceRequest],
-    made: dict[tuple[int, int], list[Units]],
-    kwargs: dict[str, Any],
-) -> FleetResult:
-    key = kwargs.pop("units")
-    kwargs["units"] = made[key] if key is not None else None
-    return simulate_fleet(kwargs.pop("pipeline", pipeline), trace, **kwargs)
-
-
-def _units_for(
-    pipeline: ResolvedPipeline,
-    trace: Sequence[TraceRequest],
-    kwargs: dict[str, Any],
-    made: dict[tuple[int, int], list[Units]],
-) -> tuple[int, int] | None:
-    """The key in ``made`` of the trace's units for a run's block sizes (made once for the
-    runs of the same ones), or None where its options are bad (its own run says why)."""
-    bytes_per_block = kwargs.get("bytes_per_block", 0)
-    groups = tuple(kwargs.get("groups") or (SimKVGroup("attention", bytes_per_block),))
-    block_size = kwargs.get("block_size", 32)
-    tbt = kwargs.get("trace_block_tokens", MOONCAKE_BLOCK_TOKENS)
-    try:
-        _check_options(bytes_per_block, block_size, tbt, 0)
-    except SimulateError:
-        return None
-    unit = _unit(groups, block_size, tbt, kwargs.get("exact", False), [])
-    if (unit * block_size, tbt) not in made:
-        keymaker = KeyMaker(block_size * unit, tbt)
-        # (A replay of the run's sizes: its tiers' slots are allocated, not used.)
-        probe = _Replay(
-            kwargs.get("pipeline", pipeline), {}, keymaker, unit, bytes_per_block, 0, groups
-        )
-        made[unit * block_size, tbt] = [probe.units(r) for r in trace]
-    return unit * block_size, tbt

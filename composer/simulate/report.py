@@ -234,3 +234,57 @@ def plot_fleet_sweep(
     fig.suptitle(f"kvc simulate --fleet: {trace} ({results[0].requests:,} requests, "
                  f"{results[0].arrivals})")
     _save(plt, fig, path)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:,.0f}"
+
+
+def format_fleet(results: Sequence[FleetResult]) -> str:
+    """One row per router: requests by engine, imbalance, what served the prompts, TTFT;
+    then each engine's queueing (up to 8 engines; --json has every engine)."""
+    nodes = sorted({n for r in results for n in r.tokens_served}, key=lambda n: n != VLLM_CACHE_ID)
+    header = [
+        "router", "requests by engine (busiest first)", "imbalance", *nodes, "total served",
+        *(f"TTFT p{p} ms" for p in PERCENTILES), "in flight (mean, busiest)",
+    ]
+    rows = [header]
+    for r in results:
+        imbalance = "-" if r.imbalance is None else f"{r.imbalance:.2f}"
+        busiest = max(r.per_engine, key=lambda e: e.mean_in_flight, default=None)
+        by_engine = r.engine_requests
+        shown = "/".join(map(str, by_engine)) if len(by_engine) <= 16 else (
+            f"{by_engine[0]}/{by_engine[1]}/.../{by_engine[-1]} ({len(by_engine)} engines)"
+        )
+        rows.append(
+            [
+                r.router,
+                shown,
+                imbalance,
+                *(f"{100 * r.fraction(n):.1f}%" for n in nodes),
+                f"{100 * r.fraction_served:.1f}%",
+                *(_ms(r.ttft_s.get(p)) for p in PERCENTILES),
+                "-" if busiest is None else f"{busiest.mean_in_flight:.2f}",
+            ]
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    first = results[0] if results else None
+    lines = [
+        f"{first.engines} engines, {first.requests:,} requests, {first.prompt_tokens:,} prompt "
+        f"tokens, arrivals: {first.arrivals} (vLLM's prefix cache is the <vllm> column)"
+        if first
+        else ""
+    ]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+              for row in rows]
+    for r in results:
+        if len(r.per_engine) > 8:
+            continue
+        lines.append(f"\n{r.router}, per engine: requests, served, mean/max in flight, mean wait")
+        for i, e in enumerate(r.per_engine):
+            lines.append(
+                f"  engine {i}: {e.requests:,} requests, {100 * e.fraction_served:.1f}% served, "
+                f"{e.mean_in_flight:.2f}/{e.max_in_flight} in flight, "
+                f"wait {_ms(e.mean_wait_s)} ms"
+            )
+    return "\n".join(lines)

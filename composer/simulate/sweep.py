@@ -1,18 +1,23 @@
 """``kvc simulate --sweep``: one simulation per value of a config field of every
 modelled node (:func:`composer.simulate.simulate` with ``overrides``), of the
 pipeline's ``load_policy``, or, with ``--fleet``, of the number of ``engines``
-(one fleet simulation per value and router)."""
+(one fleet simulation per value and router); and several fleet simulations side
+by side on the machine's cores (:func:`simulate_many`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any, get_args
 
 from composer.pipeline import LoadPolicy, ResolvedPipeline
-from composer.simulate.replay import Result, simulate
-from composer.simulate.tiers import SimulateError
-from composer.trace import TraceRequest
+from composer.simulate.fleet import FleetResult, Units, simulate_fleet
+from composer.simulate.replay import Result, _check_options, _Replay, _unit, simulate
+from composer.simulate.tiers import SimKVGroup, SimulateError
+from composer.trace import MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
 
 #: The fleet's own sweepable field: how many engines.
 ENGINES = "engines"
@@ -84,3 +89,79 @@ def fleet_runs(
         for point in points(pipeline, field_name, values, fleet=True)
         for router in routers
     ]
+
+
+#: What :func:`simulate_many`'s forked workers share with their parent (set just before
+#: the fork: a child reads the parent's trace and pipeline without a copy through a pipe).
+_SHARED: dict[str, Any] = {}
+
+
+def simulate_many(
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    runs: Sequence[dict[str, Any]],
+    **common: Any,
+) -> list[FleetResult]:
+    """:func:`simulate_fleet` once per item of ``runs`` (its arguments over ``common``; a
+    ``pipeline`` item replaces the pipeline), in order, side by side on the machine's
+    cores where there are several (forked processes; one run each, no state shared)."""
+    # The trace's keys, made once: every run of one unit size replays the same keys
+    # (each run's engines are its own; a key names a prefix, not where it is held).
+    made: dict[tuple[int, int], list[Units]] = {}
+    keyed = [{**run, "units": _units_for(pipeline, trace, {**common, **run}, made)}
+             for run in runs]
+    workers = min(len(runs), os.cpu_count() or 1)
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return [_one(pipeline, trace, made, {**common, **run}) for run in keyed]
+    _SHARED.update(pipeline=pipeline, trace=trace, common=common, made=made)
+    try:
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            # Only the run's own arguments cross the pipe: the trace and its keys are
+            # the fork's copy of the parent's.
+            return list(pool.map(_shared_run, keyed))
+    finally:
+        _SHARED.clear()
+
+
+def _shared_run(run: dict[str, Any]) -> FleetResult:
+    return _one(_SHARED["pipeline"], _SHARED["trace"], _SHARED["made"],
+                {**_SHARED["common"], **run})
+
+
+def _one(
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    made: dict[tuple[int, int], list[Units]],
+    kwargs: dict[str, Any],
+) -> FleetResult:
+    key = kwargs.pop("units")
+    kwargs["units"] = made[key] if key is not None else None
+    return simulate_fleet(kwargs.pop("pipeline", pipeline), trace, **kwargs)
+
+
+def _units_for(
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    kwargs: dict[str, Any],
+    made: dict[tuple[int, int], list[Units]],
+) -> tuple[int, int] | None:
+    """The key in ``made`` of the trace's units for a run's block sizes (made once for the
+    runs of the same ones), or None where its options are bad (its own run says why)."""
+    bytes_per_block = kwargs.get("bytes_per_block", 0)
+    groups = tuple(kwargs.get("groups") or (SimKVGroup("attention", bytes_per_block),))
+    block_size = kwargs.get("block_size", 32)
+    tbt = kwargs.get("trace_block_tokens", MOONCAKE_BLOCK_TOKENS)
+    try:
+        _check_options(bytes_per_block, block_size, tbt, 0)
+    except SimulateError:
+        return None
+    unit = _unit(groups, block_size, tbt, kwargs.get("exact", False), [])
+    if (unit * block_size, tbt) not in made:
+        keymaker = KeyMaker(block_size * unit, tbt)
+        # (A replay of the run's sizes: its tiers' slots are allocated, not used.)
+        probe = _Replay(
+            kwargs.get("pipeline", pipeline), {}, keymaker, unit, bytes_per_block, 0, groups
+        )
+        made[unit * block_size, tbt] = [probe.units(r) for r in trace]
+    return unit * block_size, tbt
