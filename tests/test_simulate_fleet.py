@@ -116,14 +116,15 @@ def test_with_two_in_flight_load_aware_policies_use_both_engines(router: str) ->
     assert _fleet(router, _long(6), concurrency=2)["by_engine"] == [3, 3]
 
 
-def test_kv_aware_tiers_follows_its_credit_under_load() -> None:
-    # Every request continues A: the engine whose tier holds it wins although it is
-    # the busier one; without the tiers' events the credit is invisible.
-    # A1 ends (0.129 s) long before the five arrive together.
+def test_kv_aware_tiers_follows_its_credit_until_the_pending_prefill_outweighs_it() -> None:
+    # A1 ends (0.129 s) long before five more turns of it arrive together. Engine 0's
+    # tier credits each 4 blocks x 32 tokens x 0.6 = 76.8 tokens; each computes 65
+    # there (2 blocks and a token), 193 elsewhere. Turns 1-2 go to engine 0 (pending
+    # 0, then 65 < 76.8); turn 3 finds 130 pending there: engine 1 (nothing pending);
+    # turns 4-5: engine 0 (130 - 76.8 < 193). Without the tiers' events nothing is
+    # credited: the least loaded each time (engine 0 first of equals).
     turns = [A1, *(_turn([1, 2, 3, 4, 5, 6 + i], at_ms=1000.0) for i in range(5))]
-    tiers = _fleet("kv_aware-tiers", turns, concurrency=None)
-    assert tiers["by_engine"] == [6, 0]
-    # Nothing credited: the least loaded each time (engine 0 first of equals).
+    assert _fleet("kv_aware-tiers", turns, concurrency=None)["by_engine"] == [5, 1]
     assert _fleet("kv_aware-vllm", turns, concurrency=None)["by_engine"] == [4, 2]
 
 
@@ -138,8 +139,11 @@ def _engines(vllm_blocks: int) -> list[_Replay]:
     ]
 
 
-def _choose(router: str, engines: list[_Replay], req: TraceRequest, load: list[int]) -> int:
-    view = FleetView(engines, load)
+def _choose(
+    router: str, engines: list[_Replay], req: TraceRequest, load: list[int],
+    pending: list[int] | None = None,
+) -> int:
+    view = FleetView(engines, load, pending=pending or [])
     _, keys, limit = engines[0].units(req)
     view.holders[keys[0]] = set(range(len(engines)))  # every engine is asked
     return make_router(router, len(engines))(view, req, keys, limit, 0.0)
@@ -156,14 +160,32 @@ def test_kv_aware_credits_the_engine_that_holds_the_prompt(vllm_blocks: int) -> 
     assert _choose("kv_aware-tiers", engines, B1, [3, 1]) == 1  # ... the least loaded
 
 
-def test_a_longer_held_prefix_wins_and_equal_credit_goes_to_the_less_loaded() -> None:
+def test_kv_aware_weighs_the_credit_against_the_prefill_each_engine_has_pending() -> None:
     engines = _engines(0)
     engines[0].request(_turn([1, 2]))
     engines[1].request(A1)
-    assert _choose("kv_aware-tiers", engines, A2, [0, 5]) == 1
-    engines[0].request(A1)
-    assert _choose("kv_aware-tiers", engines, A2, [2, 1]) == 1
-    assert _choose("kv_aware-tiers", engines, A2, [1, 2]) == 0
+    # A2's credit: 2 blocks x 32 tokens x 0.6 on engine 0, 4 x 32 x 0.6 on engine 1.
+    assert _choose("kv_aware-tiers", engines, A2, [0, 0]) == 1
+    assert _choose("kv_aware-tiers", engines, A2, [0, 5], pending=[0, 38]) == 1
+    assert _choose("kv_aware-tiers", engines, A2, [0, 5], pending=[0, 39]) == 0
+    engines[0].request(A1)  # equal credit: the less pending, then the first
+    assert _choose("kv_aware-tiers", engines, A2, [0, 0], pending=[10, 9]) == 1
+    assert _choose("kv_aware-tiers", engines, A2, [0, 0], pending=[9, 9]) == 0
+
+
+def test_cache_aware_keeps_a_session_where_it_went_unless_the_load_is_imbalanced() -> None:
+    engines = _engines(0)
+    view = FleetView(engines, [0, 0])
+    choose = make_router("cache_aware", 2)
+    _, keys, limit = engines[0].units(A1)
+    assert choose(view, A1, keys, limit, 0.0) == 0
+    view.load[:] = [5, 0]
+    assert choose(view, A2, keys, limit, 0.0) == 0  # its session's engine, busier or not
+    assert choose(view, B1, keys, limit, 0.0) == 1  # a new session: the least loaded
+    view.load[:] = [70, 5]  # 70 - 5 > 64 and 70 > 1.5 x 5: the shortest queue
+    assert choose(view, A2, keys, limit, 0.0) == 1
+    view.load[:] = [69, 5]
+    assert choose(view, B2, keys, limit, 0.0) == 1
 
 
 # --------------------------------------------------------------------------- #

@@ -116,7 +116,9 @@ class FleetResult:
 
 
 class _Job:
-    __slots__ = ("index", "engine", "arrival", "prefill", "decode", "alone", "started", "ttft")
+    __slots__ = (
+        "index", "engine", "arrival", "prefill", "decode", "alone", "started", "ttft", "computed"
+    )
 
     def __init__(
         self, index: int, engine: int, arrival: float, prefill: float, decode: float,
@@ -126,6 +128,7 @@ class _Job:
         self.prefill, self.decode, self.alone = prefill, decode, prefill
         self.started = started
         self.ttft = -1.0
+        self.computed = started.prompt - started.tokens_served
 
 
 class _Engine:
@@ -228,7 +231,7 @@ class _Run:
     ) -> None:
         self.replays, self.keymaker, self.cost = replays, keymaker, cost
         self.max_output = max_output_tokens
-        self.view = FleetView(replays, [0] * len(replays))
+        self.view = FleetView(replays, [0] * len(replays), pending=[0] * len(replays))
         self.choose = make_router(router, len(replays), seed)
         self.engines = [_Engine() for _ in replays]
         self.counts = [0] * len(replays)
@@ -299,6 +302,7 @@ class _Run:
             started,
         )
         engine.jobs.append(job)
+        view.pending[e] += job.computed
         engine.peak = max(engine.peak, len(engine.jobs))
         self._reschedule(now, e)
 
@@ -311,6 +315,7 @@ class _Run:
             if job.prefill <= _EPS and job.ttft < 0:
                 job.ttft = now - job.arrival
                 self.ttfts.append(job.ttft)
+                self.view.pending[e] -= job.computed  # its first token: prefill done
                 engine.wait += job.ttft - job.alone
             if job.prefill <= _EPS and job.decode <= _EPS:
                 self.replays[e].finish(job.started)

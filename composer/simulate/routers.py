@@ -15,19 +15,27 @@ its ``--help`` (the defaults below are its own), for the requests ``kvc bench
 * ``sticky_least_loaded``: a session stays on its engine; a new session goes
   to the engine with the fewest sessions (ties broken by a hash of session and
   engine), sessions expiring after ``SESSION_TTL_S`` idle;
-* ``cache_aware``: its own guess of each engine's cache is a tree of request
-  *text*, and a token-id prompt has none: a match rate of 0, never above
-  ``--cache-threshold`` (0.3), so the least loaded engine (the first of
-  equals); its load-balancing branch (``max - min > --balance-abs-threshold``
-  (64) and ``max > --balance-rel-threshold`` (1.5) ``x min``) picks the least
-  loaded too;
+* ``cache_aware``: its guess of each engine's cache is a tree of request
+  text, and a token-id prompt has none: it keys on the session header
+  instead, a session going back to the engine it went to, a new one to the
+  least loaded (the first of equals); when the load is imbalanced (``max -
+  min > --balance-abs-threshold`` (64) and ``max > --balance-rel-threshold``
+  (1.5) ``x min``) the least loaded whatever the session;
 * ``kv_aware-vllm`` / ``kv_aware-tiers``: from the engines' KV events, each
   engine's credit for the prompt's leading blocks: its vLLM prefix cache in
   full, what its nodes hold after that at ``--kv-penalty-external`` (0.6: KV
   Composer's events name their node) or not at all (``-vllm``); the engine
-  with the least prefill left (the prompt's tokens less its credit), plus, on
-  a tie or with no credit anywhere, the least loaded (``--router-temperature``
-  0: the minimum, no sampling).
+  with the least prefill work: the prompt less its credit, plus the prompt
+  tokens it has yet to compute for its requests in flight (released at their
+  first token); with no credit anywhere, the least loaded
+  (``--router-temperature`` 0: the minimum, no sampling).
+
+What was read: the router's ``--help`` (every default above) and its source
+(``cache_aware.rs``, ``power_of_two.rs``, ``sticky_least_loaded.rs``,
+``kv_aware.rs`` of a revision before 0.1.17: its least-load fallback); 0.1.17's
+``kv_aware`` names a prefill work estimate per worker, whose exact form is
+not in the source read: the pending-prefill term is this model's reading of
+it, checked against ``kvc bench --fleet`` (docs/simulate.md).
 
 The fleet's engines are :class:`composer.simulate.replay._Replay`; the router
 sees them as they are when the request arrives (KV events reach it within
@@ -60,6 +68,11 @@ ROUTERS = (
 )
 #: sticky_least_loaded's idle session expiry (vllm-router's default, 2 hours).
 SESSION_TTL_S = 7200.0
+#: cache_aware's load balancing: on when the busiest engine has more than this many
+#: requests over the idlest (``--balance-abs-threshold``) and more than this many
+#: times its load (``--balance-rel-threshold``).
+BALANCE_ABS_THRESHOLD = 64
+BALANCE_REL_THRESHOLD = 1.5
 
 
 def session(req: TraceRequest) -> str:
@@ -82,6 +95,11 @@ class FleetView:
     #: First key of a prompt -> engines that ever stored a prompt starting with it
     #: (only they can credit any of it: the rest are not asked).
     holders: dict[bytes, set[int]] = field(default_factory=dict)
+    #: Prompt tokens each engine has yet to compute for its requests in flight.
+    pending: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.pending = self.pending or [0] * len(self.load)
 
 
 #: ``choose(view, req, keys, limit, now_s)`` -> engine index.
@@ -108,7 +126,7 @@ def make_router(name: str, engines: int, seed: int = 0) -> Choose:
     if name == "sticky_least_loaded":
         return _sticky(engines)
     if name == "cache_aware":
-        return lambda view, req, keys, limit, now: least_loaded(view.load)
+        return _cache_aware()
     return _kv_aware(TIER_CREDIT[name])
 
 
@@ -152,20 +170,45 @@ def _sticky(engines: int) -> Choose:
     return choose
 
 
-def _kv_aware(credit: float) -> Choose:
+def _cache_aware() -> Choose:
+    sessions: dict[str, int] = {}
+
     def choose(
         view: FleetView, req: TraceRequest, keys: Sequence[bytes], limit: int, now: float
     ) -> int:
         load = view.load
-        candidates = view.holders.get(keys[0]) if keys and limit else None
-        best, best_credit = -1, 0.0
-        for engine in sorted(candidates or ()):
+        low, high = min(load), max(load)
+        name = session(req)
+        if high - low > BALANCE_ABS_THRESHOLD and high > low * BALANCE_REL_THRESHOLD:
+            engine = least_loaded(load)  # imbalanced: the shortest queue, remembered
+        else:
+            engine = sessions.get(name, -1)
+            if engine < 0:
+                engine = least_loaded(load)
+        sessions[name] = engine
+        return engine
+
+    return choose
+
+
+def _kv_aware(credit: float) -> Choose:
+    def choose(
+        view: FleetView, req: TraceRequest, keys: Sequence[bytes], limit: int, now: float
+    ) -> int:
+        load, pending = view.load, view.pending
+        held = view.holders.get(keys[0]) if keys and limit else None
+        if not held:
+            return least_loaded(load)
+        unit = view.replays[0].unit
+        credits = [0.0] * len(load)
+        for engine in held:
             gpu, tier = view.replays[engine].holds(keys, limit)
-            got = gpu + credit * tier
-            # The least prefill left: the most credit; equals: the least loaded.
-            if got > best_credit or (got == best_credit and got and load[engine] < load[best]):
-                best, best_credit = engine, got
-        return best if best >= 0 else least_loaded(load)
+            credits[engine] = (gpu + credit * tier) * unit
+        if not any(credits):
+            return least_loaded(load)
+        # The least prefill work: the prompt less its credit, plus what the engine
+        # has yet to compute for its requests in flight; the first of equals.
+        return min(range(len(load)), key=lambda e: pending[e] - credits[e])
 
     return choose
 
