@@ -28,7 +28,7 @@ from typing import Any
 
 from composer.pipeline import ResolvedPipeline
 from composer.simulate.cost import CALIBRATED, CostModel
-from composer.simulate.replay import Started, _check_options, _Replay, _unit
+from composer.simulate.replay import Started, _check_options, _Replay, _unit, retentions
 from composer.simulate.routers import ROUTERS, FleetView, check_router, make_router
 from composer.simulate.tiers import SimKVGroup, SimulateError
 from composer.trace import MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
@@ -206,7 +206,10 @@ def simulate_fleet(
     if max_output_tokens is not None and max_output_tokens < 1:
         raise SimulateError(f"--max-output-tokens must be >= 1, got {max_output_tokens}")
     kv_groups = tuple(groups or (SimKVGroup("attention", bytes_per_block),))
-    unit = _unit(kv_groups, block_size, trace_block_tokens, exact, [])
+    unit = _unit(
+        kv_groups, block_size, trace_block_tokens, exact, [],
+        retentions(pipeline, overrides or {}),
+    )
     keymaker = KeyMaker(block_size * unit, trace_block_tokens)
     replays = [
         _Replay(pipeline, overrides or {}, keymaker, unit, bytes_per_block, vllm_cache_blocks,

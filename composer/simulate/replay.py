@@ -165,7 +165,10 @@ def simulate(
     _check_options(bytes_per_block, block_size, trace_block_tokens, vllm_cache_blocks)
     groups = tuple(groups or (SimKVGroup("attention", bytes_per_block),))
     notes = list(notes)
-    unit = _unit(groups, block_size, trace_block_tokens, exact, notes)
+    unit = _unit(
+        groups, block_size, trace_block_tokens, exact, notes,
+        retentions(pipeline, overrides or {}),
+    )
     keymaker = KeyMaker(block_size * unit, trace_block_tokens)
     run = _Replay(
         pipeline, overrides or {}, keymaker, unit, bytes_per_block, vllm_cache_blocks, groups
@@ -194,15 +197,38 @@ def simulate(
 
 def _unit(
     groups: Sequence[SimKVGroup], block_size: int, trace_block_tokens: int, exact: bool,
-    notes: list[str],
+    notes: list[str], retentions: Sequence[int] = (),
 ) -> int:
-    """vLLM blocks replayed as one (a whole trace block where it can be, see :func:`simulate`)."""
+    """vLLM blocks replayed as one (a whole trace block where it can be, see :func:`simulate`).
+
+    A window group's blocks move in whole trace blocks too when its window and every
+    node's ``window_retention`` (``retentions``) are whole trace blocks: the blocks a
+    hit at a trace block's end needs, and those a tier keeps, are then whole trace
+    blocks. Otherwise it keeps single blocks of one, and every block is replayed."""
     if exact or trace_block_tokens % block_size:
         return 1
-    if any(g.window for g in groups):
-        notes.append("window groups keep single blocks: every block replayed (as --exact)")
+    windows = [g.window for g in groups if g.window]
+    if windows and any(n % trace_block_tokens for n in (*windows, *retentions)):
+        notes.append(
+            f"window groups keep single blocks (a window or window_retention not a multiple "
+            f"of {trace_block_tokens} tokens): every block replayed (as --exact)"
+        )
         return 1
     return trace_block_tokens // block_size
+
+
+def retentions(pipeline: ResolvedPipeline, overrides: dict[str, Any]) -> list[int]:
+    """Every modelled node's ``window_retention`` (a sweep's value where it sets it)."""
+    out = []
+    for node in pipeline.nodes:
+        value = getattr(node.config, "window_retention", None)
+        if value is None or getattr(node.plugin, "simulator", None) is None:
+            continue
+        try:
+            out.append(int(overrides.get("window_retention", value)))
+        except (TypeError, ValueError):
+            out.append(1)  # not a number: refused where the node's model is built
+    return out
 
 
 def _check_options(

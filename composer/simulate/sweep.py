@@ -15,7 +15,14 @@ from typing import Any, get_args
 
 from composer.pipeline import LoadPolicy, ResolvedPipeline
 from composer.simulate.fleet import FleetResult, Units, simulate_fleet
-from composer.simulate.replay import Result, _check_options, _Replay, _unit, simulate
+from composer.simulate.replay import (
+    Result,
+    _check_options,
+    _Replay,
+    _unit,
+    retentions,
+    simulate,
+)
 from composer.simulate.tiers import SimKVGroup, SimulateError
 from composer.trace import MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
 
@@ -156,12 +163,14 @@ def _units_for(
         _check_options(bytes_per_block, block_size, tbt, 0)
     except SimulateError:
         return None
-    unit = _unit(groups, block_size, tbt, kwargs.get("exact", False), [])
+    run_pipeline = kwargs.get("pipeline", pipeline)
+    unit = _unit(
+        groups, block_size, tbt, kwargs.get("exact", False), [],
+        retentions(run_pipeline, kwargs.get("overrides") or {}),
+    )
     if (unit * block_size, tbt) not in made:
         keymaker = KeyMaker(block_size * unit, tbt)
         # (A replay of the run's sizes: its tiers' slots are allocated, not used.)
-        probe = _Replay(
-            kwargs.get("pipeline", pipeline), {}, keymaker, unit, bytes_per_block, 0, groups
-        )
+        probe = _Replay(run_pipeline, {}, keymaker, unit, bytes_per_block, 0, groups)
         made[unit * block_size, tbt] = [probe.units(r) for r in trace]
     return unit * block_size, tbt
