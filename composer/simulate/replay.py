@@ -204,14 +204,18 @@ def _unit(
     A window group's blocks move in whole trace blocks too when its window and every
     node's ``window_retention`` (``retentions``) are whole trace blocks: the blocks a
     hit at a trace block's end needs, and those a tier keeps, are then whole trace
-    blocks. Otherwise it keeps single blocks of one, and every block is replayed."""
+    blocks. Not with ``window_retention: 0``: a tier then keeps a window only at a
+    prompt's end, inside its last, partial trace block (measured: 3.6 % served
+    exactly, 13.4 % in units). Otherwise every block is replayed."""
     if exact or trace_block_tokens % block_size:
         return 1
     windows = [g.window for g in groups if g.window]
-    if windows and any(n % trace_block_tokens for n in (*windows, *retentions)):
+    if windows and any(
+        n <= 0 or n % trace_block_tokens for n in (*windows, *retentions)
+    ):
         notes.append(
-            f"window groups keep single blocks (a window or window_retention not a multiple "
-            f"of {trace_block_tokens} tokens): every block replayed (as --exact)"
+            f"window groups keep single blocks (a window or window_retention not a positive "
+            f"multiple of {trace_block_tokens} tokens): every block replayed (as --exact)"
         )
         return 1
     return trace_block_tokens // block_size
