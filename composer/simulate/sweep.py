@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 from composer.pipeline import LoadPolicy, ResolvedPipeline
 from composer.simulate.fleet import FleetResult, Units, simulate_fleet
@@ -26,6 +26,7 @@ from composer.simulate.replay import (
 from composer.simulate.tiers import SimKVGroup, SimulateError
 from composer.trace import MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
 
+T = TypeVar("T")
 #: The fleet's own sweepable field: how many engines.
 ENGINES = "engines"
 
@@ -82,9 +83,9 @@ def sweep(
     **kwargs: Any,
 ) -> list[Result]:
     runs = points(pipeline, field_name, values)
-    return [
-        simulate(run.pop("pipeline", pipeline), trace, **run, **kwargs) for run in runs
-    ]
+    return _side_by_side(
+        lambda run: simulate(run.pop("pipeline", pipeline), trace, **run, **kwargs), runs
+    )
 
 
 def fleet_runs(
@@ -98,9 +99,29 @@ def fleet_runs(
     ]
 
 
-#: What :func:`simulate_many`'s forked workers share with their parent (set just before
-#: the fork: a child reads the parent's trace and pipeline without a copy through a pipe).
-_SHARED: dict[str, Any] = {}
+#: The function :func:`_side_by_side`'s forked workers run (set just before the fork:
+#: a child reads the parent's trace and pipeline through it, without a copy in a pipe).
+_SHARED: dict[str, Callable[[dict[str, Any]], Any]] = {}
+
+
+def _side_by_side(run_one: Callable[[dict[str, Any]], T], runs: list[dict[str, Any]]) -> list[T]:
+    """``run_one`` of each run, in order, on the machine's cores where there are several
+    (forked processes, one run each, no state shared; only a run's own arguments and
+    its result cross a pipe)."""
+    workers = min(len(runs), os.cpu_count() or 1)
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return [run_one(run) for run in runs]
+    _SHARED["run"] = run_one
+    try:
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            return list(pool.map(_shared_run, runs))
+    finally:
+        _SHARED.clear()
+
+
+def _shared_run(run: dict[str, Any]) -> Any:
+    return _SHARED["run"](run)
 
 
 def simulate_many(
@@ -111,29 +132,13 @@ def simulate_many(
 ) -> list[FleetResult]:
     """:func:`simulate_fleet` once per item of ``runs`` (its arguments over ``common``; a
     ``pipeline`` item replaces the pipeline), in order, side by side on the machine's
-    cores where there are several (forked processes; one run each, no state shared)."""
+    cores."""
     # The trace's keys, made once: every run of one unit size replays the same keys
     # (each run's engines are its own; a key names a prefix, not where it is held).
     made: dict[tuple[int, int], list[Units]] = {}
     keyed = [{**run, "units": _units_for(pipeline, trace, {**common, **run}, made)}
              for run in runs]
-    workers = min(len(runs), os.cpu_count() or 1)
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return [_one(pipeline, trace, made, {**common, **run}) for run in keyed]
-    _SHARED.update(pipeline=pipeline, trace=trace, common=common, made=made)
-    try:
-        context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            # Only the run's own arguments cross the pipe: the trace and its keys are
-            # the fork's copy of the parent's.
-            return list(pool.map(_shared_run, keyed))
-    finally:
-        _SHARED.clear()
-
-
-def _shared_run(run: dict[str, Any]) -> FleetResult:
-    return _one(_SHARED["pipeline"], _SHARED["trace"], _SHARED["made"],
-                {**_SHARED["common"], **run})
+    return _side_by_side(lambda run: _one(pipeline, trace, made, {**common, **run}), keyed)
 
 
 def _one(
