@@ -159,16 +159,14 @@ def simulate(
     evicted together, 16x less work for Mooncake's 512 tokens in 32-token
     blocks. A tier then holds whole units only, and the full blocks of a
     prompt's partial last trace block (never a hit: unique to the request) are
-    not stored. ``exact`` replays every vLLM block, and so does a model with a
-    window group (it keeps single blocks of a unit).
+    not stored. ``exact`` replays every vLLM block, and so does a model whose window
+    groups keep single blocks of a unit (:func:`_unit`).
     """
     _check_options(bytes_per_block, block_size, trace_block_tokens, vllm_cache_blocks)
     groups = tuple(groups or (SimKVGroup("attention", bytes_per_block),))
     notes = list(notes)
-    unit = _unit(
-        groups, block_size, trace_block_tokens, exact, notes,
-        retentions(pipeline, overrides or {}),
-    )
+    kept = retentions(pipeline, overrides or {})
+    unit = _unit(groups, block_size, trace_block_tokens, exact, notes, kept)
     keymaker = KeyMaker(block_size * unit, trace_block_tokens)
     run = _Replay(
         pipeline, overrides or {}, keymaker, unit, bytes_per_block, vllm_cache_blocks, groups
