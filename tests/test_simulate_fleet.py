@@ -279,6 +279,26 @@ def test_random_policies_are_seeded(sliced: list[TraceRequest]) -> None:
         assert by_engine(router, 1) == by_engine(router, 1) != by_engine(router, 2)
 
 
+def test_each_tenant_is_counted_across_the_engines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = [A1, replace(A1, tenant="t2"), A2, replace(A2, tenant="t2")]
+    result = simulate_fleet(
+        load_pipeline(PIPELINE), trace, engines=2, router="round_robin", concurrency=1, **KW
+    )
+    assert set(result.tenants) == {"", "t2"}
+    assert sum(t.requests for t in result.tenants.values()) == 4
+    assert sum(t.prompt_tokens for t in result.tenants.values()) == result.prompt_tokens
+    # Round robin: each tenant's second turn on the engine that ran its first (0, 1, 0, 1).
+    assert all(t.tokens_served == 4 * BLOCK for t in result.tenants.values())
+    path = tmp_path / "t.jsonl"
+    write_trace(path, trace)
+    code, out, _ = _kvc(capsys, "simulate", str(PIPELINE), str(path), "--bytes-per-block",
+                        "4KiB", "--trace-block-tokens", str(BLOCK), "--fleet", "2", "--router",
+                        "round_robin")
+    assert code == 0 and "round_robin, per tenant:" in out and "t2 " in out
+
+
 def test_units_and_exact_agree(sliced: list[TraceRequest]) -> None:
     def served(exact: bool) -> float:
         return simulate_fleet(

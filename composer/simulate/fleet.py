@@ -28,7 +28,14 @@ from typing import Any
 
 from composer.pipeline import ResolvedPipeline
 from composer.simulate.cost import CALIBRATED, CostModel
-from composer.simulate.replay import Started, _check_options, _Replay, _unit, retentions
+from composer.simulate.replay import (
+    Started,
+    TenantResult,
+    _check_options,
+    _Replay,
+    _unit,
+    retentions,
+)
 from composer.simulate.routers import ROUTERS, FleetView, check_router, make_router
 from composer.simulate.tiers import SimKVGroup, SimulateError
 from composer.trace import MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
@@ -81,6 +88,8 @@ class FleetResult:
     #: How requests arrived ("4 in flight", "trace timestamps x1").
     arrivals: str = ""
     cost: CostModel = CALIBRATED
+    #: Per tenant (the trace's ``tenant``), all engines together, when the trace names any.
+    tenants: dict[str, TenantResult] = field(default_factory=dict)
 
     @property
     def fraction_served(self) -> float:
@@ -112,6 +121,10 @@ class FleetResult:
             "makespan_s": self.makespan_s,
             "per_engine": [e.as_dict() for e in self.per_engine],
             "cost": self.cost.as_dict(),
+            "tenants": {
+                name: {**vars(t), "fraction_served": t.fraction_served}
+                for name, t in self.tenants.items()
+            },
         }
 
 
@@ -357,6 +370,13 @@ class _Run:
                     mean_wait_s=engine.wait / count if count else 0.0,
                 )
             )
+        tenants: dict[str, TenantResult] = {}
+        for replay in self.replays:
+            for name, t in replay.tenants.items():
+                total = tenants.setdefault(name, TenantResult())
+                total.requests += t.requests
+                total.prompt_tokens += t.prompt_tokens
+                total.tokens_served += t.tokens_served
         arrivals = (
             f"{concurrency} in flight" if concurrency is not None
             else f"trace timestamps{f' / {speedup:g}' if speedup != 1 else ''}"
@@ -374,6 +394,7 @@ class _Run:
             span,
             arrivals,
             self.cost,
+            tenants if any(tenants) else {},
         )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from composer.simulate.fleet import PERCENTILES, FleetResult
-from composer.simulate.replay import NodeResult, Result
+from composer.simulate.replay import NodeResult, Result, TenantResult
 from composer.simulate.tiers import VLLM_CACHE_ID, SimulateError
 
 
@@ -51,7 +51,7 @@ def format_result(result: Result) -> str:
         f"computed {result.prefill_tokens_computed:,}",
     ]
     if result.tenants:
-        lines += ["", *_tenant_table(result)]
+        lines += ["", *_tenant_table(result.tenants)]
     for n in result.nodes:
         if n.window_saving is not None:
             lines.append(
@@ -69,11 +69,11 @@ def format_result(result: Result) -> str:
     return "\n".join(lines)
 
 
-def _tenant_table(result: Result) -> list[str]:
+def _tenant_table(tenants: dict[str, TenantResult]) -> list[str]:
     """One row per tenant (the trace's ``tenant``, "" shown as -): what was served of
     its prompts, by vLLM's prefix cache and every node together."""
     rows = [("tenant", "requests", "prompt tokens", "tokens served", "served")]
-    for name, t in sorted(result.tenants.items()):
+    for name, t in sorted(tenants.items()):
         rows.append((
             name or "-", f"{t.requests:,}", f"{t.prompt_tokens:,}", f"{t.tokens_served:,}",
             f"{100 * t.fraction_served:.1f}%",
@@ -278,6 +278,8 @@ def format_fleet(results: Sequence[FleetResult]) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]
     for r in results:
+        if 0 < len(r.tenants) <= 8:  # more: --json has them
+            lines += ["", f"{r.router}, per tenant:", *_tenant_table(r.tenants)]
         if len(r.per_engine) > 8:
             continue
         lines.append(f"\n{r.router}, per engine: requests, served, mean/max in flight, mean wait")
