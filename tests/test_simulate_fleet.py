@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from composer import load_pipeline
+from composer.bench.fleet import POLICIES
 from composer.cli import main
 from composer.simulate import SimKVGroup, SimulateError
 from composer.simulate.cost import CALIBRATED, CostModel, parse_cost
@@ -328,6 +329,10 @@ def test_units_and_exact_agree(sliced: list[TraceRequest]) -> None:
 def test_bad_options_are_refused(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(SimulateError, match=message):
         simulate_fleet(load_pipeline(PIPELINE), TRACE, **kwargs, **KW)
+
+
+def test_every_policy_kvc_bench_measures_is_modelled() -> None:
+    assert set(POLICIES) <= set(ROUTERS)
 
 
 def test_cost_names_each_coefficient() -> None:

@@ -56,7 +56,8 @@ from composer.trace import TraceRequest, conversation
 #: The router's credit for a block a node holds (vllm-router 0.1.17's default
 #: ``--kv-penalty-external``), per kv_aware variant; vLLM's prefix cache is credited in full.
 TIER_CREDIT = {"kv_aware-vllm": 0.0, "kv_aware-tiers": 0.6}
-#: Every policy modelled (``kvc bench --fleet`` runs the five of :data:`BENCH_ROUTERS`).
+#: Every policy modelled (``kvc bench --fleet`` measures five of them:
+#: :data:`composer.bench.fleet.POLICIES`).
 ROUTERS = (
     "round_robin",
     "random",
