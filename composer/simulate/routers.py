@@ -27,15 +27,19 @@ its ``--help`` (the defaults below are its own), for the requests ``kvc bench
   Composer's events name their node) or not at all (``-vllm``); the engine
   with the least prefill work: the prompt less its credit, plus the prompt
   tokens it has yet to compute for its requests in flight (released at their
-  first token); with no credit anywhere, the least loaded
-  (``--router-temperature`` 0: the minimum, no sampling).
+  first token), the first of equals (``--router-temperature`` 0: the minimum,
+  no sampling), also with nothing credited anywhere.
 
-What was read: the router's ``--help`` (every default above) and its source
-(``cache_aware.rs``, ``power_of_two.rs``, ``sticky_least_loaded.rs``,
-``kv_aware.rs`` of a revision before 0.1.17: its least-load fallback); 0.1.17's
-``kv_aware`` names a prefill work estimate per worker, whose exact form is
-not in the source read: the pending-prefill term is this model's reading of
-it, checked against ``kvc bench --fleet`` (docs/simulate.md).
+What was read: the router's ``--help`` (every default above), its source
+(``cache_aware.rs``, ``power_of_two.rs``, ``sticky_least_loaded.rs``, and a
+``kv_aware.rs`` older than 0.1.17, which fell back to the least loaded with
+nothing credited), and 0.1.17's debug log (``--log-level debug``) of a
+``kvc bench --fleet 2`` run: every ``kv_aware`` decision is a ``prefix_cost``
+one, naming the request's ``new_prefill_tokens`` and ``credited_prefix_tokens``,
+with nothing credited too, and the binary names a per-worker prefill work
+estimate. The pending-prefill term is this model's reading of that estimate
+(its exact form is not in what was read), checked against ``kvc bench
+--fleet`` (docs/simulate.md).
 
 The fleet's engines are :class:`composer.simulate.replay._Replay`; the router
 sees them as they are when the request arrives (KV events reach it within
@@ -196,20 +200,15 @@ def _kv_aware(credit: float) -> Choose:
     def choose(
         view: FleetView, req: TraceRequest, keys: Sequence[bytes], limit: int, now: float
     ) -> int:
-        load, pending = view.load, view.pending
-        held = view.holders.get(keys[0]) if keys and limit else None
-        if not held:
-            return least_loaded(load)
+        pending = view.pending
+        credits = [0.0] * len(pending)
         unit = view.replays[0].unit
-        credits = [0.0] * len(load)
-        for engine in held:
+        for engine in view.holders.get(keys[0], ()) if keys and limit else ():
             gpu, tier = view.replays[engine].holds(keys, limit)
             credits[engine] = (gpu + credit * tier) * unit
-        if not any(credits):
-            return least_loaded(load)
-        # The least prefill work: the prompt less its credit, plus what the engine
-        # has yet to compute for its requests in flight; the first of equals.
-        return min(range(len(load)), key=lambda e: pending[e] - credits[e])
+        # The least prefill work: the prompt less its credit (the prompt is the same
+        # everywhere), plus what the engine has yet to compute; the first of equals.
+        return min(range(len(pending)), key=lambda e: pending[e] - credits[e])
 
     return choose
 
