@@ -96,7 +96,7 @@ def runs(
     replayed = [r for i, r in enumerate(trace) if i not in set(skipped)]
     out: dict[str, Any] = {"prompts": prompts, "trace": replayed}
     # One request at a time, also to the router: its load counts settle between
-    # two (its least-loaded fallback is what kvc simulate --fleet models).
+    # two (as kvc simulate --fleet --concurrency 1 has them).
     spec = BenchSpec(
         trace=replayed,
         configs=[config],
