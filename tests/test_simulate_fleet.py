@@ -15,7 +15,7 @@ from composer import load_pipeline
 from composer.bench.fleet import POLICIES
 from composer.cli import main
 from composer.simulate import SimKVGroup, SimulateError
-from composer.simulate.cost import CALIBRATED, CostModel, parse_cost
+from composer.simulate.cost import CALIBRATED, CostModel, Sample, fit, parse_cost
 from composer.simulate.fleet import simulate_fleet
 from composer.simulate.replay import _Replay
 from composer.simulate.routers import ROUTERS, FleetView, make_router, session
@@ -344,6 +344,32 @@ def test_cost_names_each_coefficient() -> None:
     assert model.batch_speedup(100) == 3.0 and model.batch_speedup(1) == 1.0
 
 
+def test_a_fit_recovers_the_model_the_samples_came_from() -> None:
+    truth = CostModel(request_s=0.01, prefill_token_s=2e-5, load_token_s=5e-6,
+                      decode_token_s=0.002)
+    shapes = [(c, ld, o) for c in (100, 400, 900) for ld in (0, 320, 640) for o in (1, 8)]
+
+    def sample(computed: int, loaded: int, output: int) -> Sample:
+        ttft = truth.prefill_s(computed, loaded)
+        return Sample(computed, loaded, output, ttft, ttft + truth.decode_s(output))
+
+    alone = [sample(*s) for s in shapes]
+    work = sum(s.e2e_s for s in alone)
+    # The same requests at 4 in flight in half the time, at 8 in a third: twice and
+    # three times the work per second.
+    model = fit(alone, {4: (alone, work / 2), 8: (alone, work / 3)}, work)
+    for name in ("request_s", "prefill_token_s", "load_token_s", "decode_token_s"):
+        assert getattr(model, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    assert (model.speedup_4, model.speedup_8) == pytest.approx((2.0, 3.0))
+    # A term the data says is negative is dropped, the rest fitted without it.
+    # (Here loading costs -5e-6 s a token: dropped, the fixed and prefill terms kept.)
+    cheaper = [Sample(s.computed, s.loaded, s.output, s.ttft_s - 1e-5 * s.loaded, s.e2e_s)
+               for s in alone]
+    dropped = fit(cheaper, {}, work)
+    assert dropped.load_token_s == 0 and dropped.prefill_token_s > 0
+    assert (dropped.speedup_4, dropped.speedup_8) == (1.0, 1.0)
+
+
 def _kvc(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     code = main(list(args))
     out, err = capsys.readouterr()
@@ -419,6 +445,14 @@ def test_a_fleet_sweep_answers_how_many_engines(
         ["3", "kv_aware-tiers"],
     ]
     assert out_file.with_suffix(".png").stat().st_size > 0
+    code, out, err = _kvc(
+        capsys, "simulate", str(PIPELINE), str(SLICE), "--bytes-per-block", "16KiB",
+        "--trace-block-tokens", "32", "--fleet", "2", "--router", "random", "--sweep",
+        "capacity=1MiB,1GiB", "--json", "-o", str(tmp_path / "cap.json"),
+    )
+    data = json.loads((tmp_path / "cap.json").read_text())
+    assert code == 0 and data["sweep"] == "capacity" and len(data["results"]) == 2
+    assert data["results"][0]["fraction_served"] < data["results"][1]["fraction_served"]
 
 
 def test_multi_turn_keeps_the_conversations_that_come_back(tmp_path: Path) -> None:
