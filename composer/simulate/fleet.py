@@ -254,7 +254,7 @@ class _Run:
         self.ttfts: list[float] = []
         self.e2es: list[float] = []
         self.first = self.end = 0.0
-        #: (time, order, kind, what, version): kind 0 an engine's step, 1 an arrival;
+        #: (time, kind, order, what, version): kind 0 an engine's step, 1 an arrival;
         #: steps first at equal times (a request that ends frees its client and load
         #: before the next arrives).
         self.events: list[tuple[float, int, int, int, int]] = []
