@@ -11,10 +11,11 @@ come back (:func:`composer.trace.multi_turn`), the requests that fit
 requests on emptied engines, in alternating order over ``KVC_BENCH_ROUNDS``
 rounds; each request names its conversation in ``x-session-id``.
 
-Run once with one request at a time (the simulator's setting: its prediction
-is printed beside each measured fraction, with the error in percentage
-points) and once with ``KVC_BENCH_CONCURRENCY`` in flight (the router's load
-balancing at work; no prediction). Writes ``kvc-bench-fleet/``.
+Run once with one request at a time and once with ``KVC_BENCH_CONCURRENCY``
+in flight (the router's load balancing at work); after each, ``kvc simulate
+--fleet``'s prediction at the same concurrency beside what was measured: the
+served fraction (percentage points apart) and the requests per engine. Writes
+``kvc-bench-fleet/``.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from composer.bench import run as bench_run
 from composer.bench import spec as bench_spec
 from composer.bench.fleet import POLICIES
 from composer.bench.replay import make_prompts, vocab_size_of
+from composer.bench.report import RunResult
 from composer.bench.servers import Config, ServerSpec
-from composer.simulate.fleet import simulate_fleet
+from composer.simulate.fleet import FleetResult, simulate_fleet
 from composer.simulate.shape import model_shape
 from composer.testing.tiny_model import build_tiny_model
-from composer.trace import multi_turn, read_trace, write_trace
+from composer.trace import TraceRequest, multi_turn, read_trace, write_trace
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -73,22 +75,6 @@ def main() -> int:
     model = str(build_tiny_model())
     trace_path = fleet_slice(model, WORKDIR / "slice.jsonl")
     trace = read_trace(trace_path)
-    pipeline = load_pipeline(PIPELINE)
-    shape = model_shape(model, BLOCK, pipeline)
-    predicted = {
-        policy: simulate_fleet(
-            pipeline,
-            trace,
-            engines=ENGINES,
-            router=policy,
-            bytes_per_block=shape.bytes_per_block,
-            block_size=BLOCK,
-            trace_block_tokens=512 // SCALE,
-            vllm_cache_blocks=VLLM_BLOCKS,
-            groups=shape.groups,
-        )
-        for policy in POLICIES
-    }
     print(f"slice: {len(trace)} requests ({trace_path}); {ENGINES} engines; {ROUNDS} rounds")
     code = 0
     for concurrency in (1, CONCURRENCY):
@@ -114,21 +100,50 @@ def main() -> int:
         bench_report.write_report(results, spec.workdir, plot=False)
         print(f"\n### {concurrency} request(s) in flight\n")
         print(bench_report.markdown_table(results))
-        if concurrency == 1:
-            print("\nserved fraction, measured vs kvc simulate --fleet (percentage points):")
-            for result in results:
-                measured = result.fraction(result.prefix_cache_tokens + result.connector_tokens)
-                sim = predicted[result.config]
-                error = 100 * (measured - sim.fraction_served)
-                by_engine = "/".join(f"{n:.0f}" for n in result.engine_requests)
-                sim_by_engine = "/".join(f"{n * ROUNDS}" for n in sim.engine_requests)
-                print(
-                    f"  {result.config}: measured {100 * measured:.1f}%, predicted "
-                    f"{100 * sim.fraction_served:.1f}% ({error:+.1f} pp); requests by engine "
-                    f"{by_engine} (predicted {sim_by_engine})"
-                )
+        predicted = predict(model, trace, concurrency)
+        print(f"\nmeasured vs kvc simulate --fleet --concurrency {concurrency}:")
+        for result in results:
+            compare(result, predicted[result.config])
         code |= int(any(r.errors for r in results))
     return code
+
+
+def predict(model: str, trace: list[TraceRequest], concurrency: int) -> dict[str, FleetResult]:
+    """kvc simulate --fleet's prediction of every policy at ``concurrency``."""
+    pipeline = load_pipeline(PIPELINE)
+    shape = model_shape(model, BLOCK, pipeline)
+    return {
+        policy: simulate_fleet(
+            pipeline,
+            trace,
+            engines=ENGINES,
+            router=policy,
+            bytes_per_block=shape.bytes_per_block,
+            block_size=BLOCK,
+            trace_block_tokens=512 // SCALE,
+            vllm_cache_blocks=VLLM_BLOCKS,
+            groups=shape.groups,
+            concurrency=concurrency,
+            max_output_tokens=OUTPUT,
+        )
+        for policy in POLICIES
+    }
+
+
+def compare(result: RunResult, sim: FleetResult) -> None:
+    """Served fraction (percentage points apart) and requests per engine (the largest gap,
+    in points of the slice's requests), measured against predicted."""
+    measured = result.fraction(result.prefix_cache_tokens + result.connector_tokens)
+    error = 100 * (measured - sim.fraction_served)
+    total = sum(result.engine_requests) or 1
+    by_engine = "/".join(f"{n:.0f}" for n in result.engine_requests)
+    sim_by_engine = [n * ROUNDS for n in sim.engine_requests]
+    gap = max(abs(m - p) for m, p in zip(result.engine_requests, sim_by_engine, strict=True))
+    print(
+        f"  {result.config}: served {100 * measured:.1f}% (predicted "
+        f"{100 * sim.fraction_served:.1f}%, {error:+.1f} pp); requests by engine {by_engine} "
+        f"(predicted {'/'.join(map(str, sim_by_engine))}, {100 * gap / total:.1f} pts apart)"
+    )
 
 
 if __name__ == "__main__":

@@ -327,3 +327,16 @@ def test_rounds_pool_a_configurations_requests_and_counts() -> None:
     assert len(pooled.records) == 2 and pooled.wall_s == 5.0
     assert pooled.node_tokens == {"cpu": 6, "l2": 1} and pooled.preemptions == 3
     assert pooled.summary()["served"]["cpu"] == 0.3
+
+
+def test_the_tiers_hits_are_set_against_vllms_count() -> None:
+    record = [replay.Record(0, 10, 1, 0, 0.1, 0.2)]
+    counted = bench_report.RunResult(
+        "cpu", record, 1.0, prompt_tokens=100, connector_tokens=40, node_tokens={"cpu": 30}
+    )
+    assert counted.tier_over_vllm == 0.75 and counted.summary()["tier_over_vllm"] == 0.75
+    assert "(tier ÷ vLLM 0.75)" in bench_report.markdown_table([counted])
+    for none in (replace(counted, connector_tokens=0), replace(counted, node_tokens={})):
+        assert none.tier_over_vllm is None and "tier ÷ vLLM" not in bench_report.markdown_table(
+            [none]
+        )

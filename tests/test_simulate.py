@@ -714,3 +714,41 @@ def test_the_docs_sweep_example_runs(
     assert main(argv) == 0
     assert (tmp_path / "sweep.png").exists()
     assert (tmp_path / "sweep.txt").read_text().startswith("fraction of prompt tokens served")
+
+
+#: A window of whole trace blocks (a Gemma-3-like 1024 tokens) beside full attention.
+GEMMA3_LONG = {**GEMMA3, "sliding_window": 1024}
+
+
+@pytest.mark.parametrize(
+    ("window", "retention", "unit"),
+    [(1024, 512, 16), (512, 512, 16), (1024, 1024, 16), (64, 512, 1), (1024, 256, 1),
+     (1024, 0, 1)],
+)
+def test_window_groups_move_in_units_when_windows_and_retention_are_whole_trace_blocks(
+    tmp_path: Path, window: int, retention: int, unit: int
+) -> None:
+    shape = model_shape(config_file(tmp_path, {**GEMMA3, "sliding_window": window}), BS)
+    r = run(
+        pipeline(tier("cpu", "1MiB", f", window_retention: {retention}")),
+        [req(range(1, 4))],
+        bytes_per_block=shape.bytes_per_block,
+        groups=shape.groups,
+        trace_block_tokens=512,
+    )
+    assert r.unit_blocks == unit
+    assert any("every block replayed" in n for n in r.notes) == (unit == 1)
+
+
+@pytest.mark.parametrize("retention", [512, 1024])
+def test_a_window_models_units_are_close_to_exact(tmp_path: Path, retention: int) -> None:
+    trace = read_trace(CONVERSATION)
+    shape = model_shape(config_file(tmp_path, GEMMA3_LONG), BS)
+    p = pipeline(tier("cpu", "1GiB", f", window_retention: {retention}"))
+    kw: dict[str, Any] = {"bytes_per_block": shape.bytes_per_block, "groups": shape.groups}
+    grouped = run(p, trace, trace_block_tokens=512, **kw)
+    exact = run(p, trace, trace_block_tokens=512, exact=True, **kw)
+    assert grouped.unit_blocks == 16 and exact.fraction_served > 0.05
+    assert abs(grouped.fraction_served - exact.fraction_served) < 0.02
+    saving = [node(x, "cpu").window_saving for x in (grouped, exact)]
+    assert saving[0] == pytest.approx(saving[1], abs=0.02)

@@ -1,20 +1,25 @@
-"""``kvc simulate --fleet``: each router model's placement, on conversations built to
-tell the policies apart, and its command line. (The prediction against a real
-fleet behind vllm-router: tests/e2e/test_fleet_e2e.py.)"""
+"""``kvc simulate --fleet``: each router model's placement (its load terms and its cache
+credit), the time model's queueing, and the command line. (The prediction against a
+real fleet behind vllm-router: tests/e2e/test_fleet_e2e.py.)"""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from composer import load_pipeline
+from composer.bench.fleet import POLICIES
+from composer.cli import main
 from composer.simulate import SimKVGroup, SimulateError
-from composer.simulate.fleet import ROUTERS, _router, simulate_fleet
+from composer.simulate.cost import CALIBRATED, CostModel, Sample, fit, parse_cost
+from composer.simulate.fleet import simulate_fleet
 from composer.simulate.replay import _Replay
+from composer.simulate.routers import ROUTERS, FleetView, make_router, session
+from composer.simulate.sweep import simulate_many
 from composer.trace import (
     KeyMaker,
     TraceRequest,
@@ -26,19 +31,23 @@ from composer.trace import (
 
 ROOT = Path(__file__).parents[1]
 PIPELINE = ROOT / "examples/fleet-cpu-events.yaml"
+SLICE = ROOT / "tests/data/traces/mooncake-conversation_trace-500.jsonl"
 BLOCK = 32
 #: One hash id is one block (the trace scaled 512 -> 32).
-KW = {"bytes_per_block": 4096, "block_size": BLOCK, "trace_block_tokens": BLOCK}
+KW: dict[str, Any] = {"bytes_per_block": 4096, "block_size": BLOCK, "trace_block_tokens": BLOCK}
+#: Seconds: a request's work is its prefill tokens' (no fixed part, no decode, no batching
+#: gain), so each case's times can be worked out by hand.
+PLAIN = CostModel(request_s=0.0, prefill_token_s=0.001, load_token_s=0.0, decode_token_s=0.0)
 
 
 TAILS = iter(range(1000, 2000))
 
 
-def _turn(ids: list[int]) -> TraceRequest:
+def _turn(ids: list[int], at_ms: float = 0.0, tenant: str = "") -> TraceRequest:
     # In the trace's units (512 tokens a hash id, scaled to 32): one token past
     # the hash blocks (a partial block of its own id), so every block may be
     # served; one output token.
-    return TraceRequest(len(ids) * 512 + 16, 16, (*ids, next(TAILS)))
+    return TraceRequest(len(ids) * 512 + 16, 16, (*ids, next(TAILS)), at_ms, tenant)
 
 
 #: Two conversations, each turn right after the other's (turn 2 repeats turn 1 and adds).
@@ -47,34 +56,77 @@ B1, B2 = _turn([11, 12, 13, 14]), _turn([11, 12, 13, 14, 15, 16])
 TRACE = [A1, A2, B1, B2]
 
 
-def _fleet(router: str, vllm_blocks: int = 0) -> dict[str, object]:
-    result = simulate_fleet(
-        load_pipeline(PIPELINE),
-        TRACE,
-        engines=2,
-        router=router,
-        vllm_cache_blocks=vllm_blocks,
-        **KW,
-    )
+def _fleet(router: str, trace: list[TraceRequest] = TRACE, **kwargs: Any) -> dict[str, Any]:
+    options = {"concurrency": 1, "cost": PLAIN, **KW, **kwargs}
+    result = simulate_fleet(load_pipeline(PIPELINE), trace, engines=2, router=router, **options)
     return {"by_engine": result.engine_requests, "served": result.tokens_served}
+
+
+# --------------------------------------------------------------------------- #
+# one request at a time: the cache terms alone
+# --------------------------------------------------------------------------- #
 
 
 def test_round_robin_splits_each_conversation_and_its_tier_serves_nothing() -> None:
     assert _fleet("round_robin") == {"by_engine": [2, 2], "served": {"cpu": 0}}
 
 
-def test_consistent_hash_keeps_a_conversation_on_one_engine() -> None:
+@pytest.mark.parametrize("router", ["consistent_hash", "sticky_least_loaded"])
+def test_session_policies_keep_a_conversation_on_one_engine(router: str) -> None:
     # Each second turn finds its first turn's four blocks in that engine's tier.
-    result = _fleet("consistent_hash")
+    result = _fleet(router)
     assert result["served"] == {"cpu": 2 * 4 * BLOCK}
     assert conversation(A1) == conversation(A2) != conversation(B1)
 
 
 @pytest.mark.parametrize("router", ["cache_aware", "kv_aware-vllm", "kv_aware-tiers"])
-def test_with_nothing_credited_every_request_goes_to_the_first_engine(router: str) -> None:
+def test_one_at_a_time_the_least_loaded_fallback_is_the_first_engine(router: str) -> None:
     # cache_aware: token-id prompts carry no text; kv_aware: nothing cached at
     # first, and then everything is on the first engine.
     assert _fleet(router) == {"by_engine": [4, 0], "served": {"cpu": 2 * 4 * BLOCK}}
+
+
+def test_sticky_least_loaded_gives_new_sessions_the_engine_with_fewest() -> None:
+    c1 = _turn([21, 22, 23, 24])
+    result = _fleet("sticky_least_loaded", [A1, B1, c1, A2, B2])
+    # Three sessions on two engines: 2 and 1, each session's turns together.
+    assert sorted(result["by_engine"]) == [2, 3] and result["served"] == {"cpu": 2 * 4 * BLOCK}
+
+
+def test_a_tenant_is_its_own_session() -> None:
+    other = replace(A2, tenant="t2")
+    assert session(A2) != session(other) and session(A1) == session(A2)
+
+
+# --------------------------------------------------------------------------- #
+# in flight: the load terms
+# --------------------------------------------------------------------------- #
+
+
+def _long(n: int) -> list[TraceRequest]:
+    """``n`` unrelated requests of the same length."""
+    return [_turn([100 * i + 1, 100 * i + 2, 100 * i + 3]) for i in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("router", ["cache_aware", "power_of_two", "kv_aware-vllm",
+                                    "kv_aware-tiers", "round_robin", "sticky_least_loaded"])
+def test_with_two_in_flight_load_aware_policies_use_both_engines(router: str) -> None:
+    # Nothing shared: the least loaded (cache_aware, kv_aware with no credit; two
+    # engines drawn and the less loaded for power_of_two; fewest sessions) is the
+    # idle engine every time.
+    assert _fleet(router, _long(6), concurrency=2)["by_engine"] == [3, 3]
+
+
+def test_kv_aware_tiers_follows_its_credit_until_the_pending_prefill_outweighs_it() -> None:
+    # A1 ends (0.129 s) long before five more turns of it arrive together. Engine 0's
+    # tier credits each 4 blocks x 32 tokens x 0.6 = 76.8 tokens; each computes 65
+    # there (2 blocks and a token), 193 elsewhere. Turns 1-2 go to engine 0 (pending
+    # 0, then 65 < 76.8); turn 3 finds 130 pending there: engine 1 (nothing pending);
+    # turns 4-5: engine 0 (130 - 76.8 < 193). Without the tiers' events nothing is
+    # credited: the least loaded each time (engine 0 first of equals).
+    turns = [A1, *(_turn([1, 2, 3, 4, 5, 6 + i], at_ms=1000.0) for i in range(5))]
+    assert _fleet("kv_aware-tiers", turns, concurrency=None)["by_engine"] == [5, 1]
+    assert _fleet("kv_aware-vllm", turns, concurrency=None)["by_engine"] == [4, 2]
 
 
 def _engines(vllm_blocks: int) -> list[_Replay]:
@@ -88,33 +140,319 @@ def _engines(vllm_blocks: int) -> list[_Replay]:
     ]
 
 
+def _choose(
+    router: str, engines: list[_Replay], req: TraceRequest, load: list[int],
+    pending: list[int] | None = None,
+) -> int:
+    view = FleetView(engines, load, pending=pending or [])
+    _, keys, limit = engines[0].units(req)
+    view.holders[keys[0]] = set(range(len(engines)))  # every engine is asked
+    return make_router(router, len(engines))(view, req, keys, limit, 0.0)
+
+
 @pytest.mark.parametrize("vllm_blocks", [0, 64])
 def test_kv_aware_credits_the_engine_that_holds_the_prompt(vllm_blocks: int) -> None:
     engines = _engines(vllm_blocks)
     engines[1].request(A1)  # the second engine's tier (and vLLM cache, if any) holds it
-    assert _router("kv_aware-tiers", engines)(1, A2) == 1
+    assert _choose("kv_aware-tiers", engines, A2, [0, 0]) == 1
     # Crediting vLLM's cache only: the tier is invisible, its cache is not.
-    assert _router("kv_aware-vllm", engines)(1, A2) == (1 if vllm_blocks else 0)
-    assert _router("kv_aware-tiers", engines)(1, B1) == 0  # nothing held: the first
+    assert _choose("kv_aware-vllm", engines, A2, [0, 0]) == (1 if vllm_blocks else 0)
+    # Nothing held: the least prefill pending, the first of equals, whatever the load.
+    assert _choose("kv_aware-tiers", engines, B1, [3, 1]) == 0
+    assert _choose("kv_aware-tiers", engines, B1, [0, 0], pending=[40, 39]) == 1
 
 
-def test_a_longer_held_prefix_wins() -> None:
+def test_kv_aware_weighs_the_credit_against_the_prefill_each_engine_has_pending() -> None:
     engines = _engines(0)
     engines[0].request(_turn([1, 2]))
     engines[1].request(A1)
-    assert _router("kv_aware-tiers", engines)(2, A2) == 1
+    # A2's credit: 2 blocks x 32 tokens x 0.6 on engine 0, 4 x 32 x 0.6 on engine 1.
+    assert _choose("kv_aware-tiers", engines, A2, [0, 0]) == 1
+    assert _choose("kv_aware-tiers", engines, A2, [0, 5], pending=[0, 38]) == 1
+    assert _choose("kv_aware-tiers", engines, A2, [0, 5], pending=[0, 39]) == 0
+    engines[0].request(A1)  # equal credit: the less pending, then the first
+    assert _choose("kv_aware-tiers", engines, A2, [0, 0], pending=[10, 9]) == 1
+    assert _choose("kv_aware-tiers", engines, A2, [0, 0], pending=[9, 9]) == 0
+
+
+def test_cache_aware_keeps_a_session_where_it_went_unless_the_load_is_imbalanced() -> None:
+    engines = _engines(0)
+    view = FleetView(engines, [0, 0])
+    choose = make_router("cache_aware", 2)
+    _, keys, limit = engines[0].units(A1)
+    assert choose(view, A1, keys, limit, 0.0) == 0
+    view.load[:] = [5, 0]
+    assert choose(view, A2, keys, limit, 0.0) == 0  # its session's engine, busier or not
+    assert choose(view, B1, keys, limit, 0.0) == 1  # a new session: the least loaded
+    view.load[:] = [70, 5]  # 70 - 5 > 64 and 70 > 1.5 x 5: the shortest queue
+    assert choose(view, A2, keys, limit, 0.0) == 1
+    view.load[:] = [69, 5]
+    assert choose(view, B2, keys, limit, 0.0) == 1
+
+
+# --------------------------------------------------------------------------- #
+# time
+# --------------------------------------------------------------------------- #
+
+
+def _timed(trace: list[TraceRequest], cost: CostModel, **kwargs: Any) -> Any:
+    return simulate_fleet(
+        load_pipeline(PIPELINE), trace, engines=1, router="round_robin", cost=cost, **KW,
+        **kwargs,
+    )
+
+
+def test_requests_in_flight_share_the_engine() -> None:
+    # Two requests of 129 prompt tokens each (4 blocks + 1 token), 0.129 s alone.
+    alone = _timed([_turn([1, 2, 3, 4])], PLAIN)
+    assert alone.ttft_s[50] == pytest.approx(0.129)
+    together = _timed(_long(2), PLAIN, concurrency=2)
+    assert together.ttft_s[50] == pytest.approx(2 * 0.097)  # 97 tokens each, side by side
+    assert together.per_engine[0].mean_wait_s == pytest.approx(0.097)
+    assert together.per_engine[0].max_in_flight == 2
+    # Batching: twice the work per second with 2 in flight (between 1 at one, 4 at four).
+    batched = _timed(_long(2), replace(PLAIN, speedup_4=4.0, speedup_8=4.0), concurrency=2)
+    assert batched.ttft_s[50] == pytest.approx(0.097)
+
+
+def test_arrivals_follow_the_timestamps_and_the_speedup() -> None:
+    apart = [_turn([300 + i], at_ms=1000.0 * i) for i in range(3)]
+    spread = _timed(apart, PLAIN)
+    assert spread.per_engine[0].mean_wait_s == pytest.approx(0.0)
+    assert spread.makespan_s == pytest.approx(2.033)
+    packed = _timed(apart, PLAIN, speedup=1e6)  # all at once: they share the engine
+    assert packed.per_engine[0].max_in_flight == 3 and packed.per_engine[0].mean_wait_s > 0
+
+
+def test_decode_and_loads_count_after_the_first_token() -> None:
+    cost = replace(PLAIN, decode_token_s=0.5, load_token_s=0.0001, request_s=0.01)
+    result = _timed([A1, A2], cost, concurrency=1)
+    # A2: 4 blocks loaded from the tier, 2 blocks and 1 token computed, one output token.
+    assert result.ttft_s[50] == pytest.approx(0.01 + 0.001 * 65 + 0.0001 * 128)
+    assert result.ttft_s[99] == pytest.approx(0.01 + 0.001 * 129)  # A1: all computed
+    capped = _timed([_turn([7])], replace(cost, decode_token_s=1.0), max_output_tokens=1)
+    assert capped.e2e_s[50] == capped.ttft_s[50]
+
+
+# --------------------------------------------------------------------------- #
+# every policy, on a slice of the real trace
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def sliced() -> list[TraceRequest]:
+    return read_trace(SLICE, limit=200)
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("concurrency", [None, 4])
+def test_every_policy_places_every_request_once(
+    router: str, concurrency: int | None, sliced: list[TraceRequest]
+) -> None:
+    result = simulate_fleet(
+        load_pipeline(PIPELINE), sliced, engines=3, router=router, concurrency=concurrency,
+        bytes_per_block=16384, trace_block_tokens=32, vllm_cache_blocks=64,
+    )
+    assert sum(result.engine_requests) == len(sliced) == sum(e.requests for e in result.per_engine)
+    assert result.prompt_tokens == sum(e.prompt_tokens for e in result.per_engine)
+    assert sum(result.tokens_served.values()) == sum(e.tokens_served for e in result.per_engine)
+    assert 0 < result.ttft_s[50] <= result.ttft_s[90] <= result.ttft_s[99]
+    assert all(result.e2e_s[p] >= result.ttft_s[p] for p in (50, 90, 99))
+
+
+def test_side_by_side_runs_give_what_one_by_one_gives(sliced: list[TraceRequest]) -> None:
+    pipeline = load_pipeline(PIPELINE)
+    common = {"engines": 4, "bytes_per_block": 16384, "trace_block_tokens": 32, "seed": 3}
+    runs = [{"router": r} for r in ("random", "kv_aware-tiers", "power_of_two")]
+    many = simulate_many(pipeline, sliced, runs, **common)
+    one = [simulate_fleet(pipeline, sliced, **common, **run) for run in runs]  # type: ignore[arg-type]
+    assert [r.as_dict() for r in many] == [r.as_dict() for r in one]
+
+
+def test_random_policies_are_seeded(sliced: list[TraceRequest]) -> None:
+    def by_engine(router: str, seed: int) -> list[int]:
+        result = simulate_fleet(
+            load_pipeline(PIPELINE), sliced, engines=4, router=router, seed=seed,
+            bytes_per_block=16384, trace_block_tokens=32,
+        )
+        return [e.requests for e in result.per_engine]
+
+    for router in ("random", "power_of_two"):
+        assert by_engine(router, 1) == by_engine(router, 1) != by_engine(router, 2)
+
+
+def test_each_tenant_is_counted_across_the_engines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = [A1, replace(A1, tenant="t2"), A2, replace(A2, tenant="t2")]
+    result = simulate_fleet(
+        load_pipeline(PIPELINE), trace, engines=2, router="round_robin", concurrency=1, **KW
+    )
+    assert set(result.tenants) == {"", "t2"}
+    assert sum(t.requests for t in result.tenants.values()) == 4
+    assert sum(t.prompt_tokens for t in result.tenants.values()) == result.prompt_tokens
+    # Round robin: each tenant's second turn on the engine that ran its first (0, 1, 0, 1).
+    assert all(t.tokens_served == 4 * BLOCK for t in result.tenants.values())
+    path = tmp_path / "t.jsonl"
+    write_trace(path, trace)
+    code, out, _ = _kvc(capsys, "simulate", str(PIPELINE), str(path), "--bytes-per-block",
+                        "4KiB", "--trace-block-tokens", str(BLOCK), "--fleet", "2", "--router",
+                        "round_robin")
+    assert code == 0 and "round_robin, per tenant:" in out and "t2 " in out
+
+
+def test_units_and_exact_agree(sliced: list[TraceRequest]) -> None:
+    def served(exact: bool) -> float:
+        return simulate_fleet(
+            load_pipeline(PIPELINE), sliced, engines=2, router="kv_aware-tiers",
+            bytes_per_block=16384, exact=exact,
+        ).fraction_served
+
+    assert abs(served(True) - served(False)) < 0.02
+
+
+# --------------------------------------------------------------------------- #
+# options and the command line
+# --------------------------------------------------------------------------- #
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"engines": 0, "router": "round_robin"}, "--fleet must be >= 1"),
-        ({"engines": 2, "router": "random"}, "--router 'random': one of round_robin"),
+        ({"engines": 2, "router": "nope"}, "--router 'nope': one of round_robin"),
+        ({"engines": 2, "router": "random", "concurrency": 0}, "--concurrency must be >= 1"),
+        ({"engines": 2, "router": "random", "speedup": 0.0}, "--speedup must be"),
+        ({"engines": 2, "router": "random", "speedup": float("nan")}, "--speedup must be"),
+        ({"engines": 2, "router": "random", "max_output_tokens": 0}, "--max-output-tokens"),
     ],
 )
-def test_bad_options_are_refused(kwargs: dict[str, object], message: str) -> None:
+def test_bad_options_are_refused(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(SimulateError, match=message):
-        simulate_fleet(load_pipeline(PIPELINE), TRACE, **kwargs, **KW)  # type: ignore[arg-type]
+        simulate_fleet(load_pipeline(PIPELINE), TRACE, **kwargs, **KW)
+
+
+def test_every_policy_kvc_bench_measures_is_modelled() -> None:
+    assert set(POLICIES) <= set(ROUTERS)
+
+
+def test_cost_names_each_coefficient() -> None:
+    model = parse_cost("prefill_token_s=1e-3, speedup_8=3")
+    assert model.prefill_token_s == 1e-3 and model.speedup_8 == 3.0
+    assert model.request_s == CALIBRATED.request_s
+    assert model.batch_speedup(6) == pytest.approx((model.speedup_4 + 3.0) / 2)
+    assert model.batch_speedup(100) == 3.0 and model.batch_speedup(1) == 1.0
+
+
+def test_a_fit_recovers_the_model_the_samples_came_from() -> None:
+    truth = CostModel(request_s=0.01, prefill_token_s=2e-5, load_token_s=5e-6,
+                      decode_token_s=0.002)
+    shapes = [(c, ld, o) for c in (100, 400, 900) for ld in (0, 320, 640) for o in (1, 8)]
+
+    def sample(computed: int, loaded: int, output: int) -> Sample:
+        ttft = truth.prefill_s(computed, loaded)
+        return Sample(computed, loaded, output, ttft, ttft + truth.decode_s(output))
+
+    alone = [sample(*s) for s in shapes]
+    work = sum(s.e2e_s for s in alone)
+    # The same requests at 4 in flight in half the time, at 8 in a third: twice and
+    # three times the work per second.
+    model = fit(alone, {4: (alone, work / 2), 8: (alone, work / 3)}, work)
+    for name in ("request_s", "prefill_token_s", "load_token_s", "decode_token_s"):
+        assert getattr(model, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    assert (model.speedup_4, model.speedup_8) == pytest.approx((2.0, 3.0))
+    # A term the data says is negative is dropped, the rest fitted without it.
+    # (Here loading costs -5e-6 s a token: dropped, the fixed and prefill terms kept.)
+    cheaper = [Sample(s.computed, s.loaded, s.output, s.ttft_s - 1e-5 * s.loaded, s.e2e_s)
+               for s in alone]
+    dropped = fit(cheaper, {}, work)
+    assert dropped.load_token_s == 0 and dropped.prefill_token_s > 0
+    assert (dropped.speedup_4, dropped.speedup_8) == (1.0, 1.0)
+
+
+def _kvc(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, TRACE)
+    common = ["simulate", str(PIPELINE), str(trace), "--bytes-per-block", "4KiB"]
+    common += ["--trace-block-tokens", str(BLOCK)]
+    code, out, err = _kvc(capsys, *common, "--fleet", "2", "--concurrency", "1")
+    assert code == 0, err
+    assert all(router in out for router in ROUTERS) and "TTFT p90 ms" in out
+    code, out, _ = _kvc(capsys, *common, "--fleet", "2", "--router", "round_robin", "--json")
+    data = json.loads(out)
+    assert [r["router"] for r in data] == ["round_robin"]
+    assert data[0]["requests_by_engine"] == [2, 2] and len(data[0]["per_engine"]) == 2
+    assert set(data[0]["ttft_s"]) == {"p50", "p90", "p99"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--router", "round_robin"], "--router is a fleet's: give --fleet N too"),
+        (["--concurrency", "2"], "--concurrency is a fleet's"),
+        (["--speedup", "2"], "--speedup is a fleet's"),
+        (["--max-output-tokens", "2"], "--max-output-tokens is a fleet's"),
+        (["--cost", "request_s=1"], "--cost is a fleet's"),
+        (["--seed", "2"], "--seed is a fleet's"),
+        (["--fleet", "0"], "--fleet must be >= 1"),
+        (["--fleet", "2", "--router", "nope"], "--router 'nope'"),
+        (["--fleet", "2", "--concurrency", "0"], "--concurrency must be >= 1"),
+        (["--fleet", "2", "--speedup", "-1"], "--speedup must be"),
+        (["--fleet", "2", "--max-output-tokens", "0"], "--max-output-tokens must be >= 1"),
+        (["--fleet", "2", "--cost", "nope=1"], "--cost: expected NAME=SECONDS"),
+        (["--fleet", "2", "--cost", "request_s"], "--cost: expected NAME=SECONDS"),
+        (["--fleet", "2", "--cost", "request_s=x"], "--cost request_s: not a number"),
+        (["--fleet", "2", "--cost", "request_s=-1"], "--cost request_s: must be"),
+        (["--fleet", "2", "--cost", "speedup_4=0"], "speedup_4 and speedup_8 must be > 0"),
+        (["--fleet", "2", "--sweep", "engines=0"], "--sweep engines: '0'"),
+        (["--fleet", "2", "--sweep", "engines=two"], "--sweep engines: 'two'"),
+        (["--fleet", "2", "--sweep", "nope=1,2"], "no modelled node has a config field"),
+        (["--fleet", "2", "--sweep", "load_policy=x"], "--sweep load_policy: 'x'"),
+        (["--sweep", "engines=1,2"], "no modelled node has a config field 'engines'"),
+    ],
+)
+def test_every_bad_value_exits_2_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, TRACE)
+    common = ["simulate", str(PIPELINE), str(trace), "--bytes-per-block", "4KiB"]
+    code, _, err = _kvc(capsys, *common, *args)
+    assert code == 2, (args, err)
+    assert message in err and "Traceback" not in err
+
+
+def test_a_fleet_sweep_answers_how_many_engines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_file = tmp_path / "engines.txt"
+    code, _, err = _kvc(
+        capsys, "simulate", str(PIPELINE), str(SLICE), "--bytes-per-block", "16KiB",
+        "--trace-block-tokens", "32", "--fleet", "2", "--router", "round_robin",
+        "--router", "kv_aware-tiers", "--sweep", "engines=1,3", "--speedup", "4", "-o",
+        str(out_file),
+    )
+    assert code == 0, err
+    rows = out_file.read_text().splitlines()
+    assert [r.split()[:2] for r in rows[2:]] == [
+        ["1", "round_robin"], ["1", "kv_aware-tiers"], ["3", "round_robin"],
+        ["3", "kv_aware-tiers"],
+    ]
+    assert out_file.with_suffix(".png").stat().st_size > 0
+    code, out, err = _kvc(
+        capsys, "simulate", str(PIPELINE), str(SLICE), "--bytes-per-block", "16KiB",
+        "--trace-block-tokens", "32", "--fleet", "2", "--router", "random", "--sweep",
+        "capacity=1MiB,1GiB", "--json", "-o", str(tmp_path / "cap.json"),
+    )
+    data = json.loads((tmp_path / "cap.json").read_text())
+    assert code == 0 and data["sweep"] == "capacity" and len(data["results"]) == 2
+    assert data["results"][0]["fraction_served"] < data["results"][1]["fraction_served"]
 
 
 def test_multi_turn_keeps_the_conversations_that_come_back(tmp_path: Path) -> None:
@@ -125,33 +463,3 @@ def test_multi_turn_keeps_the_conversations_that_come_back(tmp_path: Path) -> No
     path = tmp_path / "slice.jsonl"
     write_trace(path, trace)
     assert read_trace(path) == trace
-
-
-def _kvc(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "composer.cli", *args], capture_output=True, text=True, timeout=60
-    )
-
-
-def test_the_command_line(tmp_path: Path) -> None:
-    trace = tmp_path / "trace.jsonl"
-    write_trace(trace, TRACE)
-    common = ["simulate", str(PIPELINE), str(trace), "--bytes-per-block", "4KiB"]
-    common += ["--trace-block-tokens", str(BLOCK)]
-    table = _kvc(*common, "--fleet", "2")
-    assert table.returncode == 0, table.stderr
-    assert all(router in table.stdout for router in ROUTERS)
-    data = json.loads(_kvc(*common, "--fleet", "2", "--router", "round_robin", "--json").stdout)
-    assert [r["router"] for r in data] == ["round_robin"] and data[0]["requests_by_engine"] == [
-        2,
-        2,
-    ]
-    for args, message in [
-        (["--router", "round_robin"], "give --fleet N too"),
-        (["--fleet", "2", "--sweep", "capacity=1GiB,2GiB"], "--sweep and --fleet"),
-        (["--fleet", "0"], "--fleet must be >= 1"),
-        (["--fleet", "2", "--router", "nope"], "--router 'nope'"),
-    ]:
-        proc = _kvc(*common, *args)
-        assert proc.returncode == 2, (args, proc.stderr)
-        assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -89,6 +89,15 @@ class RunResult:
             cached[r.tenant] = cached.get(r.tenant, 0) + (r.cached_tokens or 0)
         return {t: cached[t] / prompt[t] if prompt[t] else 0.0 for t in sorted(prompt)}
 
+    @property
+    def tier_over_vllm(self) -> float | None:
+        """The prompt tokens the nodes say they served over those vLLM counts as the
+        connector's (``vllm:external_prefix_cache_hits``): 1.0 when every hit a tier
+        reports reached a request; None without a hit."""
+        if not self.connector_tokens or not self.node_tokens:
+            return None
+        return sum(self.node_tokens.values()) / self.connector_tokens
+
     def summary(self) -> dict[str, Any]:
         ok = self.ok
         ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -107,6 +116,7 @@ class RunResult:
             if self.wall_s
             else 0.0,
             "prompt_tokens": self.prompt_tokens,
+            "tier_over_vllm": self.tier_over_vllm,
             "requests_by_engine": self.engine_requests,
             "imbalance": self.imbalance,
             "served": {
@@ -145,6 +155,8 @@ def markdown_table(results: Sequence[RunResult]) -> str:
     for result in results:
         s = result.summary()
         served = ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["served"].items() if v) or "0%"
+        if result.tier_over_vllm is not None:
+            served += f" (tier ÷ vLLM {result.tier_over_vllm:.2f})"
         if s["served_by_tenant"]:
             served += "; by tenant: " + ", ".join(
                 f"{t or '-'} {100 * v:.1f}%" for t, v in s["served_by_tenant"].items()

@@ -42,8 +42,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         }
         if args.fleet is not None:
             text = _simulate_fleet(args, pipeline, trace, kwargs)
-        elif args.router:
-            raise sim.SimulateError("--router places requests on a fleet: give --fleet N too")
+        elif given := [k for k, v in FLEET_ONLY.items() if getattr(args, k) != v]:
+            flag = "--" + given[0].replace("_", "-")
+            raise sim.SimulateError(f"{flag} is a fleet's: give --fleet N too")
         elif args.sweep is None:
             text = _simulate_once(args, pipeline, trace, kwargs)
         else:
@@ -105,18 +106,49 @@ def _simulate_fleet(
     trace: Sequence[TraceRequest],
     kwargs: dict[str, Any],
 ) -> str:
-    from composer.simulate import SimulateError
-    from composer.simulate.fleet import ROUTERS, format_fleet, simulate_fleet
+    from composer.simulate.cost import CALIBRATED, parse_cost
+    from composer.simulate.report import format_fleet, format_fleet_sweep, plot_fleet_sweep
+    from composer.simulate.routers import ROUTERS, check_router
+    from composer.simulate.sweep import fleet_runs, parse_sweep, simulate_many
 
-    if args.sweep is not None:
-        raise SimulateError("--sweep and --fleet: one at a time")
-    fleet_kwargs = {k: kwargs[k] for k in ("bytes_per_block", "block_size", "trace_block_tokens",
-                                           "vllm_cache_blocks", "groups") if k in kwargs}
-    results = [
-        simulate_fleet(pipeline, trace, engines=args.fleet, router=router, **fleet_kwargs)
-        for router in (args.router or ROUTERS)
-    ]
-    return dump([r.as_dict() for r in results]) if args.json else format_fleet(results)
+    routers = args.router or list(ROUTERS)
+    for router in routers:
+        check_router(router)
+    shared = ("bytes_per_block", "block_size", "trace_block_tokens", "vllm_cache_blocks",
+              "groups", "exact")
+    common: dict[str, Any] = {k: kwargs[k] for k in shared if k in kwargs}
+    common |= {
+        "engines": args.fleet,
+        "concurrency": args.concurrency,
+        "speedup": args.speedup,
+        "max_output_tokens": args.max_output_tokens,
+        "cost": parse_cost(args.cost) if args.cost is not None else CALIBRATED,
+        "seed": args.seed,
+    }
+    if args.sweep is None:
+        results = simulate_many(pipeline, trace, [{"router": r} for r in routers], **common)
+        return dump([r.as_dict() for r in results]) if args.json else format_fleet(results)
+    name, values = parse_sweep(args.sweep)
+    runs = fleet_runs(pipeline, name, values, routers)
+    results = simulate_many(pipeline, trace, runs, **common)
+    png = _plot_path(args)
+    plot_fleet_sweep(png, name, values, routers, results, kwargs["trace_name"])
+    print(f"wrote {png}", file=sys.stderr)
+    if args.json:
+        return dump({"sweep": name, "values": values, "plot": str(png),
+                     "results": [r.as_dict() for r in results]})
+    return format_fleet_sweep(name, values, routers, results)
+
+
+def _plot_path(args: argparse.Namespace) -> Path:
+    return Path(args.output).with_suffix(".png") if args.output else Path(
+        "kvc-simulate-sweep.png"
+    )
+
+
+#: ``kvc simulate``'s options that only a fleet takes, and their defaults.
+FLEET_ONLY = {"router": None, "concurrency": None, "speedup": 1.0, "max_output_tokens": None,
+              "cost": None, "seed": 0}
 
 
 def _simulate_sweep(
@@ -130,15 +162,37 @@ def _simulate_sweep(
 
     name, values = parse_sweep(args.sweep)
     results = sweep(pipeline, trace, name, values, **kwargs)
-    png = Path(args.output).with_suffix(".png") if args.output else Path(
-        "kvc-simulate-sweep.png"
-    )
+    png = _plot_path(args)
     plot_sweep(png, name, values, results)
     print(f"wrote {png}", file=sys.stderr)
     if args.json:
         return dump({"sweep": name, "values": values, "plot": str(png),
                      "results": [r.as_dict() for r in results]})
     return format_sweep(name, values, results)
+
+
+def cmd_trace_generate(args: argparse.Namespace) -> int:
+    from composer.simulate import SimulateError
+    from composer.simulate.generate import generate, shape_from
+    from composer.trace import write_trace
+
+    try:
+        shape = shape_from(vars(args))
+    except SimulateError as exc:
+        raise CommandError(str(exc)) from None
+    requests = generate(shape)
+    try:
+        write_trace(args.output, requests)
+    except OSError as exc:
+        raise CommandError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    tenants = len({r.tenant for r in requests})
+    print(
+        f"wrote {args.output}: {len(requests):,} requests, {tenants} tenants, "
+        f"{sum(r.input_length for r in requests):,} prompt tokens over "
+        f"{requests[-1].timestamp_ms / 1000:,.0f} s (seed {shape.seed})",
+        file=sys.stderr,
+    )
+    return EXIT_OK
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
-from composer.cli.measuring import cmd_bench, cmd_simulate
+from composer.cli.measuring import cmd_bench, cmd_simulate, cmd_trace_generate
 from composer.cli.running import cmd_demo, cmd_serve, cmd_top
 from composer.cli.showing import cmd_graph, cmd_plugins
 from composer.cli.validating import SCHEMA_FILE, cmd_export, cmd_schema, cmd_validate
@@ -244,9 +244,60 @@ def _add_simulate_size_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--router", action="append", metavar="POLICY",
-        help="with --fleet: round_robin, consistent_hash, cache_aware, kv_aware-vllm or "
-        "kv_aware-tiers, modelled on vllm-router (repeat for several; default: all five)",
+        help="with --fleet: round_robin, random, consistent_hash, power_of_two, "
+        "sticky_least_loaded, cache_aware, kv_aware-vllm or kv_aware-tiers, modelled on "
+        "vllm-router's policies, their load terms included (repeat for several; default: all)",
     )
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--concurrency", type=int, metavar="N",
+        help="with --fleet: N requests in flight, each sent when one ends, in trace order (as "
+        "kvc bench --concurrency; default: at the trace's timestamps)",
+    )
+    group.add_argument(
+        "--speedup", type=float, default=1.0,
+        help="with --fleet: arrivals at the trace's timestamps divided by this (default 1)",
+    )
+    p.add_argument("--max-output-tokens", type=int, metavar="N",
+                   help="with --fleet: cap every request's output (as kvc bench does)")
+    p.add_argument("--cost", metavar="NAME=SECONDS,...",
+                   help="with --fleet: the engine's cost model over the calibrated one "
+                   "(docs/simulate.md)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --fleet: the random policies' draws (default 0)")
+
+
+def add_trace(sub: Subparsers) -> None:
+    p = _add(sub, "trace", _no_command, "Request traces for kvc simulate and kvc bench.")
+    commands = p.add_subparsers(dest="trace_command", metavar="COMMAND", required=True)
+    g = commands.add_parser(
+        "generate",
+        help="write a seeded synthetic trace: tenants, agent sessions, long contexts",
+        description="Write a seeded synthetic trace in the Mooncake format (a tenant a line): "
+        "agent and chat sessions whose turns repeat their prompts (docs/simulate.md).",
+    )
+    g.set_defaults(func=cmd_trace_generate)
+    g.add_argument("output", metavar="FILE", help="the JSONL trace to write")
+    for flag, kind, text in _GENERATE_OPTIONS:
+        g.add_argument(flag, type=kind, help=text)
+
+
+#: ``kvc trace generate``'s shape options (composer.simulate.generate.TraceShape's fields).
+_GENERATE_OPTIONS: tuple[tuple[str, type, str], ...] = (
+    ("--requests", int, "requests to write (default 2000)"),
+    ("--tenants", int, "tenants, the first busiest (default 8)"),
+    ("--session-rate", float, "new sessions a second (default 2)"),
+    ("--agent-share", float, "share of sessions that are agents (default 0.5)"),
+    ("--system-tokens", int, "each tenant's shared system prompt (default 1024)"),
+    ("--context-tokens", int, "a session's own first context, on average (default 4096)"),
+    ("--max-context-tokens", int, "a session ends before its prompt passes this (default 131072)"),
+    ("--decode-s", float, "seconds an answer takes per output token (default 0.02)"),
+    ("--seed", int, "the random draws (default 0)"),
+)
+
+
+def _no_command(args: argparse.Namespace) -> int:  # pragma: no cover - argparse requires one
+    return 2
 
 
 def add_bench(sub: Subparsers) -> None:
@@ -390,6 +441,7 @@ COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     add_export,
     add_serve,
     add_simulate,
+    add_trace,
     add_bench,
     add_top,
     add_demo,

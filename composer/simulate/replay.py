@@ -109,6 +109,22 @@ class Result:
         }
 
 
+@dataclass
+class Started:
+    """A request an engine has looked up and loaded, not yet stored (:meth:`_Replay.start`)."""
+
+    prompt: int
+    keys: list[bytes]
+    #: (node model, first unit, units) per range it loaded.
+    plan: list[tuple[TierModel, int, int]]
+    #: Prompt tokens vLLM's own prefix cache served.
+    vllm_tokens: int
+    #: Prompt tokens served in all (vLLM's cache and the nodes).
+    tokens_served: int
+    #: What the tier models were told of it (told again when it is stored).
+    arrival: SimRequest
+
+
 def _label(node: ResolvedNode) -> str:
     if node.plugin.name == "vllm":
         return f"vllm ({getattr(node.config, 'connector', '?')})"
@@ -143,13 +159,14 @@ def simulate(
     evicted together, 16x less work for Mooncake's 512 tokens in 32-token
     blocks. A tier then holds whole units only, and the full blocks of a
     prompt's partial last trace block (never a hit: unique to the request) are
-    not stored. ``exact`` replays every vLLM block, and so does a model with a
-    window group (it keeps single blocks of a unit).
+    not stored. ``exact`` replays every vLLM block, and so does a model whose window
+    groups keep single blocks of a unit (:func:`_unit`).
     """
     _check_options(bytes_per_block, block_size, trace_block_tokens, vllm_cache_blocks)
     groups = tuple(groups or (SimKVGroup("attention", bytes_per_block),))
     notes = list(notes)
-    unit = _unit(groups, block_size, trace_block_tokens, exact, notes)
+    kept = retentions(pipeline, overrides or {})
+    unit = _unit(groups, block_size, trace_block_tokens, exact, notes, kept)
     keymaker = KeyMaker(block_size * unit, trace_block_tokens)
     run = _Replay(
         pipeline, overrides or {}, keymaker, unit, bytes_per_block, vllm_cache_blocks, groups
@@ -178,15 +195,42 @@ def simulate(
 
 def _unit(
     groups: Sequence[SimKVGroup], block_size: int, trace_block_tokens: int, exact: bool,
-    notes: list[str],
+    notes: list[str], retentions: Sequence[int] = (),
 ) -> int:
-    """vLLM blocks replayed as one (a whole trace block where it can be, see :func:`simulate`)."""
+    """vLLM blocks replayed as one (a whole trace block where it can be, see :func:`simulate`).
+
+    A window group's blocks move in whole trace blocks too when its window and every
+    node's ``window_retention`` (``retentions``) are whole trace blocks: the blocks a
+    hit at a trace block's end needs, and those a tier keeps, are then whole trace
+    blocks. Not with ``window_retention: 0``: a tier then keeps a window only at a
+    prompt's end, inside its last, partial trace block (measured: 3.6 % served
+    exactly, 13.4 % in units). Otherwise every block is replayed."""
     if exact or trace_block_tokens % block_size:
         return 1
-    if any(g.window for g in groups):
-        notes.append("window groups keep single blocks: every block replayed (as --exact)")
+    windows = [g.window for g in groups if g.window]
+    if windows and any(
+        n <= 0 or n % trace_block_tokens for n in (*windows, *retentions)
+    ):
+        notes.append(
+            f"window groups keep single blocks (a window or window_retention not a positive "
+            f"multiple of {trace_block_tokens} tokens): every block replayed (as --exact)"
+        )
         return 1
     return trace_block_tokens // block_size
+
+
+def retentions(pipeline: ResolvedPipeline, overrides: dict[str, Any]) -> list[int]:
+    """Every modelled node's ``window_retention`` (a sweep's value where it sets it)."""
+    out = []
+    for node in pipeline.nodes:
+        value = getattr(node.config, "window_retention", None)
+        if value is None or getattr(node.plugin, "simulator", None) is None:
+            continue
+        try:
+            out.append(int(overrides.get("window_retention", value)))
+        except (TypeError, ValueError):
+            out.append(1)  # not a number: refused where the node's model is built
+    return out
 
 
 def _check_options(
@@ -278,15 +322,24 @@ class _Replay:
         return start, more
 
     def request(self, req: TraceRequest) -> None:
-        prompt, keys, limit = self.units(req)
-        unit = self.unit
+        self.finish(self.start(*self.units(req), req))
+
+    def start(
+        self, prompt: int, keys: list[bytes], limit: int, req: TraceRequest,
+        now_s: float | None = None,
+    ) -> Started:
+        """A request's lookups and loads (what it finds when the engine schedules it, at
+        ``now_s``: its trace time by default); :meth:`finish` stores it. Between the two
+        other requests may run (a fleet's engine serves several at once)."""
         self.prompt_total += prompt
-        arrival = SimRequest(req.tenant, req.retention, req.timestamp_ms / 1000.0)
+        when = req.timestamp_ms / 1000.0 if now_s is None else now_s
+        arrival = SimRequest(req.tenant, req.retention, when)
         for model in self.models.values():
             model.arrive(arrival)
         start = self._vllm_hit(keys, limit)
         plan = self._load(keys, start, limit)
         served = start + sum(hit for _, _, hit in plan)
+        unit = self.unit
         self.served_total += served * unit
         tenant = self.tenants.get(req.tenant)
         if tenant is None:
@@ -294,11 +347,19 @@ class _Replay:
         tenant.requests += 1
         tenant.prompt_tokens += prompt
         tenant.tokens_served += served * unit
+        return Started(prompt, keys, plan, start * unit, served * unit, arrival)
+
+    def finish(self, started: Started) -> None:
+        """The request's blocks stored: into vLLM's own cache and every ``save_to`` node
+        (each model told again whose they are: others may have arrived since)."""
+        keys, plan = started.keys, started.plan
         if self.vllm_blocks:
             self.vllm.finish(keys)
+        served = started.tokens_served // self.unit
         for model, res in self.save_nodes:
+            model.arrive(started.arrival)
             loaded = [(s, s + hit) for m, s, hit in plan if m is not model]
-            res.blocks_saved += model.save(keys, prompt, served, loaded) * self.group
+            res.blocks_saved += model.save(keys, started.prompt, served, loaded) * self.group
 
     def _vllm_hit(self, keys: Sequence[bytes], limit: int) -> int:
         """Leading units vLLM's own prefix cache serves."""

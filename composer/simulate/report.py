@@ -1,11 +1,14 @@
-"""``kvc simulate``'s output: the per-node table, the sweep table and the sweep's plot."""
+"""``kvc simulate``'s output: the per-node table, the sweep tables and the sweeps' plots
+(a fleet's own table is :func:`composer.simulate.fleet.format_fleet`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from composer.simulate.replay import NodeResult, Result
+from composer.simulate.fleet import PERCENTILES, FleetResult
+from composer.simulate.replay import NodeResult, Result, TenantResult
 from composer.simulate.tiers import VLLM_CACHE_ID, SimulateError
 
 
@@ -48,7 +51,7 @@ def format_result(result: Result) -> str:
         f"computed {result.prefill_tokens_computed:,}",
     ]
     if result.tenants:
-        lines += ["", *_tenant_table(result)]
+        lines += ["", *_tenant_table(result.tenants)]
     for n in result.nodes:
         if n.window_saving is not None:
             lines.append(
@@ -66,11 +69,11 @@ def format_result(result: Result) -> str:
     return "\n".join(lines)
 
 
-def _tenant_table(result: Result) -> list[str]:
+def _tenant_table(tenants: dict[str, TenantResult]) -> list[str]:
     """One row per tenant (the trace's ``tenant``, "" shown as -): what was served of
     its prompts, by vLLM's prefix cache and every node together."""
     rows = [("tenant", "requests", "prompt tokens", "tokens served", "served")]
-    for name, t in sorted(result.tenants.items()):
+    for name, t in sorted(tenants.items()):
         rows.append((
             name or "-", f"{t.requests:,}", f"{t.prompt_tokens:,}", f"{t.tokens_served:,}",
             f"{100 * t.fraction_served:.1f}%",
@@ -134,15 +137,7 @@ def plot_sweep(
     path: Path, field_name: str, values: Sequence[str], results: Sequence[Result]
 ) -> None:
     """Hit rate (fraction of prompt tokens served) against the swept value, per node."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise SimulateError(
-            f"--sweep's plot needs matplotlib ({exc}); install 'kv-composer[plot]'"
-        ) from None
+    plt = _pyplot()
     ids = [n.id for n in results[0].nodes if n.modelled and n.lookup]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = list(range(len(values)))
@@ -158,6 +153,24 @@ def plot_sweep(
     ax.set_title(f"kvc simulate: {results[0].trace} ({results[0].requests:,} requests)")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    _save(plt, fig, path)
+
+
+def _pyplot() -> Any:
+    try:
+        # Deferred: matplotlib is optional and heavy; only a sweep's plot needs it.
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SimulateError(
+            f"--sweep's plot needs matplotlib ({exc}); install 'kv-composer[plot]'"
+        ) from None
+    return plt
+
+
+def _save(plt: Any, fig: Any, path: Path) -> None:
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=100)
@@ -165,3 +178,115 @@ def plot_sweep(
         raise SimulateError(f"cannot write {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
+
+
+def _grid(
+    field_name: str, values: Sequence[str], routers: Sequence[str], results: Sequence[FleetResult]
+) -> list[list[FleetResult]]:
+    """A fleet sweep's results by value, then router (as
+    :func:`~composer.simulate.sweep.fleet_runs` orders them)."""
+    n = len(routers)
+    return [list(results[i * n:(i + 1) * n]) for i in range(len(values))]
+
+
+def format_fleet_sweep(
+    field_name: str, values: Sequence[str], routers: Sequence[str], results: Sequence[FleetResult]
+) -> str:
+    """Per value and router: the fraction served, the imbalance, TTFT percentiles."""
+    header = (field_name, "router", "served", "imbalance", *(f"TTFT p{p} ms" for p in PERCENTILES))
+    rows: list[tuple[str, ...]] = []
+    for value, row in zip(values, _grid(field_name, values, routers, results), strict=True):
+        for r in row:
+            rows.append((
+                value, r.router, f"{100 * r.fraction_served:.1f}%",
+                "-" if r.imbalance is None else f"{r.imbalance:.2f}",
+                *(f"{1000 * r.ttft_s[p]:,.0f}" if p in r.ttft_s else "-" for p in PERCENTILES),
+            ))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    first = results[0]
+    lines = [f"fleet sweep: {first.requests:,} requests, arrivals: {first.arrivals}"]
+    for cells in [header, *rows]:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def plot_fleet_sweep(
+    path: Path, field_name: str, values: Sequence[str], routers: Sequence[str],
+    results: Sequence[FleetResult], trace: str,
+) -> None:
+    """Fraction served and TTFT p90 against the swept value, one line per router."""
+    plt = _pyplot()
+    grid = _grid(field_name, values, routers, results)
+    fig, (served, ttft) = plt.subplots(1, 2, figsize=(11, 4.5))
+    xs = list(range(len(values)))
+    for i, router in enumerate(routers):
+        served.plot(xs, [100 * row[i].fraction_served for row in grid], marker="o", label=router)
+        ttft.plot(xs, [1000 * row[i].ttft_s.get(90, 0.0) for row in grid], marker="o",
+                  label=router)
+    for ax, label in ((served, "prompt tokens served (%)"), (ttft, "TTFT p90 (ms)")):
+        ax.set_xticks(xs, list(values))
+        ax.set_xlabel(field_name)
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    served.set_ylim(0, 100)
+    ttft.set_yscale("log")
+    served.legend(fontsize="small")
+    fig.suptitle(f"kvc simulate --fleet: {trace} ({results[0].requests:,} requests, "
+                 f"{results[0].arrivals})")
+    _save(plt, fig, path)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:,.0f}"
+
+
+def format_fleet(results: Sequence[FleetResult]) -> str:
+    """One row per router: requests by engine, imbalance, what served the prompts, TTFT;
+    then each engine's queueing (up to 8 engines; --json has every engine)."""
+    nodes = sorted({n for r in results for n in r.tokens_served}, key=lambda n: n != VLLM_CACHE_ID)
+    header = [
+        "router", "requests by engine (busiest first)", "imbalance", *nodes, "total served",
+        *(f"TTFT p{p} ms" for p in PERCENTILES), "in flight (mean, busiest)",
+    ]
+    rows = [header]
+    for r in results:
+        imbalance = "-" if r.imbalance is None else f"{r.imbalance:.2f}"
+        busiest = max(r.per_engine, key=lambda e: e.mean_in_flight, default=None)
+        by_engine = r.engine_requests
+        shown = "/".join(map(str, by_engine)) if len(by_engine) <= 16 else (
+            f"{by_engine[0]}/{by_engine[1]}/.../{by_engine[-1]} ({len(by_engine)} engines)"
+        )
+        rows.append(
+            [
+                r.router,
+                shown,
+                imbalance,
+                *(f"{100 * r.fraction(n):.1f}%" for n in nodes),
+                f"{100 * r.fraction_served:.1f}%",
+                *(_ms(r.ttft_s.get(p)) for p in PERCENTILES),
+                "-" if busiest is None else f"{busiest.mean_in_flight:.2f}",
+            ]
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    first = results[0] if results else None
+    lines = [
+        f"{first.engines} engines, {first.requests:,} requests, {first.prompt_tokens:,} prompt "
+        f"tokens, arrivals: {first.arrivals} (vLLM's prefix cache is the <vllm> column)"
+        if first
+        else ""
+    ]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+              for row in rows]
+    for r in results:
+        if 0 < len(r.tenants) <= 8:  # more: --json has them
+            lines += ["", f"{r.router}, per tenant:", *_tenant_table(r.tenants)]
+        if len(r.per_engine) > 8:
+            continue
+        lines.append(f"\n{r.router}, per engine: requests, served, mean/max in flight, mean wait")
+        for i, e in enumerate(r.per_engine):
+            lines.append(
+                f"  engine {i}: {e.requests:,} requests, {100 * e.fraction_served:.1f}% served, "
+                f"{e.mean_in_flight:.2f}/{e.max_in_flight} in flight, "
+                f"wait {_ms(e.mean_wait_s)} ms"
+            )
+    return "\n".join(lines)

@@ -1,17 +1,34 @@
 """``kvc simulate --sweep``: one simulation per value of a config field of every
-modelled node (:func:`composer.simulate.simulate` with ``overrides``), or of the
-pipeline's ``load_policy``."""
+modelled node (:func:`composer.simulate.simulate` with ``overrides``), of the
+pipeline's ``load_policy``, or, with ``--fleet``, of the number of ``engines``
+(one fleet simulation per value and router); and several fleet simulations side
+by side on the machine's cores (:func:`simulate_many`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, get_args
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, TypeVar, get_args
 
 from composer.pipeline import LoadPolicy, ResolvedPipeline
-from composer.simulate.replay import Result, simulate
-from composer.simulate.tiers import SimulateError
-from composer.trace import TraceRequest
+from composer.simulate.fleet import FleetResult, Units, simulate_fleet
+from composer.simulate.replay import (
+    Result,
+    _check_options,
+    _Replay,
+    _unit,
+    retentions,
+    simulate,
+)
+from composer.simulate.tiers import SimKVGroup, SimulateError
+from composer.trace import MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
+
+T = TypeVar("T")
+#: The fleet's own sweepable field: how many engines.
+ENGINES = "engines"
 
 
 def parse_sweep(text: str) -> tuple[str, list[str]]:
@@ -22,13 +39,21 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
     return name.strip(), items
 
 
-def sweep(
-    pipeline: ResolvedPipeline,
-    trace: Sequence[TraceRequest],
-    field_name: str,
-    values: Sequence[str],
-    **kwargs: Any,
-) -> list[Result]:
+def points(
+    pipeline: ResolvedPipeline, field_name: str, values: Sequence[str], *, fleet: bool = False
+) -> list[dict[str, Any]]:
+    """Each value's arguments to the simulation (a pipeline, overrides or engines), every
+    value checked first."""
+    if field_name == ENGINES and fleet:
+        counts = []
+        for v in values:
+            try:
+                counts.append(int(v))
+            except ValueError:
+                counts.append(0)
+            if counts[-1] < 1:
+                raise SimulateError(f"--sweep engines: {v!r}: expected a whole number >= 1")
+        return [{"engines": n} for n in counts]
     if field_name == "load_policy":
         allowed = get_args(LoadPolicy)
         bad = [v for v in values if v not in allowed]
@@ -37,16 +62,120 @@ def sweep(
                 f"--sweep load_policy: {', '.join(map(repr, bad))}: expected one of "
                 + ", ".join(map(repr, allowed))
             )
-        return [
-            simulate(dataclasses.replace(pipeline, load_policy=v), trace, **kwargs)  # type: ignore[arg-type]
-            for v in values
-        ]
+        return [{"pipeline": dataclasses.replace(pipeline, load_policy=v)} for v in values]  # type: ignore[arg-type]
     touched = [
         n.id for n in pipeline.nodes
         if getattr(n.plugin, "simulator", None) and field_name in type(n.config).model_fields
     ]
     if not touched:
-        raise SimulateError(f"--sweep: no modelled node has a config field {field_name!r}")
+        more = " (or engines, with --fleet)" if not fleet else " (or engines)"
+        raise SimulateError(
+            f"--sweep: no modelled node has a config field {field_name!r}{more}"
+        )
+    return [{"overrides": {field_name: v}} for v in values]
+
+
+def sweep(
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    field_name: str,
+    values: Sequence[str],
+    **kwargs: Any,
+) -> list[Result]:
+    runs = points(pipeline, field_name, values)
+    return _side_by_side(
+        lambda run: simulate(run.pop("pipeline", pipeline), trace, **run, **kwargs), runs
+    )
+
+
+def fleet_runs(
+    pipeline: ResolvedPipeline, field_name: str, values: Sequence[str], routers: Sequence[str]
+) -> list[dict[str, Any]]:
+    """A fleet sweep's runs, value by value, each value once per router."""
     return [
-        simulate(pipeline, trace, overrides={field_name: v}, **kwargs) for v in values
+        {**point, "router": router}
+        for point in points(pipeline, field_name, values, fleet=True)
+        for router in routers
     ]
+
+
+#: The function :func:`_side_by_side`'s forked workers run (set just before the fork:
+#: a child reads the parent's trace and pipeline through it, without a copy in a pipe).
+_SHARED: dict[str, Callable[[dict[str, Any]], Any]] = {}
+
+
+def _side_by_side(run_one: Callable[[dict[str, Any]], T], runs: list[dict[str, Any]]) -> list[T]:
+    """``run_one`` of each run, in order, on the machine's cores where there are several
+    (forked processes, one run each, no state shared; only a run's own arguments and
+    its result cross a pipe)."""
+    workers = min(len(runs), os.cpu_count() or 1)
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return [run_one(run) for run in runs]
+    _SHARED["run"] = run_one
+    try:
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            return list(pool.map(_shared_run, runs))
+    finally:
+        _SHARED.clear()
+
+
+def _shared_run(run: dict[str, Any]) -> Any:
+    return _SHARED["run"](run)
+
+
+def simulate_many(
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    runs: Sequence[dict[str, Any]],
+    **common: Any,
+) -> list[FleetResult]:
+    """:func:`simulate_fleet` once per item of ``runs`` (its arguments over ``common``; a
+    ``pipeline`` item replaces the pipeline), in order, side by side on the machine's
+    cores."""
+    # The trace's keys, made once: every run of one unit size replays the same keys
+    # (each run's engines are its own; a key names a prefix, not where it is held).
+    made: dict[tuple[int, int], list[Units]] = {}
+    keyed = [{**run, "units": _units_for(pipeline, trace, {**common, **run}, made)}
+             for run in runs]
+    return _side_by_side(lambda run: _one(pipeline, trace, made, {**common, **run}), keyed)
+
+
+def _one(
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    made: dict[tuple[int, int], list[Units]],
+    kwargs: dict[str, Any],
+) -> FleetResult:
+    key = kwargs.pop("units")
+    kwargs["units"] = made[key] if key is not None else None
+    return simulate_fleet(kwargs.pop("pipeline", pipeline), trace, **kwargs)
+
+
+def _units_for(
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    kwargs: dict[str, Any],
+    made: dict[tuple[int, int], list[Units]],
+) -> tuple[int, int] | None:
+    """The key in ``made`` of the trace's units for a run's block sizes (made once for the
+    runs of the same ones), or None where its options are bad (its own run says why)."""
+    bytes_per_block = kwargs.get("bytes_per_block", 0)
+    groups = tuple(kwargs.get("groups") or (SimKVGroup("attention", bytes_per_block),))
+    block_size = kwargs.get("block_size", 32)
+    tbt = kwargs.get("trace_block_tokens", MOONCAKE_BLOCK_TOKENS)
+    try:
+        _check_options(bytes_per_block, block_size, tbt, 0)
+    except SimulateError:
+        return None
+    run_pipeline = kwargs.get("pipeline", pipeline)
+    unit = _unit(
+        groups, block_size, tbt, kwargs.get("exact", False), [],
+        retentions(run_pipeline, kwargs.get("overrides") or {}),
+    )
+    if (unit * block_size, tbt) not in made:
+        keymaker = KeyMaker(block_size * unit, tbt)
+        # (A replay of the run's sizes: its tiers' slots are allocated, not used.)
+        probe = _Replay(run_pipeline, {}, keymaker, unit, bytes_per_block, 0, groups)
+        made[unit * block_size, tbt] = [probe.units(r) for r in trace]
+    return unit * block_size, tbt

@@ -146,10 +146,14 @@ class OffloadCPUModel:
         prompt_blocks = min(prompt_tokens // self.block_size, len(keys))
         stop = prompt_blocks if self.config.save == "prompt" else len(keys)
         stop = min(stop, self._admitted(keys, prompt_blocks))
-        keep = {
-            g: {k for k in range(stop) if self._kept(self.layouts[g], prompt_tokens, k)}
-            for g in self.window_groups
-        }
+        # Groups of one layout (a hybrid's window layers split into several groups of
+        # one window) keep the same blocks: worked out once per layout.
+        kept: dict[GroupLayout, set[int]] = {}
+        for g in self.window_groups:
+            layout = self.layouts[g]
+            if layout not in kept:
+                kept[layout] = {k for k in range(stop) if self._kept(layout, prompt_tokens, k)}
+        keep = {g: kept[self.layouts[g]] for g in self.window_groups}
         if keep:
             self._full += stop * self.full_bytes
             self._kept_bytes += sum(group_bytes[g] * stop for g in self.full_groups) + sum(

@@ -1,0 +1,218 @@
+"""The router models of ``kvc simulate --fleet``: where vllm-router 0.1.17 sends a request,
+given what it sees of each engine when the request arrives.
+
+What each policy weighs, as read in vllm-router's source (``src/policies/``) and
+its ``--help`` (the defaults below are its own), for the requests ``kvc bench
+--fleet`` sends (token-id prompts, the conversation named in ``x-session-id``):
+
+* the **load** of an engine is the router's count of its requests in flight
+  (raised when the router sends one, lowered when the response ends);
+* ``round_robin``: engines in turn; ``random``: uniformly (seeded here);
+* ``consistent_hash``: one engine per session (the router's ring of worker
+  URLs is another partition of the same sessions: modelled as a hash);
+* ``power_of_two``: two distinct engines drawn at random, the less loaded
+  (the first drawn on a tie);
+* ``sticky_least_loaded``: a session stays on its engine; a new session goes
+  to the engine with the fewest sessions (ties broken by a hash of session and
+  engine), sessions expiring after ``SESSION_TTL_S`` idle;
+* ``cache_aware``: its guess of each engine's cache is a tree of request
+  text, and a token-id prompt has none: it keys on the session header
+  instead, a session going back to the engine it went to, a new one to the
+  least loaded (the first of equals); when the load is imbalanced (``max -
+  min > --balance-abs-threshold`` (64) and ``max > --balance-rel-threshold``
+  (1.5) ``x min``) the least loaded whatever the session;
+* ``kv_aware-vllm`` / ``kv_aware-tiers``: from the engines' KV events, each
+  engine's credit for the prompt's leading blocks: its vLLM prefix cache in
+  full, what its nodes hold after that at ``--kv-penalty-external`` (0.6: KV
+  Composer's events name their node) or not at all (``-vllm``); the engine
+  with the least prefill work: the prompt less its credit, plus the prompt
+  tokens it has yet to compute for its requests in flight (released at their
+  first token), the first of equals (``--router-temperature`` 0: the minimum,
+  no sampling), also with nothing credited anywhere.
+
+What was read: the router's ``--help`` (every default above), its source
+(``cache_aware.rs``, ``power_of_two.rs``, ``sticky_least_loaded.rs``, and a
+``kv_aware.rs`` older than 0.1.17, which fell back to the least loaded with
+nothing credited), and 0.1.17's debug log (``--log-level debug``) of a
+``kvc bench --fleet 2`` run: every ``kv_aware`` decision is a ``prefix_cost``
+one, naming the request's ``new_prefill_tokens`` and ``credited_prefix_tokens``,
+with nothing credited too, and the binary names a per-worker prefill work
+estimate. The pending-prefill term is this model's reading of that estimate
+(its exact form is not in what was read), checked against ``kvc bench
+--fleet`` (docs/simulate.md).
+
+The fleet's engines are :class:`composer.simulate.replay._Replay`; the router
+sees them as they are when the request arrives (KV events reach it within
+milliseconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from composer.simulate.replay import _Replay
+from composer.simulate.tiers import SimulateError
+from composer.trace import TraceRequest, conversation
+
+#: The router's credit for a block a node holds (vllm-router 0.1.17's default
+#: ``--kv-penalty-external``), per kv_aware variant; vLLM's prefix cache is credited in full.
+TIER_CREDIT = {"kv_aware-vllm": 0.0, "kv_aware-tiers": 0.6}
+#: Every policy modelled (``kvc bench --fleet`` measures five of them:
+#: :data:`composer.bench.fleet.POLICIES`).
+ROUTERS = (
+    "round_robin",
+    "random",
+    "consistent_hash",
+    "power_of_two",
+    "sticky_least_loaded",
+    "cache_aware",
+    *TIER_CREDIT,
+)
+#: sticky_least_loaded's idle session expiry (vllm-router's default, 2 hours).
+SESSION_TTL_S = 7200.0
+#: cache_aware's load balancing: on when the busiest engine has more than this many
+#: requests over the idlest (``--balance-abs-threshold``) and more than this many
+#: times its load (``--balance-rel-threshold``).
+BALANCE_ABS_THRESHOLD = 64
+BALANCE_REL_THRESHOLD = 1.5
+
+
+def session(req: TraceRequest) -> str:
+    """The request's session, as ``kvc bench`` names it in ``x-session-id`` (its
+    conversation), apart per tenant (two tenants' equal ids are two sessions)."""
+    return f"{req.tenant}/{conversation(req)}" if req.tenant else conversation(req)
+
+
+def stable_hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+@dataclass
+class FleetView:
+    """What the router sees of the fleet."""
+
+    replays: list[_Replay]
+    #: Requests in flight per engine (the router's load).
+    load: list[int]
+    #: First key of a prompt -> engines that ever stored a prompt starting with it
+    #: (only they can credit any of it: the rest are not asked).
+    holders: dict[bytes, set[int]] = field(default_factory=dict)
+    #: Prompt tokens each engine has yet to compute for its requests in flight.
+    pending: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.pending = self.pending or [0] * len(self.load)
+
+
+#: ``choose(view, req, keys, limit, now_s)`` -> engine index.
+Choose = Callable[[FleetView, TraceRequest, Sequence[bytes], int, float], int]
+
+
+def least_loaded(load: Sequence[int]) -> int:
+    """The least loaded engine, the first of equals (Rust's ``min_by_key``)."""
+    return min(range(len(load)), key=load.__getitem__)
+
+
+def make_router(name: str, engines: int, seed: int = 0) -> Choose:
+    """A fresh router of policy ``name`` (its state: turn, sessions, random draws)."""
+    rng = random.Random(seed)
+    if name == "round_robin":
+        turn = iter(range(1 << 62))
+        return lambda view, req, keys, limit, now: next(turn) % engines
+    if name == "random":
+        return lambda view, req, keys, limit, now: rng.randrange(engines)
+    if name == "consistent_hash":
+        return lambda view, req, keys, limit, now: stable_hash(session(req)) % engines
+    if name == "power_of_two":
+        return _power_of_two(engines, rng)
+    if name == "sticky_least_loaded":
+        return _sticky(engines)
+    if name == "cache_aware":
+        return _cache_aware()
+    return _kv_aware(TIER_CREDIT[name])
+
+
+def _power_of_two(engines: int, rng: random.Random) -> Choose:
+    def choose(
+        view: FleetView, req: TraceRequest, keys: Sequence[bytes], limit: int, now: float
+    ) -> int:
+        if engines == 1:
+            return 0
+        first = rng.randrange(engines)
+        second = rng.randrange(engines - 1)
+        second += second >= first  # two distinct engines
+        return first if view.load[first] <= view.load[second] else second
+
+    return choose
+
+
+def _sticky(engines: int) -> Choose:
+    sessions: dict[str, tuple[int, float]] = {}  # session -> (engine, last seen)
+    active = [0] * engines
+
+    def choose(
+        view: FleetView, req: TraceRequest, keys: Sequence[bytes], limit: int, now: float
+    ) -> int:
+        name = session(req)
+        known = sessions.get(name)
+        if known is not None and now - known[1] < SESSION_TTL_S:
+            sessions[name] = (known[0], now)
+            return known[0]
+        if known is not None:  # expired: its engine holds one session fewer
+            active[known[0]] -= 1
+        fewest = min(active)
+        engine = max(
+            (e for e in range(engines) if active[e] == fewest),
+            key=lambda e: stable_hash(f"{name}:{e}"),
+        )
+        active[engine] += 1
+        sessions[name] = (engine, now)
+        return engine
+
+    return choose
+
+
+def _cache_aware() -> Choose:
+    sessions: dict[str, int] = {}
+
+    def choose(
+        view: FleetView, req: TraceRequest, keys: Sequence[bytes], limit: int, now: float
+    ) -> int:
+        load = view.load
+        low, high = min(load), max(load)
+        name = session(req)
+        if high - low > BALANCE_ABS_THRESHOLD and high > low * BALANCE_REL_THRESHOLD:
+            engine = least_loaded(load)  # imbalanced: the shortest queue, remembered
+        else:
+            engine = sessions.get(name, -1)
+            if engine < 0:
+                engine = least_loaded(load)
+        sessions[name] = engine
+        return engine
+
+    return choose
+
+
+def _kv_aware(credit: float) -> Choose:
+    def choose(
+        view: FleetView, req: TraceRequest, keys: Sequence[bytes], limit: int, now: float
+    ) -> int:
+        pending = view.pending
+        credits = [0.0] * len(pending)
+        unit = view.replays[0].unit
+        for engine in view.holders.get(keys[0], ()) if keys and limit else ():
+            gpu, tier = view.replays[engine].holds(keys, limit)
+            credits[engine] = (gpu + credit * tier) * unit
+        # The least prefill work: the prompt less its credit (the prompt is the same
+        # everywhere), plus what the engine has yet to compute; the first of equals.
+        return min(range(len(pending)), key=lambda e: pending[e] - credits[e])
+
+    return choose
+
+
+def check_router(name: str) -> None:
+    if name not in ROUTERS:
+        raise SimulateError(f"--router {name!r}: one of {', '.join(ROUTERS)}")
