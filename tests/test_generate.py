@@ -33,8 +33,9 @@ def test_the_same_seed_gives_the_same_trace_and_another_seed_another() -> None:
 
 def test_it_reads_back_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "gen.jsonl"
-    code = main(["trace", "generate", str(path), "--requests", "600", "--tenants", "3",
-                 "--seed", "7"])
+    code = main(
+        ["trace", "generate", str(path), "--requests", "600", "--tenants", "3", "--seed", "7"]
+    )
     assert code == 0, capsys.readouterr().err
     assert read_trace(path) == generate(SMALL)
     assert "600 requests, 3 tenants" in capsys.readouterr().err
@@ -86,15 +87,15 @@ def test_no_prompt_passes_the_longest_context() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--requests", "0"], "requests must be >= 1"),
-        (["--tenants", "0"], "tenants must be >= 1"),
-        (["--session-rate", "0"], "session_rate must be a finite number > 0"),
-        (["--session-rate", "inf"], "session_rate must be a finite number > 0"),
-        (["--agent-share", "1.5"], "agent_share must be between 0 and 1"),
-        (["--system-tokens", "-1"], "system_tokens and context_tokens must be >= 0"),
-        (["--context-tokens", "-1"], "system_tokens and context_tokens must be >= 0"),
-        (["--max-context-tokens", "512"], "max_context_tokens must be > system_tokens"),
-        (["--decode-s", "-1"], "decode_s must be a finite number >= 0"),
+        (["--requests", "0"], "--requests must be >= 1"),
+        (["--tenants", "0"], "--tenants must be >= 1"),
+        (["--session-rate", "0"], "--session-rate must be a finite number > 0"),
+        (["--session-rate", "inf"], "--session-rate must be a finite number > 0"),
+        (["--agent-share", "1.5"], "--agent-share must be between 0 and 1"),
+        (["--system-tokens", "-1"], "--system-tokens and --context-tokens must be >= 0"),
+        (["--context-tokens", "-1"], "--system-tokens and --context-tokens must be >= 0"),
+        (["--max-context-tokens", "512"], "--max-context-tokens must be > --system-tokens"),
+        (["--decode-s", "-1"], "--decode-s must be a finite number >= 0"),
         (["--requests", "x"], "invalid int value"),
     ],
 )

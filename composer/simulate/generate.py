@@ -69,21 +69,21 @@ class TraceShape:
     def checked(self) -> TraceShape:
         problems = []
         if self.requests < 1:
-            problems.append("requests must be >= 1")
+            problems.append("--requests must be >= 1")
         if self.tenants < 1:
-            problems.append("tenants must be >= 1")
+            problems.append("--tenants must be >= 1")
         if not 0 < self.session_rate < math.inf:
-            problems.append("session_rate must be a finite number > 0")
+            problems.append("--session-rate must be a finite number > 0")
         if not 0 <= self.agent_share <= 1:
-            problems.append("agent_share must be between 0 and 1")
+            problems.append("--agent-share must be between 0 and 1")
         if self.system_tokens < 0 or self.context_tokens < 0:
-            problems.append("system_tokens and context_tokens must be >= 0")
+            problems.append("--system-tokens and --context-tokens must be >= 0")
         if self.max_context_tokens <= self.system_tokens:
-            problems.append("max_context_tokens must be > system_tokens")
+            problems.append("--max-context-tokens must be > --system-tokens")
         if not 0 <= self.decode_s < math.inf:
-            problems.append("decode_s must be a finite number >= 0")
+            problems.append("--decode-s must be a finite number >= 0")
         if problems:
-            raise SimulateError("kvc trace generate: " + "; ".join(problems))
+            raise SimulateError("; ".join(problems))
         return self
 
 
