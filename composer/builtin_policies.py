@@ -125,6 +125,8 @@ class RequestRetention(RetentionPolicy):
     evict is under a TTL, the one of the lowest ``priority`` (then the earliest
     deadline) goes: a TTL never makes the tier refuse a save; a pin does."""
 
+    asked_only = True
+
     def __init__(self, slots: int, config: Any = None) -> None:
         super().__init__(slots, config)
         self.pin_cap = int(slots * float(getattr(config, "max_pinned_share", 0.25)))

@@ -87,6 +87,10 @@ class RetentionPolicy:
     Constructed once per tier with the tier's size in blocks and the node's config.
     ``now`` is the tier's clock (seconds; the simulator's is the trace's)."""
 
+    #: True: it keeps only blocks a request asked it to (``requested``), so the tier
+    #: asks it nothing (``kept``, ``yields``, ``removed``) until a request has.
+    asked_only: bool = False
+
     def __init__(self, slots: int, config: Any = None) -> None:
         self.slots = slots
 

@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from kvc_offload_cpu.index import Admission, BlockIndex
 
 from composer.builtin_policies import Arc, Lru, RequestRetention, Threshold
 from composer.cli import main
@@ -108,8 +109,6 @@ def test_threshold_admits_the_blocks_enough_requests_contained(threshold: int) -
 def test_a_policy_in_one_file_is_chosen_by_name(fifo: ModuleType, tmp_path: Path) -> None:
     pipeline = load_pipeline(_pipeline(tmp_path, eviction="fifo"))
     assert pipeline.nodes[0].config.eviction == "fifo"  # type: ignore[attr-defined]
-    from kvc_offload_cpu.index import BlockIndex
-
     index = BlockIndex(2, "fifo")
     assert type(index.policy).__name__ == "Fifo"
     a, b = index.allocate(b"a"), index.allocate(b"b")
@@ -241,8 +240,6 @@ class _Raising(EvictionPolicy):
 
 @pytest.mark.parametrize("method", [m for m in ("added", "touched", "victims", "removed")])
 def test_an_eviction_policy_that_raises_loses_no_block(method: str) -> None:
-    from kvc_offload_cpu.index import BlockIndex
-
     policy = _Raising(3)
     index = BlockIndex(3, policy)
     entries = []
@@ -269,8 +266,6 @@ def test_an_eviction_policy_that_raises_loses_no_block(method: str) -> None:
 def test_an_admission_policy_that_raises_admits_every_block(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvc_offload_cpu.index import Admission
-
     admission = Admission("threshold", 8, type("C", (), {"store_threshold": 2})())
     assert admission.admit([b"a", b"b"]) == 0
 
@@ -368,8 +363,6 @@ class _RaisingRetention(RetentionPolicy):
 
 
 def test_a_retention_policy_that_raises_keeps_nothing_and_loses_no_block() -> None:
-    from kvc_offload_cpu.index import BlockIndex
-
     index = BlockIndex(2, "lru", retention=_RaisingRetention(2))
     for key in (b"a", b"b"):
         entry = index.allocate(key)
@@ -380,3 +373,44 @@ def test_a_retention_policy_that_raises_keeps_nothing_and_loses_no_block() -> No
     assert index.retention is None
     assert index.policy_failed == "_RaisingRetention raised RuntimeError: retention bug"
     assert len(index) + index.evictions == 3
+
+
+class _Counting(RetentionPolicy):
+    """Keeps every block a request asked for; counts the tier's questions."""
+
+    asked: set[bytes]
+
+    def __init__(self, slots: int, config: Any = None) -> None:
+        super().__init__(slots, config)
+        self.asked, self.calls = set(), 0
+
+    def requested(self, block: Any, retention: Retention, now: float) -> bool:
+        self.asked.add(block.key)
+        return True
+
+    def kept(self, block: Any, now: float) -> bool:
+        self.calls += 1
+        return block.key in self.asked
+
+
+@pytest.mark.parametrize("asked_only", [True, False])
+def test_an_asked_only_retention_policy_is_asked_nothing_until_a_request_asks(
+    asked_only: bool,
+) -> None:
+    policy = _Counting(3)
+    policy.asked_only = asked_only
+    index = BlockIndex(3, "lru", retention=policy)
+    entries = []
+    for key in (b"a", b"b", b"c", b"d"):  # d evicts a
+        entry = index.allocate(key)
+        assert entry is not None
+        index.mark_ready(entry)
+        entries.append(entry)
+    assert (policy.calls == 0) is asked_only
+    assert index.retain(entries[1], Retention(ttl_s=60))  # b, now kept
+    for key in (b"e", b"f"):
+        entry = index.allocate(key)
+        assert entry is not None
+        index.mark_ready(entry)
+    assert b"b" in index and b"c" not in index and b"d" not in index
+    assert policy.calls > 0

@@ -153,6 +153,8 @@ class BlockIndex:
             else retention
         )
         self.clock = clock
+        #: Whether the retention policy is asked (one ``asked_only`` is, once a request asked).
+        self.consulted = self.retention is not None and not self.retention.asked_only
         #: Why a configured policy was replaced ("": none was).
         self.policy_failed = ""
         #: Free slots, lowest first (consecutive saves get consecutive slots).
@@ -223,7 +225,7 @@ class BlockIndex:
         if self._free:
             slot = heapq.heappop(self._free)
         else:
-            victim = self._victim_for(owner)
+            victim = self._victim(OTHERS) if self.quotas is None else self._victim_for(owner)
             if victim is None:
                 return None
             self._remove(victim, evicted=True)
@@ -321,13 +323,15 @@ class BlockIndex:
         retention policy; when every one is kept, the one retention yields (None:
         none)."""
         kept: list[Entry] = []
-        now = self.clock() if self.retention is not None else 0.0
+        consulted = self.consulted
+        now = self.clock() if consulted else 0.0
+        entries = self._entries
         try:
             for block in self.policies[tenant].victims():
-                entry = self._entries.get(block.key)
+                entry = entries.get(block.key)
                 if entry is not block or not entry.ready or entry.pins:
                     continue
-                if self._kept(entry, now):
+                if consulted and self._kept(entry, now):
                     kept.append(entry)
                     continue
                 return entry
@@ -357,6 +361,7 @@ class BlockIndex:
         False: not granted."""
         if self.retention is None or self._entries.get(entry.key) is not entry:
             return False
+        self.consulted = True
         try:
             return bool(self.retention.requested(entry, retention, self.clock()))
         except Exception as exc:
@@ -364,7 +369,7 @@ class BlockIndex:
             return False
 
     def _left_policy(self, entry: Entry, evicted: bool) -> None:
-        if self.retention is not None:
+        if self.consulted and self.retention is not None:
             try:
                 self.retention.removed(entry)
             except Exception as exc:
@@ -385,6 +390,7 @@ class BlockIndex:
             log.error("cache policy failed; the tier keeps no block for requests",
                       policy=name, error=repr(exc))
             self.retention = None
+            self.consulted = False
             return
         name = type(self.policy).__name__
         self.policy_failed = f"{name}.{hook} raised {type(exc).__name__}: {exc}"
