@@ -15,7 +15,9 @@ The ``lmcache-chaos`` node kills the node's own (started) server again and
 again under load: at the first lookup of each request ordinal in ``kill_at``,
 before the lmcache node's lookups of that step go out. At each ordinal in
 ``resume_by`` it holds the scheduler until the node has resumed (the node
-restarts its server by itself), so the outages end where the test expects.
+restarts its server by itself), and ``resume_settle_s`` more (the worker's
+half, another process in a served engine, resumes a moment later), so the
+outages end where the test expects.
 It records each outage's times as the node saw them, and vLLM's free KV
 blocks at every new request. In every process, once the node has noticed an
 outage, it sends LMCache's client one more request (a ping), as a store begun
@@ -119,6 +121,10 @@ class ChaosConfig(BaseModel):
     kill_at: list[int]
     resume_by: list[int]
     resume_timeout_s: float = 120.0
+    #: Held this long more once the scheduler's half resumed: in a served engine the
+    #: worker's half is another process, whose node resumes on its own watcher a
+    #: moment later; a save it skips meanwhile would be missed the round after.
+    resume_settle_s: float = 1.0
 
 
 #: The lmcache node of each chain half in this process (an in-process engine has both;
@@ -191,6 +197,7 @@ class Chaos(LatencyProbe):
             deadline = time.monotonic() + self.config.resume_timeout_s
             while not all(t.supervisor.alive for t in TARGETS) and time.monotonic() < deadline:
                 time.sleep(0.05)
+            time.sleep(self.config.resume_settle_s)
             outage = self.outages[-1]
             outage["back_at"] = min(t.supervisor.back_at or 0 for t in TARGETS)
             resumed = [t.supervisor.resumed_at for t in TARGETS if t.supervisor.alive]
