@@ -3,6 +3,7 @@ a pipeline (a file or stdin), and small text and JSON helpers."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import sys
@@ -12,9 +13,10 @@ from typing import Any, TextIO
 from pydantic_core import to_jsonable_python
 
 from composer.discovery import Registry
-from composer.errors import PipelineInvalid, Problem
+from composer.errors import PipelineInvalid, Problem, escape
 from composer.export import CONNECTOR_NAME, as_multiconnector
 from composer.loader import FileProblem, read_pipeline_stream
+from composer.model.kv_groups import ModelConfigError, ModelKV, group_rows, predict
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.validation import load_pipeline, validate_text
 
@@ -95,3 +97,24 @@ def needs_runtime(what: str) -> Iterator[None]:
             "`pip install 'kv-composer[vllm]'` or run `make demo`"
         ) from None
 
+
+def predict_model(args: argparse.Namespace) -> ModelKV | None:
+    """The ``--model`` prediction, or None without one; an unusable model is a usage error."""
+    if getattr(args, "model", None) is None:
+        return None
+    try:
+        return predict(args.model, block_size=args.block_size)
+    except ModelConfigError as exc:
+        raise CommandError(f"--model: {exc}") from None
+
+
+def model_lines(model: ModelKV) -> list[str]:
+    """The model's predicted groups, as ``kvc validate`` and ``kvc graph`` show them."""
+    count = len(model.groups)
+    lines = [
+        f"model {model.name} ({model.architecture}): {count} KV cache group"
+        f"{'s' * (count != 1)}{' (hybrid)' if model.hybrid else ''}"
+    ]
+    lines += [f"  {row}" for row in group_rows(model.groups)]
+    lines += [f"  note: {note}" for note in model.notes]
+    return [escape(line) for line in lines]

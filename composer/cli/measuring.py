@@ -1,8 +1,8 @@
 """``kvc simulate`` and ``kvc bench``: predict hit rates on a trace with no engine, and
 measure them on real servers.
 
-Their modules (:mod:`composer.simulate`, :mod:`composer.bench.run`, ...) are
-imported inside the commands, so that the other commands never load them.
+Their modules (:mod:`composer.simulate`, :mod:`composer.bench`) load neither torch
+nor vLLM (matplotlib only inside the plots), so they are imported here at the top.
 """
 
 from __future__ import annotations
@@ -12,24 +12,38 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from composer import trace as traces
+from composer.bench import report as bench_report
+from composer.bench import run as bench_run
+from composer.bench.replay import BenchError, trace_block_tokens
+from composer.bench.servers import Config, ServerSpec
+from composer.bench.spec import BenchSpec
 from composer.cli.common import EXIT_INVALID, EXIT_OK, CommandError, dump, load
 from composer.discovery import discover
 from composer.errors import escape
 from composer.pipeline import ResolvedPipeline
-
-if TYPE_CHECKING:
-    from composer.bench.spec import BenchSpec
-    from composer.trace import TraceRequest
+from composer.simulate import SimulateError, simulate
+from composer.simulate.cost import CALIBRATED, parse_cost
+from composer.simulate.generate import generate, shape_from
+from composer.simulate.report import (
+    format_fleet,
+    format_fleet_sweep,
+    format_result,
+    format_sweep,
+    plot_fleet_sweep,
+    plot_sweep,
+)
+from composer.simulate.routers import ROUTERS, check_router
+from composer.simulate.shape import model_shape
+from composer.simulate.sweep import fleet_runs, parse_sweep, simulate_many, sweep
+from composer.trace import TraceRequest, write_trace
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from composer import simulate as sim
-    from composer import trace as traces
-
     pipeline = load(args.file, discover())
     try:
         kwargs: dict[str, Any] = _sizes(args, pipeline)
@@ -44,7 +58,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             text = _simulate_fleet(args, pipeline, trace, kwargs)
         elif given := [k for k, v in FLEET_ONLY.items() if getattr(args, k) != v]:
             flag = "--" + given[0].replace("_", "-")
-            raise sim.SimulateError(f"{flag} is a fleet's: give --fleet N too")
+            raise SimulateError(f"{flag} is a fleet's: give --fleet N too")
         elif args.sweep is None:
             text = _simulate_once(args, pipeline, trace, kwargs)
         else:
@@ -52,7 +66,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except traces.TraceError as exc:
         print(escape(str(exc)), file=sys.stderr)
         return EXIT_INVALID
-    except (sim.SimulateError, ValueError) as exc:
+    except (SimulateError, ValueError) as exc:
         raise CommandError(str(exc)) from None
     if args.output:
         try:
@@ -75,8 +89,6 @@ def _sizes(args: argparse.Namespace, pipeline: ResolvedPipeline) -> dict[str, An
             ) from None
         return {"bytes_per_block": bpb, "block_size": args.block_size}
     if args.model_config is not None:
-        from composer.simulate.shape import model_shape
-
         shape = model_shape(args.model_config, args.block_size, pipeline)
         return {
             "bytes_per_block": shape.bytes_per_block,
@@ -93,9 +105,6 @@ def _simulate_once(
     trace: Sequence[TraceRequest],
     kwargs: dict[str, Any],
 ) -> str:
-    from composer.simulate import simulate
-    from composer.simulate.report import format_result
-
     result = simulate(pipeline, trace, **kwargs)
     return dump(result.as_dict()) if args.json else format_result(result)
 
@@ -106,11 +115,6 @@ def _simulate_fleet(
     trace: Sequence[TraceRequest],
     kwargs: dict[str, Any],
 ) -> str:
-    from composer.simulate.cost import CALIBRATED, parse_cost
-    from composer.simulate.report import format_fleet, format_fleet_sweep, plot_fleet_sweep
-    from composer.simulate.routers import ROUTERS, check_router
-    from composer.simulate.sweep import fleet_runs, parse_sweep, simulate_many
-
     routers = args.router or list(ROUTERS)
     for router in routers:
         check_router(router)
@@ -157,9 +161,6 @@ def _simulate_sweep(
     trace: Sequence[TraceRequest],
     kwargs: dict[str, Any],
 ) -> str:
-    from composer.simulate.report import format_sweep, plot_sweep
-    from composer.simulate.sweep import parse_sweep, sweep
-
     name, values = parse_sweep(args.sweep)
     results = sweep(pipeline, trace, name, values, **kwargs)
     png = _plot_path(args)
@@ -172,10 +173,6 @@ def _simulate_sweep(
 
 
 def cmd_trace_generate(args: argparse.Namespace) -> int:
-    from composer.simulate import SimulateError
-    from composer.simulate.generate import generate, shape_from
-    from composer.trace import write_trace
-
     try:
         shape = shape_from(vars(args))
     except SimulateError as exc:
@@ -196,11 +193,6 @@ def cmd_trace_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from composer import trace as traces
-    from composer.bench import replay
-    from composer.bench import report as bench_report
-    from composer.bench import run as bench_run
-
     try:
         trace = traces.read_trace(args.trace, limit=args.limit)
     except traces.TraceError as exc:
@@ -210,7 +202,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         spec = _bench_spec(args, trace)
         results = bench_run.run(spec)
         written = bench_report.write_report(results, spec.workdir, plot=not args.no_plot)
-    except replay.BenchError as exc:
+    except BenchError as exc:
         raise CommandError(str(exc)) from None
     if args.json:
         print(dump([r.summary() for r in results]))
@@ -221,10 +213,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_spec(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> BenchSpec:
-    from composer.bench.replay import BenchError, trace_block_tokens
-    from composer.bench.servers import Config, ServerSpec
-    from composer.bench.spec import BenchSpec
-
     trace_block_tokens(args.scale)  # refused before any server starts
     if (args.model is None) == (args.url is None):
         raise BenchError("kvc bench needs exactly one of --model and --url")

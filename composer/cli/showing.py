@@ -18,7 +18,9 @@ from composer.cli.common import (
     disabled_nodes,
     dump,
     load,
+    model_lines,
     plugin_label,
+    predict_model,
     print_problems,
     runs_as,
 )
@@ -39,9 +41,6 @@ def node_tiers(node: ResolvedNode) -> list[str]:
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
-    # Imported here: validating imports this module's neighbours, not the other way round.
-    from composer.cli.validating import model_lines, predict_model
-
     pipeline = load(args.file, discover(), args.kv_role)
     model = predict_model(args)
     check = (

@@ -18,7 +18,9 @@ from composer.cli.common import (
     MissingRuntime,
     dump,
     load,
+    model_lines,
     plural,
+    predict_model,
     print_problems,
     runs_as,
 )
@@ -26,7 +28,7 @@ from composer.discovery import Registry, discover
 from composer.errors import PipelineInvalid, Problem, escape
 from composer.export import kv_transfer_config
 from composer.loader import file_marks
-from composer.model.kv_groups import ModelConfigError, ModelKV, group_rows, predict
+from composer.model.kv_groups import group_rows
 from composer.pipeline import SCHEMA_ID, ResolvedPipeline, typed_pipeline_model
 from composer.validation.deep_check import deep_check, sleep_mode_problems
 from composer.validation.model_check import ModelCheck, check_model
@@ -67,29 +69,6 @@ class _Checked:
                 "notes": list(self.model.notes),
             }
         return out
-
-
-def predict_model(args: argparse.Namespace) -> ModelKV | None:
-    """The ``--model`` prediction, or None without one; an unusable model is a usage error."""
-    if getattr(args, "model", None) is None:
-        return None
-    try:
-        return predict(args.model, block_size=args.block_size)
-    except ModelConfigError as exc:
-        raise CommandError(f"--model: {exc}") from None
-
-
-def model_lines(model: ModelKV) -> list[str]:
-    """The model's predicted groups, as ``kvc validate`` and ``kvc graph`` show them."""
-    count = len(model.groups)
-    lines = [
-        f"model {model.name} ({model.architecture}): {count} KV cache group"
-        f"{'s' * (count != 1)}{' (hybrid)' if model.hybrid else ''}"
-    ]
-    lines += [f"  {row}" for row in group_rows(model.groups)]
-    lines += [f"  note: {note}" for note in model.notes]
-    return [escape(line) for line in lines]
-
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
