@@ -50,22 +50,14 @@ PERCENTILES = (50, 90, 99)
 
 
 @dataclass
-class EngineStats:
-    requests: int = 0
-    prompt_tokens: int = 0
-    tokens_served: int = 0
+class EngineStats(TenantResult):
+    """One engine's requests, what was served of them, and how busy it was."""
+
     #: Time-averaged requests in flight over the run, and the most at once.
     mean_in_flight: float = 0.0
     max_in_flight: int = 0
     #: Mean seconds a request's TTFT exceeds its prefill alone (time it shared the engine).
     mean_wait_s: float = 0.0
-
-    @property
-    def fraction_served(self) -> float:
-        return self.tokens_served / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**vars(self), "fraction_served": self.fraction_served}
 
 
 @dataclass
@@ -122,8 +114,7 @@ class FleetResult:
             "per_engine": [e.as_dict() for e in self.per_engine],
             "cost": self.cost.as_dict(),
             "tenants": {
-                name: {**vars(t), "fraction_served": t.fraction_served}
-                for name, t in self.tenants.items()
+                name: t.as_dict() for name, t in self.tenants.items()
             },
         }
 

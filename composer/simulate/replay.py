@@ -51,7 +51,8 @@ class NodeResult:
 
 @dataclass
 class TenantResult:
-    """One tenant's requests (vLLM's ``cache_salt``, the trace's ``tenant``; "": none)."""
+    """Some requests' prompt tokens and what was served of them: one tenant's (vLLM's
+    ``cache_salt``, the trace's ``tenant``; "": none), or one engine's of a fleet."""
 
     requests: int = 0
     prompt_tokens: int = 0
@@ -61,6 +62,9 @@ class TenantResult:
     @property
     def fraction_served(self) -> float:
         return self.tokens_served / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**vars(self), "fraction_served": self.fraction_served}
 
 
 @dataclass
@@ -102,10 +106,7 @@ class Result:
                 "prefill_tokens_saved": self.tokens_served,
                 "prefill_tokens_computed": self.prefill_tokens_computed,
             },
-            "tenants": {
-                name: {**vars(t), "fraction_served": t.fraction_served}
-                for name, t in self.tenants.items()
-            },
+            "tenants": {name: t.as_dict() for name, t in self.tenants.items()},
         }
 
 
