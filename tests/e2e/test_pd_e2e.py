@@ -57,12 +57,15 @@ ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = ROOT / "examples" / "pd-nixl.yaml"
 TRACE = ROOT / "tests/data/traces/mooncake-conversation_trace-500.jsonl"
 BLOCK, MAX_LEN, MAX_TOKENS = 32, 2048, 8
-#: The producer's NIXL lease (``kv_lease_duration``, vLLM's default 30): how long it
-#: holds a prompt's blocks for a decode engine that has not read them. A read after
-#: it gets blocks that may have been reused (vLLM logs "Potentially invalid KV
-#: blocks"); a cold decode engine's first pull took 10 s on a loaded test machine,
-#: so the engines are warmed up first.
-LEASE_S = 10
+#: The producer's NIXL lease (``kv_lease_duration``; vLLM's default, set here so the
+#: checks can count on it): how long it holds a prompt's blocks for a decode engine
+#: that has not read them. A read after it gets blocks that may have been reused
+#: (vLLM logs "Potentially invalid KV blocks" and serves them all the same). On a
+#: 2-core test machine requests now and then came back 5 to 10 s late (the whole
+#: machine stood still: a process that only sleeps saw the same gaps); with a 10 s
+#: lease a check's prefill was read after its lease ended, and a decode gave wrong
+#: tokens.
+LEASE_S = 30
 #: vLLM's KV cache on the producer, in blocks: one max-length request, and little more.
 PRODUCER_BLOCKS = 80
 #: Seconds an engine may take to give its blocks back after a check.
