@@ -15,8 +15,10 @@ The ``lmcache-chaos`` node kills the node's own (started) server again and
 again under load: at the first lookup of each request ordinal in ``kill_at``,
 before the lmcache node's lookups of that step go out. At each ordinal in
 ``resume_by`` it holds the scheduler until the node has resumed (the node
-restarts its server by itself), and ``resume_settle_s`` more (the worker's
-half, another process in a served engine, resumes a moment later), so the
+restarts its server by itself) in both chain halves: in a served engine the
+worker's half is another process, whose node resumes on its own watcher a
+moment after the scheduler's; it says each resume in ``<report>.resumed``
+(how many so far), and the scheduler waits for that count too. So the
 outages end where the test expects.
 It records each outage's times as the node saw them, and vLLM's free KV
 blocks at every new request. In every process, once the node has noticed an
@@ -121,10 +123,6 @@ class ChaosConfig(BaseModel):
     kill_at: list[int]
     resume_by: list[int]
     resume_timeout_s: float = 120.0
-    #: Held this long more once the scheduler's half resumed: in a served engine the
-    #: worker's half is another process, whose node resumes on its own watcher a
-    #: moment later; a save it skips meanwhile would be missed the round after.
-    resume_settle_s: float = 1.0
 
 
 #: The lmcache node of each chain half in this process (an in-process engine has both;
@@ -144,6 +142,26 @@ class Chaos(LatencyProbe):
         self.late_waits: list[dict[str, Any]] = []
         self._stop = threading.Event()
         threading.Thread(target=self._send_late_requests, daemon=True).start()
+        if ctx.process == "worker":
+            threading.Thread(target=self._say_resumes, daemon=True).start()
+
+    def _say_resumes(self) -> None:
+        """The worker's half: each time its node resumes, the count in ``<report>.resumed``
+        (a save skipped before then would be missed the round after)."""
+        supervisor, resumes, was_alive = self.target.supervisor, 0, True
+        while not self._stop.wait(0.01):
+            alive = supervisor.alive
+            if alive and not was_alive:
+                resumes += 1
+                path = f"{self.config.report}.resumed"
+                Path(f"{path}.tmp").write_text(str(resumes))
+                os.replace(f"{path}.tmp", path)
+            was_alive = alive
+
+    def _worker_resumes(self) -> int:
+        """How often the worker's half (another process) has resumed."""
+        path = Path(f"{self.config.report}.resumed")
+        return int(path.read_text()) if path.exists() else 0
 
     def _send_late_requests(self) -> None:
         target = self.target
@@ -193,17 +211,22 @@ class Chaos(LatencyProbe):
             os.kill(pid, signal.SIGKILL)
             self.outages.append({"killed_pid": pid, "killed_at": time.monotonic()})
         if ordinal in self.config.resume_by:
-            # Both chain halves' nodes: the worker's saves, the scheduler's lookups.
+            # Both chain halves' nodes: the scheduler's lookups, the worker's saves (in
+            # this process when the engine runs in one, else as the worker says).
+            apart = len(TARGETS) == 1
             deadline = time.monotonic() + self.config.resume_timeout_s
-            while not all(t.supervisor.alive for t in TARGETS) and time.monotonic() < deadline:
+            while time.monotonic() < deadline and not (
+                all(t.supervisor.alive for t in TARGETS)
+                and (not apart or self._worker_resumes() >= len(self.outages))
+            ):
                 time.sleep(0.05)
-            time.sleep(self.config.resume_settle_s)
             outage = self.outages[-1]
             outage["back_at"] = min(t.supervisor.back_at or 0 for t in TARGETS)
             resumed = [t.supervisor.resumed_at for t in TARGETS if t.supervisor.alive]
             outage["resumed_at"] = max(resumed) if len(resumed) == len(TARGETS) else None
             outage["restarted_pid"] = self.target.supervisor.server.pid
             outage["halves"] = len(TARGETS)
+            outage["worker_resumes"] = self._worker_resumes() if apart else None
         return 0, False
 
     def report(self) -> dict[str, Any]:
