@@ -252,8 +252,7 @@ def pd(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD
             # tokens (CI once) began with a request that came back a lease late.
             for warm in (WARM, WARM_AGAIN):
                 pd.decode(warm, pd.prefill(warm).kv_transfer_params)
-                for url in (engines.prefill.url, engines.decode.url):
-                    _wait_released(url)
+                _wait_both_released(engines)
             pd.calls.clear()
             pd.vocab = vocab_size_of(tiny_model) or 0
             yield pd
@@ -269,7 +268,12 @@ def _no_leaked_blocks(pd: PD, figures: Callable[[str], None]) -> Iterator[None]:
     pd.calls.clear()
     yield
     figures(", ".join(f"{what} {n} tokens {s:.2f} s" for what, n, s in pd.calls))
-    for engine in (pd.engines.prefill, pd.engines.decode):
+    _wait_both_released(pd.engines)
+
+
+def _wait_both_released(engines: PDEngines) -> None:
+    """Each live engine holds no block (fails after :data:`RELEASE_S`)."""
+    for engine in (engines.prefill, engines.decode):
         if engine.proc.poll() is None:
             _wait_released(engine.url)
 
