@@ -10,6 +10,8 @@ beyond loopback and no event is published before the subscriber is there.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from composer.servers import LOOPBACK, free_port
@@ -46,6 +48,15 @@ class Subscriber:
     def events(self) -> list[Any]:
         """Every event received, in order."""
         return [event for batch in self.batches for event in batch.events]
+
+    def wait_for(self, done: Callable[[list[Any]], bool], timeout_s: float = 30.0) -> list[Any]:
+        """Every event received, once ``done`` holds for them or ``timeout_s`` passed:
+        the publisher sends from its own thread, so an event of a step that ended
+        can still be on its way when the request's answer is back."""
+        deadline = time.monotonic() + timeout_s
+        while not done(events := self.events()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return events
 
     def stop(self) -> None:
         self._stop.set()

@@ -347,14 +347,22 @@ def test_the_decode_sides_tier_keeps_what_nixl_delivered(pd: PD) -> None:
     assert scrape.total(samples, f"{scrape.PREFIX}tokens_hit_total", node="nixl") >= len(TURN1)
     # vLLM's event publisher carried the tier's stores of what NIXL delivered,
     # named for the node (the router counts them as the engine's, medium CPU).
-    stored = [
-        e
-        for e in pd.events.events()
-        if type(e).__name__ == "BlockStored" and e.medium == "CPU"
-    ]
-    tokens = [t for e in stored for t in e.token_ids]
+    wanted = [tuple(TURN1[i : i + BLOCK]) for i in range(0, full_blocks, BLOCK)]
+    stored = _tier_stores(pd.events.wait_for(lambda e: _missing(wanted, _tier_stores(e)) == []))
     assert {e.ownership for e in stored} == {"cpu"}
-    assert all(tuple(TURN1[i : i + BLOCK]) in _chunks(tokens) for i in range(0, full_blocks, BLOCK))
+    missing = _missing(wanted, stored)
+    assert missing == [], f"first-turn blocks with no BlockStored: {missing} of {len(wanted)}"
+
+
+def _tier_stores(events: list[Any]) -> list[Any]:
+    """The ``BlockStored`` events of the CPU tier (medium CPU)."""
+    return [e for e in events if type(e).__name__ == "BlockStored" and e.medium == "CPU"]
+
+
+def _missing(blocks: list[tuple[int, ...]], stored: list[Any]) -> list[int]:
+    """The indices of ``blocks`` whose tokens no stored event carries (one block each)."""
+    carried = {tuple(e.token_ids) for e in stored}
+    return [i for i, block in enumerate(blocks) if block not in carried]
 
 
 def _reset_vllm_prefix_cache(url: str) -> None:
@@ -362,10 +370,6 @@ def _reset_vllm_prefix_cache(url: str) -> None:
     request = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST")
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
-
-
-def _chunks(tokens: list[int]) -> set[tuple[int, ...]]:
-    return {tuple(tokens[i : i + BLOCK]) for i in range(0, len(tokens), BLOCK)}
 
 
 def test_the_prefill_sides_tier_serves_the_prefix_and_nixl_ships_the_whole_prompt(
