@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from composer.builtin_policies import BUILTIN as BUILTIN_POLICIES
 from composer.hookspecs import hookimpl
@@ -41,6 +41,11 @@ KNOWN_CONNECTORS: dict[str, Capabilities] = {
     "HiSparseConnector": Capabilities(),
 }
 
+#: vLLM's connectors that move KV with NIXL (``nixl_progress_thread`` applies to them).
+NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
+#: The vLLM module whose ``nixl_agent_config`` their workers build NIXL's agent with.
+NIXL_AGENT_CONFIG_HOME = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+
 
 class VllmConnectorConfig(BaseModel):
     """A connector from vLLM's factory, wrapped as one pipeline node."""
@@ -63,6 +68,27 @@ class VllmConnectorConfig(BaseModel):
     capabilities: Capabilities | None = Field(
         None, description="Declare capabilities of a connector KV Composer does not know."
     )
+    nixl_progress_thread: bool | None = Field(
+        None,
+        description=(
+            "NIXL connectors only: false runs NIXL without its progress thread, which "
+            "polls without pause (a core per engine, idle or not). The engine's own "
+            "steps progress the transfers then: vLLM steps an engine while it waits "
+            "for a transfer or holds a prompt for one. For CPU hosts with few cores. "
+            "Default: NIXL's own (on)."
+        ),
+    )
+
+    @field_validator("nixl_progress_thread")
+    @classmethod
+    def _only_for_nixl(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        connector = info.data.get("connector")
+        if value is not None and connector not in NIXL_CONNECTORS:
+            raise ValueError(
+                f"applies to NIXL connectors ({', '.join(sorted(NIXL_CONNECTORS))}), "
+                f"not {connector}"
+            )
+        return value
 
 
 def _capabilities(config: VllmConnectorConfig) -> Capabilities:

@@ -64,7 +64,8 @@ MULTICONNECTOR_SAFE: dict[str, Callable[[ResolvedPipeline], bool]] = {
 #: The same for every field of a node (:class:`composer.pipeline.Node`).
 MULTICONNECTOR_SAFE_NODE: dict[str, Callable[[ResolvedNode], bool]] = {
     "plugin": lambda n: n.plugin.name == "vllm",
-    "config": lambda n: True,  # becomes the child's KVTransferConfig
+    # Becomes the child's KVTransferConfig, but for what vLLM's config cannot say.
+    "config": lambda n: getattr(n.config, "nixl_progress_thread", None) is None,
     "needs": lambda n: not n.needs,
     "role": lambda n: True,  # what it changes shows in load_order / save_to
     "on_error": lambda n: n.on_error == "fail",  # MultiConnector's only behaviour

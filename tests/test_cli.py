@@ -231,6 +231,34 @@ def test_deep_check_reports_unknown_connectors_located(files: Path) -> None:
     )
 
 
+def test_deep_check_locates_a_progress_thread_setting_this_vllm_cannot_apply(
+    files: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against the installed vLLM: it takes the setting; one whose NIXL worker builds
+    its agent elsewhere is reported at the setting, before launch."""
+    import importlib
+
+    from composer import load_pipeline
+    from composer.builtin import NIXL_AGENT_CONFIG_HOME
+    from composer.loader import load_yaml
+    from composer.validation.deep_check import deep_check
+
+    text = NATIVE.replace(
+        "{connector: NixlConnector}", "{connector: NixlConnector, nixl_progress_thread: false}"
+    )
+    (files / "deep.yaml").write_text(text)
+    pipeline = load_pipeline("deep.yaml")
+    _, marks, _ = load_yaml(text)
+    names = ["NixlConnector", "ExampleConnector"]
+    assert deep_check(pipeline, marks=marks, registered=names, classes=False) == []
+    monkeypatch.delattr(importlib.import_module(NIXL_AGENT_CONFIG_HOME), "nixl_agent_config")
+    (problem,) = deep_check(pipeline, marks=marks, registered=names, classes=False)
+    assert str(problem).startswith(
+        "deep.yaml:5:62: nodes.nixl.config.nixl_progress_thread: this vLLM's NIXL worker "
+        "does not build its agent with"
+    )
+
+
 def test_validate_deep_against_the_installed_vllm(files: Path, kvc: str) -> None:
     """One real run: imports vLLM, so it is the slowest test here."""
     (files / "typo.yaml").write_text(NATIVE.replace("ExampleConnector", "ExampleConector"))
@@ -336,10 +364,10 @@ def test_plugins(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "  roles: both, load, save, transport (default both)\n" in out
     assert "  capabilities: depends on the node's config\n" in out
     assert (
-        "    connector         str, required  Name in vLLM's KVConnectorFactory, e.g. "
+        "    connector             str, required  Name in vLLM's KVConnectorFactory, e.g. "
         "NixlConnector.\n" in out
     )
-    assert "    kv_port           int | None, default null  TCP port, 1 to 65535.\n" in out
+    assert "    kv_port               int | None, default null  TCP port, 1 to 65535.\n" in out
 
     code, out, _ = run(capsys, "plugins", "--json")
     (vllm,) = json.loads(out)
@@ -425,10 +453,10 @@ def test_serve_and_demo_hand_their_arguments_over(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(
         composer.cli.serve,
         "serve",
-        lambda file, args, valkey, kv_role: calls.append(
-            ("serve" + "+valkey" * valkey + f"+{kv_role}" * bool(kv_role), file, args)
-        )
-        or 0,
+        lambda file, args, valkey, kv_role: (
+            calls.append(("serve" + "+valkey" * valkey + f"+{kv_role}" * bool(kv_role), file, args))
+            or 0
+        ),
     )
     demo = composer.cli.demo
     monkeypatch.setattr(demo, "main", lambda file: calls.append(("demo", file, None)) or 3)
@@ -584,7 +612,7 @@ def test_graph_text_and_ok_lines_escape_user_text(
     files: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (files / "evil.yaml").write_text(
-        'version: 1\nnodes:\n  n:\n    plugin: vllm\n'
+        "version: 1\nnodes:\n  n:\n    plugin: vllm\n"
         '    config: {connector: "X\\nfile.yaml:1:1: forged\\e[2J\\u202e"}\n'
     )
     code, out, _ = run(capsys, "graph", "evil.yaml")

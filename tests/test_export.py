@@ -82,6 +82,12 @@ def test_anything_multiconnector_cannot_express_needs_the_composed_connector(
     assert "kv_load_failure_policy" not in config
 
 
+def test_a_setting_vllms_config_cannot_say_needs_the_composed_connector(valid: Valid) -> None:
+    text = TWO_NATIVE.replace("kv_port: 5600\n", "kv_port: 5600\n      nixl_progress_thread: false\n")
+    config = kv_transfer_config(valid(text))
+    assert config["kv_connector"] == "ComposedConnector"
+
+
 def test_every_pipeline_and_node_setting_is_classified_for_multiconnector() -> None:
     # A new setting must say whether MultiConnector JSON keeps it, or it could be
     # silently dropped by `kvc export`.

@@ -381,3 +381,54 @@ def test_the_docs_show_what_kvc_prints_for_a_side(
             assert out.endswith(shown.removeprefix("...\n"))
         else:
             assert out == shown
+
+
+# --------------------------------------------------------------------------- #
+# NIXL's progress thread (nixl_progress_thread)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("connector", ["NixlConnector", "NixlPullConnector", "NixlPushConnector"])
+def test_nixl_connectors_take_the_progress_thread_setting(
+    registry: Registry, connector: str
+) -> None:
+    text = PD.replace("NixlConnector,", f"{connector}, nixl_progress_thread: false,")
+    node = resolve(registry, text, "consumer").node("nixl")
+    assert node.config.nixl_progress_thread is False
+
+
+@pytest.mark.parametrize("value", ["false", "true"])
+def test_the_progress_thread_setting_on_another_connector_is_located(
+    registry: Registry, value: str
+) -> None:
+    text = PD.replace(
+        "config: {connector: NixlConnector, kv_buffer_device: cpu}",
+        f"config: {{connector: OffloadingConnector, nixl_progress_thread: {value}}}",
+    )
+    (problem,) = check(registry, text)
+    line = text.splitlines()[8]  # the nixl node's config, at the value
+    column = line.index("nixl_progress_thread: ") + len("nixl_progress_thread: ") + 1
+    assert problem.startswith(f"p.yaml:9:{column}: nodes.nixl.config.nixl_progress_thread: ")
+    assert "applies to NIXL connectors" in problem and "not OffloadingConnector" in problem
+
+
+@pytest.mark.parametrize("wanted", [False, True])
+def test_the_nixl_worker_builds_its_agent_with_the_nodes_setting(wanted: bool) -> None:
+    """Against the installed vLLM and NIXL: inside the node's context vLLM's NIXL
+    worker gets an agent config with the thread as the node says, and vLLM's own
+    function back after."""
+    import importlib
+
+    from composer.builtin import NIXL_AGENT_CONFIG_HOME, VllmConnectorConfig
+    from composer.vllm.native import nixl_agent_config
+
+    home = importlib.import_module(NIXL_AGENT_CONFIG_HOME)
+    vllms = home.nixl_agent_config
+    assert vllms(num_threads=4).enable_pthread is True  # NIXL's default
+    config = VllmConnectorConfig(connector="NixlConnector", nixl_progress_thread=wanted)
+    with nixl_agent_config(config):
+        made = home.nixl_agent_config(num_threads=4, capture_telemetry=True)
+        assert (made.enable_pthread, made.num_threads) == (wanted, 4)
+    assert home.nixl_agent_config is vllms
+    with nixl_agent_config(VllmConnectorConfig(connector="NixlConnector")):
+        assert home.nixl_agent_config is vllms

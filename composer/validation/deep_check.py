@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 import pluggy
 
+from composer.builtin import NIXL_AGENT_CONFIG_HOME
 from composer.errors import Problem, did_you_mean, one_of
 from composer.hookspecs import HOOKS, PROJECT, NodeSpec
 from composer.loader import Marks
@@ -94,9 +95,29 @@ def sleep_mode_problems(
 def _located(
     pipeline: ResolvedPipeline, marks: Marks, node: ResolvedNode, message: str
 ) -> Problem:
-    path = ("nodes", node.id, "plugin")
+    return _located_at(pipeline, marks, ("nodes", node.id, "plugin"), message)
+
+
+def _located_at(
+    pipeline: ResolvedPipeline, marks: Marks, path: tuple[str, ...], message: str
+) -> Problem:
     line, column = marks.locate(path)
     return Problem(path, message, pipeline.file, line, column)
+
+
+def _nixl_agent_config_problem() -> str:
+    """Why the installed vLLM cannot take ``nixl_progress_thread``; empty when it can
+    (its NIXL worker builds NIXL's agent config where the node sets it)."""
+    try:
+        home = importlib.import_module(NIXL_AGENT_CONFIG_HOME)
+    except ImportError as e:
+        return f"vLLM's NIXL worker cannot be imported here: {e}"
+    if hasattr(home, "nixl_agent_config"):
+        return ""
+    return (
+        f"this vLLM's NIXL worker does not build its agent with "
+        f"{NIXL_AGENT_CONFIG_HOME}.nixl_agent_config: the setting cannot be applied"
+    )
 
 
 def _connector_problems(
@@ -106,7 +127,12 @@ def _connector_problems(
     if not natives:
         return []
     names = frozenset(registered) if registered is not None else vllm_connector_names()
-    problems: list[Problem] = []
+    problems: list[Problem] = [
+        _located_at(pipeline, marks, ("nodes", n.id, "config", "nixl_progress_thread"), why)
+        for n in natives
+        if getattr(n.config, "nixl_progress_thread", None) is not None
+        and (why := _nixl_agent_config_problem())
+    ]
     for node in natives:
         # An out-of-tree connector is loaded from its module path, not looked up by name.
         if getattr(node.config, "module_path", None):

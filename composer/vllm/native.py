@@ -7,9 +7,12 @@ hook forwards vLLM's raw objects to it unchanged, exactly as MultiConnector does
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import importlib
 from typing import Any, cast
+from unittest import mock
 
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -20,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-from composer.builtin import VllmConnectorConfig
+from composer.builtin import NIXL_AGENT_CONFIG_HOME, VllmConnectorConfig
 from composer.export import native_child_config
 from composer.hookspecs import HOOKS, Native, NodeSpec, hookimpl, hooks_where
 from composer.plugin import NodeContext, Plugin
@@ -55,6 +58,30 @@ def child_vllm_config(config: VllmConnectorConfig, vllm_config: Any) -> Any:
     return temp
 
 
+def nixl_agent_config(config: VllmConnectorConfig) -> contextlib.AbstractContextManager[Any]:
+    """While it is open, vLLM's NIXL workers build NIXL's agent with the node's
+    ``nixl_progress_thread``. vLLM passes no such setting through (it takes NIXL's
+    default, the thread on), so the function it calls is wrapped for the time the
+    connector is created; nothing else changes."""
+    wanted = config.nixl_progress_thread
+    if wanted is None:
+        return contextlib.nullcontext()
+    home = importlib.import_module(NIXL_AGENT_CONFIG_HOME)
+    if not hasattr(home, "nixl_agent_config"):
+        raise RuntimeError(
+            f"nixl_progress_thread: this vLLM's NIXL worker does not build its agent with "
+            f"{NIXL_AGENT_CONFIG_HOME}.nixl_agent_config; remove the setting"
+        )
+    made = home.nixl_agent_config
+    if made is None:  # NIXL is not installed: vLLM says so itself
+        return contextlib.nullcontext()
+
+    def agent_config(*args: Any, **kwargs: Any) -> Any:
+        return made(*args, **kwargs, enable_prog_thread=wanted)
+
+    return mock.patch.object(home, "nixl_agent_config", agent_config)
+
+
 class NativeConnectorNode(Plugin):
     def __init__(self, ctx: NodeContext, connector: VllmConnectorConfig | None = None) -> None:
         """``connector``: the vLLM connector to wrap, for a plugin whose own config
@@ -73,7 +100,8 @@ class NativeConnectorNode(Plugin):
             # without HMA are refused at engine start, by the composed connector.)
             temp.scheduler_config = copy.copy(temp.scheduler_config)
             temp.scheduler_config.disable_hybrid_kv_cache_manager = True
-        self.connector = KVConnectorFactory.create_connector(temp, role, ctx.kv_cache_config)
+        with nixl_agent_config(config):
+            self.connector = KVConnectorFactory.create_connector(temp, role, ctx.kv_cache_config)
         #: How another process finds this connector's class again (to rebuild
         #: its stats there): vLLM's name, and the module path of an out-of-tree one.
         self.identity: dict[str, str] = {"name": config.connector}
