@@ -41,10 +41,11 @@ KNOWN_CONNECTORS: dict[str, Capabilities] = {
     "HiSparseConnector": Capabilities(),
 }
 
-#: vLLM's connectors that move KV with NIXL (``nixl_progress_thread`` applies to them).
+#: vLLM's connectors that move KV with NIXL (``nixl_poll_ms`` applies to them).
 NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
-#: The vLLM module whose ``nixl_agent_config`` their workers build NIXL's agent with.
-NIXL_AGENT_CONFIG_HOME = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+#: NIXL's Python API as vLLM imports it; its ``nixl_agent`` makes the agent through
+#: the ``nixlBind`` bindings.
+NIXL_API = "nixl._api"
 
 
 class VllmConnectorConfig(BaseModel):
@@ -68,20 +69,21 @@ class VllmConnectorConfig(BaseModel):
     capabilities: Capabilities | None = Field(
         None, description="Declare capabilities of a connector KV Composer does not know."
     )
-    nixl_progress_thread: bool | None = Field(
+    nixl_poll_ms: int | None = Field(
         None,
+        ge=0,
+        le=1000,
         description=(
-            "NIXL connectors only: false runs NIXL without its progress thread, which "
-            "polls without pause (a core per engine, idle or not). The engine's own "
-            "steps progress the transfers then: vLLM steps an engine while it waits "
-            "for a transfer or holds a prompt for one. For CPU hosts with few cores. "
-            "Default: NIXL's own (on)."
+            "NIXL connectors only: how long NIXL's progress thread waits for UCX events "
+            "between rounds, in ms. NIXL's own is 0: it polls without pause, a core per "
+            "engine, idle or not; 1 wakes it on each event and at least every ms. For "
+            "hosts without cores to spare (vLLM's CPU build)."
         ),
     )
 
-    @field_validator("nixl_progress_thread")
+    @field_validator("nixl_poll_ms")
     @classmethod
-    def _only_for_nixl(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+    def _only_for_nixl(cls, value: int | None, info: ValidationInfo) -> int | None:
         connector = info.data.get("connector")
         if value is not None and connector not in NIXL_CONNECTORS:
             raise ValueError(

@@ -65,7 +65,7 @@ MULTICONNECTOR_SAFE: dict[str, Callable[[ResolvedPipeline], bool]] = {
 MULTICONNECTOR_SAFE_NODE: dict[str, Callable[[ResolvedNode], bool]] = {
     "plugin": lambda n: n.plugin.name == "vllm",
     # Becomes the child's KVTransferConfig, but for what vLLM's config cannot say.
-    "config": lambda n: getattr(n.config, "nixl_progress_thread", None) is None,
+    "config": lambda n: getattr(n.config, "nixl_poll_ms", None) is None,
     "needs": lambda n: not n.needs,
     "role": lambda n: True,  # what it changes shows in load_order / save_to
     "on_error": lambda n: n.on_error == "fail",  # MultiConnector's only behaviour

@@ -231,31 +231,29 @@ def test_deep_check_reports_unknown_connectors_located(files: Path) -> None:
     )
 
 
-def test_deep_check_locates_a_progress_thread_setting_this_vllm_cannot_apply(
+def test_deep_check_locates_a_poll_wait_this_nixl_cannot_take(
     files: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Against the installed vLLM: it takes the setting; one whose NIXL worker builds
-    its agent elsewhere is reported at the setting, before launch."""
+    """Against the installed NIXL: it takes the setting; one whose Python API makes its
+    agents another way is reported at the setting, before launch."""
     import importlib
 
     from composer import load_pipeline
-    from composer.builtin import NIXL_AGENT_CONFIG_HOME
+    from composer.builtin import NIXL_API
     from composer.loader import load_yaml
     from composer.validation.deep_check import deep_check
 
-    text = NATIVE.replace(
-        "{connector: NixlConnector}", "{connector: NixlConnector, nixl_progress_thread: false}"
-    )
+    text = NATIVE.replace("NixlConnector}", "NixlConnector, nixl_poll_ms: 1}")
     (files / "deep.yaml").write_text(text)
     pipeline = load_pipeline("deep.yaml")
     _, marks, _ = load_yaml(text)
     names = ["NixlConnector", "ExampleConnector"]
     assert deep_check(pipeline, marks=marks, registered=names, classes=False) == []
-    monkeypatch.delattr(importlib.import_module(NIXL_AGENT_CONFIG_HOME), "nixl_agent_config")
+    monkeypatch.setattr(importlib.import_module(NIXL_API), "nixlBind", object())
     (problem,) = deep_check(pipeline, marks=marks, registered=names, classes=False)
-    assert str(problem).startswith(
-        "deep.yaml:5:62: nodes.nixl.config.nixl_progress_thread: this vLLM's NIXL worker "
-        "does not build its agent with"
+    assert str(problem) == (
+        "deep.yaml:5:54: nodes.nixl.config.nixl_poll_ms: this NIXL's nixl._api makes no "
+        "agent through nixlBind.nixlAgent: it cannot be set"
     )
 
 
@@ -364,10 +362,10 @@ def test_plugins(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "  roles: both, load, save, transport (default both)\n" in out
     assert "  capabilities: depends on the node's config\n" in out
     assert (
-        "    connector             str, required  Name in vLLM's KVConnectorFactory, e.g. "
+        "    connector         str, required  Name in vLLM's KVConnectorFactory, e.g. "
         "NixlConnector.\n" in out
     )
-    assert "    kv_port               int | None, default null  TCP port, 1 to 65535.\n" in out
+    assert "    kv_port           int | None, default null  TCP port, 1 to 65535.\n" in out
 
     code, out, _ = run(capsys, "plugins", "--json")
     (vllm,) = json.loads(out)

@@ -83,7 +83,7 @@ def test_anything_multiconnector_cannot_express_needs_the_composed_connector(
 
 
 def test_a_setting_vllms_config_cannot_say_needs_the_composed_connector(valid: Valid) -> None:
-    text = TWO_NATIVE.replace("kv_port: 5600\n", "kv_port: 5600\n      nixl_progress_thread: false\n")
+    text = TWO_NATIVE.replace("kv_port: 5600\n", "kv_port: 5600\n      nixl_poll_ms: 1\n")
     config = kv_transfer_config(valid(text))
     assert config["kv_connector"] == "ComposedConnector"
 

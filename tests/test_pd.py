@@ -384,51 +384,56 @@ def test_the_docs_show_what_kvc_prints_for_a_side(
 
 
 # --------------------------------------------------------------------------- #
-# NIXL's progress thread (nixl_progress_thread)
+# NIXL's progress thread (nixl_poll_ms)
 # --------------------------------------------------------------------------- #
 
 
 @pytest.mark.parametrize("connector", ["NixlConnector", "NixlPullConnector", "NixlPushConnector"])
-def test_nixl_connectors_take_the_progress_thread_setting(
-    registry: Registry, connector: str
+@pytest.mark.parametrize("poll_ms", [0, 1, 1000])
+def test_nixl_connectors_take_the_poll_wait(
+    registry: Registry, connector: str, poll_ms: int
 ) -> None:
-    text = PD.replace("NixlConnector,", f"{connector}, nixl_progress_thread: false,")
-    node = resolve(registry, text, "consumer").node("nixl")
-    assert node.config.nixl_progress_thread is False
+    text = PD.replace("NixlConnector,", f"{connector}, nixl_poll_ms: {poll_ms},")
+    assert resolve(registry, text, "consumer").node("nixl").config.nixl_poll_ms == poll_ms
 
 
-@pytest.mark.parametrize("value", ["false", "true"])
-def test_the_progress_thread_setting_on_another_connector_is_located(
-    registry: Registry, value: str
-) -> None:
-    text = PD.replace(
-        "config: {connector: NixlConnector, kv_buffer_device: cpu}",
-        f"config: {{connector: OffloadingConnector, nixl_progress_thread: {value}}}",
-    )
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("connector: OffloadingConnector, nixl_poll_ms: 1", "applies to NIXL connectors"),
+        ("connector: NixlConnector, nixl_poll_ms: -1", "greater than or equal to 0"),
+        ("connector: NixlConnector, nixl_poll_ms: 1001", "less than or equal to 1000"),
+        ("connector: NixlConnector, nixl_poll_ms: fast", "expected an integer"),
+        ("connector: NixlConnector, nixl_poll_ms: 1.5", "expected an integer"),
+    ],
+)
+def test_a_bad_poll_wait_is_located(registry: Registry, config: str, message: str) -> None:
+    text = PD.replace("connector: NixlConnector, kv_buffer_device: cpu", config)
     (problem,) = check(registry, text)
     line = text.splitlines()[8]  # the nixl node's config, at the value
-    column = line.index("nixl_progress_thread: ") + len("nixl_progress_thread: ") + 1
-    assert problem.startswith(f"p.yaml:9:{column}: nodes.nixl.config.nixl_progress_thread: ")
-    assert "applies to NIXL connectors" in problem and "not OffloadingConnector" in problem
+    column = line.index("nixl_poll_ms: ") + len("nixl_poll_ms: ") + 1
+    assert problem.startswith(f"p.yaml:9:{column}: nodes.nixl.config.nixl_poll_ms: ")
+    assert message in problem
 
 
-@pytest.mark.parametrize("wanted", [False, True])
-def test_the_nixl_worker_builds_its_agent_with_the_nodes_setting(wanted: bool) -> None:
-    """Against the installed vLLM and NIXL: inside the node's context vLLM's NIXL
-    worker gets an agent config with the thread as the node says, and vLLM's own
-    function back after."""
+@pytest.mark.parametrize("poll_ms", [1, 20])
+def test_nixls_agents_get_the_nodes_poll_wait(poll_ms: int) -> None:
+    """Against the installed NIXL: inside the node's context an agent NIXL's Python API
+    makes (through its bindings, as vLLM's NIXL worker does) gets the wait, in us;
+    NIXL's own bindings are back after."""
     import importlib
 
-    from composer.builtin import NIXL_AGENT_CONFIG_HOME, VllmConnectorConfig
-    from composer.vllm.native import nixl_agent_config
+    from composer.builtin import NIXL_API, VllmConnectorConfig
+    from composer.vllm.native import nixl_poll
 
-    home = importlib.import_module(NIXL_AGENT_CONFIG_HOME)
-    vllms = home.nixl_agent_config
-    assert vllms(num_threads=4).enable_pthread is True  # NIXL's default
-    config = VllmConnectorConfig(connector="NixlConnector", nixl_progress_thread=wanted)
-    with nixl_agent_config(config):
-        made = home.nixl_agent_config(num_threads=4, capture_telemetry=True)
-        assert (made.enable_pthread, made.num_threads) == (wanted, 4)
-    assert home.nixl_agent_config is vllms
-    with nixl_agent_config(VllmConnectorConfig(connector="NixlConnector")):
-        assert home.nixl_agent_config is vllms
+    api = importlib.import_module(NIXL_API)
+    bindings = api.nixlBind
+    assert bindings.nixlAgentConfig().pthrDelay == 0  # NIXL's own: no wait
+    with nixl_poll(VllmConnectorConfig(connector="NixlConnector", nixl_poll_ms=poll_ms)):
+        config = api.nixlBind.nixlAgentConfig()
+        agent = api.nixlBind.nixlAgent(f"kvc-test-{poll_ms}", config)
+        assert config.pthrDelay == poll_ms * 1000
+        assert agent is not None
+    assert api.nixlBind is bindings
+    with nixl_poll(VllmConnectorConfig(connector="NixlConnector")):
+        assert api.nixlBind is bindings

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import pluggy
 
-from composer.builtin import NIXL_AGENT_CONFIG_HOME
+from composer.builtin import NIXL_API
 from composer.errors import Problem, did_you_mean, one_of
 from composer.hookspecs import HOOKS, PROJECT, NodeSpec
 from composer.loader import Marks
@@ -105,19 +105,16 @@ def _located_at(
     return Problem(path, message, pipeline.file, line, column)
 
 
-def _nixl_agent_config_problem() -> str:
-    """Why the installed vLLM cannot take ``nixl_progress_thread``; empty when it can
-    (its NIXL worker builds NIXL's agent config where the node sets it)."""
+def _nixl_poll_problem() -> str:
+    """Why the installed NIXL cannot take ``nixl_poll_ms``; empty when it can (its
+    Python API makes agents through ``nixlBind.nixlAgent``, where the node sets it)."""
     try:
-        home = importlib.import_module(NIXL_AGENT_CONFIG_HOME)
+        api = importlib.import_module(NIXL_API)
     except ImportError as e:
-        return f"vLLM's NIXL worker cannot be imported here: {e}"
-    if hasattr(home, "nixl_agent_config"):
+        return f"NIXL cannot be imported here: {e}"
+    if hasattr(getattr(api, "nixlBind", None), "nixlAgent"):
         return ""
-    return (
-        f"this vLLM's NIXL worker does not build its agent with "
-        f"{NIXL_AGENT_CONFIG_HOME}.nixl_agent_config: the setting cannot be applied"
-    )
+    return f"this NIXL's {NIXL_API} makes no agent through nixlBind.nixlAgent: it cannot be set"
 
 
 def _connector_problems(
@@ -128,10 +125,9 @@ def _connector_problems(
         return []
     names = frozenset(registered) if registered is not None else vllm_connector_names()
     problems: list[Problem] = [
-        _located_at(pipeline, marks, ("nodes", n.id, "config", "nixl_progress_thread"), why)
+        _located_at(pipeline, marks, ("nodes", n.id, "config", "nixl_poll_ms"), why)
         for n in natives
-        if getattr(n.config, "nixl_progress_thread", None) is not None
-        and (why := _nixl_agent_config_problem())
+        if getattr(n.config, "nixl_poll_ms", None) is not None and (why := _nixl_poll_problem())
     ]
     for node in natives:
         # An out-of-tree connector is loaded from its module path, not looked up by name.

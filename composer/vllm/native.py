@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-from composer.builtin import NIXL_AGENT_CONFIG_HOME, VllmConnectorConfig
+from composer.builtin import NIXL_API, VllmConnectorConfig
 from composer.export import native_child_config
 from composer.hookspecs import HOOKS, Native, NodeSpec, hookimpl, hooks_where
 from composer.plugin import NodeContext, Plugin
@@ -58,28 +58,39 @@ def child_vllm_config(config: VllmConnectorConfig, vllm_config: Any) -> Any:
     return temp
 
 
-def nixl_agent_config(config: VllmConnectorConfig) -> contextlib.AbstractContextManager[Any]:
-    """While it is open, vLLM's NIXL workers build NIXL's agent with the node's
-    ``nixl_progress_thread``. vLLM passes no such setting through (it takes NIXL's
-    default, the thread on), so the function it calls is wrapped for the time the
+def nixl_poll(config: VllmConnectorConfig) -> contextlib.AbstractContextManager[Any]:
+    """While it is open, the NIXL agents made get the node's ``nixl_poll_ms`` as their
+    progress thread's wait. NIXL's Python API sets that wait to 0 itself and takes no
+    setting for it, so the bindings it makes agents with are wrapped for the time the
     connector is created; nothing else changes."""
-    wanted = config.nixl_progress_thread
-    if wanted is None:
+    poll_ms = config.nixl_poll_ms
+    if poll_ms is None:
         return contextlib.nullcontext()
-    home = importlib.import_module(NIXL_AGENT_CONFIG_HOME)
-    if not hasattr(home, "nixl_agent_config"):
+    try:
+        api = importlib.import_module(NIXL_API)
+    except ImportError:  # NIXL is not installed: vLLM says so itself
+        return contextlib.nullcontext()
+    bindings = getattr(api, "nixlBind", None)
+    if not hasattr(bindings, "nixlAgent"):
         raise RuntimeError(
-            f"nixl_progress_thread: this vLLM's NIXL worker does not build its agent with "
-            f"{NIXL_AGENT_CONFIG_HOME}.nixl_agent_config; remove the setting"
+            f"nixl_poll_ms: this NIXL's {NIXL_API} makes no agent through nixlBind.nixlAgent; "
+            "remove the setting"
         )
-    made = home.nixl_agent_config
-    if made is None:  # NIXL is not installed: vLLM says so itself
-        return contextlib.nullcontext()
+    return mock.patch.object(api, "nixlBind", PolledBindings(bindings, poll_ms * 1000))
 
-    def agent_config(*args: Any, **kwargs: Any) -> Any:
-        return made(*args, **kwargs, enable_prog_thread=wanted)
 
-    return mock.patch.object(home, "nixl_agent_config", agent_config)
+class PolledBindings:
+    """NIXL's bindings, whose agents' progress threads wait ``delay_us`` for events."""
+
+    def __init__(self, bindings: Any, delay_us: int) -> None:
+        self.bindings, self.delay_us = bindings, delay_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.bindings, name)
+
+    def nixlAgent(self, name: str, agent_config: Any) -> Any:  # noqa: N802 - NIXL's name
+        agent_config.pthrDelay = self.delay_us
+        return self.bindings.nixlAgent(name, agent_config)
 
 
 class NativeConnectorNode(Plugin):
@@ -100,7 +111,7 @@ class NativeConnectorNode(Plugin):
             # without HMA are refused at engine start, by the composed connector.)
             temp.scheduler_config = copy.copy(temp.scheduler_config)
             temp.scheduler_config.disable_hybrid_kv_cache_manager = True
-        with nixl_agent_config(config):
+        with nixl_poll(config):
             self.connector = KVConnectorFactory.create_connector(temp, role, ctx.kv_cache_config)
         #: How another process finds this connector's class again (to rebuild
         #: its stats there): vLLM's name, and the module path of an out-of-tree one.
