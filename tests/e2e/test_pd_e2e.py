@@ -61,8 +61,8 @@ BLOCK, MAX_LEN, MAX_TOKENS = 32, 2048, 8
 #: holds a prompt's blocks for a decode engine that has not read them. A read after
 #: it gets blocks that may have been reused (vLLM logs "Potentially invalid KV
 #: blocks"). Short, for the lease check; every other check reads well within it, with
-#: the example's ``nixl_poll_ms`` (without it requests here waited out whole leases,
-#: and a late read decoded wrong tokens: docs/disaggregated.md).
+#: ``nixl_poll_ms`` (without it requests here waited out whole leases, and a late read
+#: decoded wrong tokens: docs/disaggregated.md).
 LEASE_S = 10
 #: vLLM's KV cache on the producer, in blocks: one max-length request, and little more.
 PRODUCER_BLOCKS = 80
@@ -184,10 +184,16 @@ def _wait_released(url: str, timeout_s: float = RELEASE_S) -> float:
 
 def _test_pipeline(workdir: Path) -> Path:
     """The example pipeline with a small CPU tier (two engines on a test machine), the
-    tier's KV events on and a short NIXL lease."""
+    tier's KV events on, a short NIXL lease and ``nixl_poll_ms: 1``: with NIXL's own
+    progress thread, which polls without pause, the two engines' threads took both
+    cores of the 2-core test machine, and while the producer held a prompt the machine
+    stood still until the lease ended (a decode then read reused blocks: wrong tokens).
+    See docs/disaggregated.md for what was measured either way."""
     data = yaml.safe_load(PIPELINE.read_text())
     data["nodes"]["cpu"]["config"].update(capacity="64MiB", events=True)
-    data["nodes"]["nixl"]["config"].setdefault("extra_config", {})["kv_lease_duration"] = LEASE_S
+    nixl = data["nodes"]["nixl"]["config"]
+    nixl["nixl_poll_ms"] = 1
+    nixl.setdefault("extra_config", {})["kv_lease_duration"] = LEASE_S
     path = workdir / "pd.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
