@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 import valkey  # installed by `make test` (the test extra): missing must fail, not skip
 
@@ -84,3 +89,27 @@ def _zombie_or_gone(pid: int | None) -> bool:
     except OSError:
         return True
     return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+
+
+def test_a_command_ended_by_sigterm_stops_the_servers_it_started(tmp_path: Path) -> None:
+    """``kvc bench`` and ``kvc demo`` start servers in their own process groups (a ^C is
+    not theirs); SIGTERM to the command (``timeout``, a CI runner) stops them on the way
+    out. Here a real Valkey, started as those commands start their servers."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, time
+        from composer.cli.common import stop_servers_on_sigterm
+        from composer.servers import valkey_server
+        stop_servers_on_sigterm()
+        with valkey_server({str(tmp_path)!r}) as server:
+            print(server.pid, flush=True)
+            time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    pid = int(proc.stdout.readline())
+    assert psutil.pid_exists(pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

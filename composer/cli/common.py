@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
@@ -23,6 +24,17 @@ from composer.validation import load_pipeline, validate_text
 EXIT_OK = 0
 EXIT_ENVIRONMENT = 1
 EXIT_INVALID = 2
+
+
+def stop_servers_on_sigterm() -> None:
+    """SIGTERM (``timeout``, a CI runner, ``kill``) ends the command as an exception
+    does, so the servers it started in their own process groups are stopped on the
+    way out. Python's default would end it at once and leave them running."""
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 class CommandError(Exception):

@@ -22,7 +22,14 @@ from composer.bench import run as bench_run
 from composer.bench.replay import BenchError, trace_block_tokens
 from composer.bench.servers import Config, ServerSpec
 from composer.bench.spec import BenchSpec
-from composer.cli.common import EXIT_INVALID, EXIT_OK, CommandError, dump, load
+from composer.cli.common import (
+    EXIT_INVALID,
+    EXIT_OK,
+    CommandError,
+    dump,
+    load,
+    stop_servers_on_sigterm,
+)
 from composer.discovery import discover
 from composer.errors import escape
 from composer.pipeline import ResolvedPipeline
@@ -193,6 +200,7 @@ def cmd_trace_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    stop_servers_on_sigterm()
     try:
         trace = traces.read_trace(args.trace, limit=args.limit)
     except traces.TraceError as exc:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from composer.cli.common import CommandError, needs_runtime
+from composer.cli.common import CommandError, needs_runtime, stop_servers_on_sigterm
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -20,6 +20,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    stop_servers_on_sigterm()
     with needs_runtime("kvc demo"):
         from composer.cli.demo import main as demo_main
     return demo_main(args.file)
