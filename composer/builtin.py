@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -46,6 +47,19 @@ NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConn
 #: NIXL's Python API as vLLM imports it; its ``nixl_agent`` makes the agent through
 #: the ``nixlBind`` bindings.
 NIXL_API = "nixl._api"
+
+
+def nixl_poll_problem() -> str:
+    """Why the installed NIXL cannot take ``nixl_poll_ms``; empty when it can (its
+    Python API makes agents through ``nixlBind.nixlAgent``, where the node sets it).
+    Imports NIXL: for ``kvc validate --deep`` and engine start only."""
+    try:
+        api = importlib.import_module(NIXL_API)
+    except ImportError as e:
+        return f"NIXL cannot be imported here: {e}"
+    if hasattr(getattr(api, "nixlBind", None), "nixlAgent"):
+        return ""
+    return f"this NIXL's {NIXL_API} makes no agent through nixlBind.nixlAgent: it cannot be set"
 
 
 class VllmConnectorConfig(BaseModel):

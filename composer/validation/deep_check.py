@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import pluggy
 
-from composer.builtin import NIXL_API
+from composer.builtin import nixl_poll_problem
 from composer.errors import Problem, did_you_mean, one_of
 from composer.hookspecs import HOOKS, PROJECT, NodeSpec
 from composer.loader import Marks
@@ -105,18 +105,6 @@ def _located_at(
     return Problem(path, message, pipeline.file, line, column)
 
 
-def _nixl_poll_problem() -> str:
-    """Why the installed NIXL cannot take ``nixl_poll_ms``; empty when it can (its
-    Python API makes agents through ``nixlBind.nixlAgent``, where the node sets it)."""
-    try:
-        api = importlib.import_module(NIXL_API)
-    except ImportError as e:
-        return f"NIXL cannot be imported here: {e}"
-    if hasattr(getattr(api, "nixlBind", None), "nixlAgent"):
-        return ""
-    return f"this NIXL's {NIXL_API} makes no agent through nixlBind.nixlAgent: it cannot be set"
-
-
 def _connector_problems(
     pipeline: ResolvedPipeline, marks: Marks, registered: Iterable[str] | None
 ) -> list[Problem]:
@@ -124,11 +112,7 @@ def _connector_problems(
     if not natives:
         return []
     names = frozenset(registered) if registered is not None else vllm_connector_names()
-    problems: list[Problem] = [
-        _located_at(pipeline, marks, ("nodes", n.id, "config", "nixl_poll_ms"), why)
-        for n in natives
-        if getattr(n.config, "nixl_poll_ms", None) is not None and (why := _nixl_poll_problem())
-    ]
+    problems = _nixl_poll_problems(pipeline, marks, natives)
     for node in natives:
         # An out-of-tree connector is loaded from its module path, not looked up by name.
         if getattr(node.config, "module_path", None):
@@ -136,19 +120,30 @@ def _connector_problems(
         connector = str(getattr(node.config, "connector", ""))
         if connector in names:
             continue
-        path = ("nodes", node.id, "config", "connector")
-        line, column = marks.locate(path)
         problems.append(
-            Problem(
-                path,
+            _located_at(
+                pipeline,
+                marks,
+                ("nodes", node.id, "config", "connector"),
                 f'vLLM has no KV connector "{connector}"{did_you_mean(connector, names)}; '
                 f"registered: {one_of(names)} (set module_path for an out-of-tree connector)",
-                pipeline.file,
-                line,
-                column,
             )
         )
     return problems
+
+
+def _nixl_poll_problems(
+    pipeline: ResolvedPipeline, marks: Marks, natives: list[ResolvedNode]
+) -> list[Problem]:
+    """``nixl_poll_ms`` set where the installed NIXL cannot take it."""
+    wanted = [n for n in natives if getattr(n.config, "nixl_poll_ms", None) is not None]
+    why = nixl_poll_problem() if wanted else ""
+    if not why:
+        return []
+    return [
+        _located_at(pipeline, marks, ("nodes", n.id, "config", "nixl_poll_ms"), why)
+        for n in wanted
+    ]
 
 
 # --------------------------------------------------------------------------- #

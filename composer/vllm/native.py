@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-from composer.builtin import NIXL_API, VllmConnectorConfig
+from composer.builtin import NIXL_API, VllmConnectorConfig, nixl_poll_problem
 from composer.export import native_child_config
 from composer.hookspecs import HOOKS, Native, NodeSpec, hookimpl, hooks_where
 from composer.plugin import NodeContext, Plugin
@@ -66,17 +66,10 @@ def nixl_poll(config: VllmConnectorConfig) -> contextlib.AbstractContextManager[
     poll_ms = config.nixl_poll_ms
     if poll_ms is None:
         return contextlib.nullcontext()
-    try:
-        api = importlib.import_module(NIXL_API)
-    except ImportError:  # NIXL is not installed: vLLM says so itself
-        return contextlib.nullcontext()
-    bindings = getattr(api, "nixlBind", None)
-    if not hasattr(bindings, "nixlAgent"):
-        raise RuntimeError(
-            f"nixl_poll_ms: this NIXL's {NIXL_API} makes no agent through nixlBind.nixlAgent; "
-            "remove the setting"
-        )
-    return mock.patch.object(api, "nixlBind", PolledBindings(bindings, poll_ms * 1000))
+    if why := nixl_poll_problem():
+        raise RuntimeError(f"nixl_poll_ms: {why}")
+    api = importlib.import_module(NIXL_API)
+    return mock.patch.object(api, "nixlBind", PolledBindings(api.nixlBind, poll_ms * 1000))
 
 
 class PolledBindings:
