@@ -43,6 +43,37 @@ class GroupLayout:
             skipped = 0
         return range(max(start, skipped // self.block_size), end)
 
+    def kept(self, k: int, prompt_tokens: int, retention_tokens: int) -> bool:
+        """Whether a tier saves block ``k`` of this window group for a prompt of
+        ``prompt_tokens`` (``window_retention``: ``retention_tokens``).
+
+        A hit ending at block ``h`` needs only the blocks inside the window
+        before ``h``; the retained hit points are every ``retention_tokens``
+        tokens and the two ends of the prompt (an exact repeat stops one token
+        short of it; a follow-up turn extends it). A window's start only moves
+        forward with ``h``, so the nearest point above ``k`` of each kind decides.
+        """
+        bs = self.block_size
+        points = [max(0, prompt_tokens - 1) // bs, prompt_tokens // bs]
+        every = retention_tokens // bs
+        if every:
+            points.append((k // every + 1) * every)
+        return any(k in self.needed(0, h) for h in points if h > k)
+
+    def kept_blocks(self, stop: int, prompt_tokens: int, retention_tokens: int) -> set[int]:
+        """The blocks of ``[0, stop)`` :meth:`kept` keeps, all at once (ranges, not a
+        question per block: the simulator saves whole traces)."""
+        bs = self.block_size
+        kept: set[int] = set()
+        for h in {max(0, prompt_tokens - 1) // bs, prompt_tokens // bs}:
+            kept.update(self.needed(0, h))
+        every = retention_tokens // bs
+        if every:
+            # Block k's nearest point above is the multiple m of every with m - every <= k < m.
+            for m in range(every, stop + every, every):
+                kept.update(range(max(m - every, self.needed(0, m).start), m))
+        return {k for k in kept if k < stop}
+
 
 @dataclass(frozen=True)
 class BlockLayout:

@@ -176,22 +176,9 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         return all(self.index.ready(self._key(st, group, k)) is not None for k in positions)
 
     def _kept(self, st: _Req, group: int, k: int) -> bool:
-        """Whether block ``k`` of a windowed group is saved.
-
-        A hit ending at block ``h`` needs only the blocks inside the window
-        before ``h``; the retained hit points are every ``window_retention``
-        tokens and the two ends of the prompt (an exact repeat stops one token
-        short of it; a follow-up turn extends it). A window's start only moves
-        forward with ``h``, so the nearest point above ``k`` of each kind decides.
-        """
-        bs = self.block_size
-        prompt = st.view.num_prompt_tokens
-        points = [max(0, prompt - 1) // bs, prompt // bs]
-        every = self.config.window_retention // bs
-        if every:
-            points.append((k // every + 1) * every)
+        """Whether block ``k`` of a windowed group is saved (:meth:`GroupLayout.kept`)."""
         spec: GroupLayout = self.layout.groups[group]
-        return any(k in spec.needed(0, h) for h in points if h > k)
+        return spec.kept(k, st.view.num_prompt_tokens, self.config.window_retention)
 
     # -- requests ------------------------------------------------------------ #
 

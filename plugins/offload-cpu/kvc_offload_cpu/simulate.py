@@ -61,6 +61,9 @@ class OffloadCPUModel:
         self.layouts = tuple(GroupLayout(g.kind, block_size, g.window) for g in groups)
         self.group_bytes = tuple(g.block_bytes for g in groups)
         self.several = len(groups) > 1
+        self._suffixes = [bytes((g,)) for g in range(len(groups))]
+        self._keys_of: Sequence[bytes] | None = None
+        self._keys: list[Sequence[bytes]] = []
         self.full_groups = [g for g, x in enumerate(self.layouts) if x.kind == "attention"]
         self.window_groups = [g for g, x in enumerate(self.layouts) if x.window]
         #: Bytes of one block position with every group at full attention.
@@ -87,9 +90,18 @@ class OffloadCPUModel:
             return None
         return self._kept_bytes / self._full if self._full else 1.0
 
-    def _key(self, group: int, key: bytes) -> bytes:
-        """The index key of a block of ``group`` (the block key alone with one group)."""
-        return key + bytes((group,)) if self.several else key
+    def _group_keys(self, keys: Sequence[bytes]) -> list[Sequence[bytes]]:
+        """Each group's index keys of ``keys`` (the block key and the group; the block key
+        alone with one group), made once per request: its lookup, load and save ask them
+        all (the replay hands each the same list)."""
+        if keys is not self._keys_of:
+            self._keys_of = keys
+            self._keys = (
+                [[k + suffix for k in keys] for suffix in self._suffixes]
+                if self.several
+                else [keys]
+            )
+        return self._keys
 
     def arrive(self, request: SimRequest) -> None:
         self.request = request
@@ -97,14 +109,15 @@ class OffloadCPUModel:
     def lookup(self, keys: Sequence[bytes], start: int, limit: int) -> int:
         if self.disabled_reason:
             return 0
-        ready, key = self.index.ready, self._key
+        ready, gkeys = self.index.ready, self._group_keys(keys)
+        full = [gkeys[g] for g in self.full_groups]
         end, stop = start, min(limit, len(keys))
         # Full-attention groups: the longest run of stored blocks.
-        while end < stop and all(ready(key(g, keys[end])) is not None for g in self.full_groups):
+        while end < stop and all(ready(group[end]) is not None for group in full):
             end += 1
         # Window groups: the longest of those ends whose window they hold.
         while end > start and not all(
-            ready(key(g, keys[k])) is not None
+            ready(gkeys[g][k]) is not None
             for g in self.window_groups
             for k in self.layouts[g].needed(start, end)
         ):
@@ -113,25 +126,14 @@ class OffloadCPUModel:
         return hit if hit >= self.config.min_blocks else 0
 
     def load(self, keys: Sequence[bytes], start: int, hit: int) -> None:
-        index = self.index
+        index, gkeys = self.index, self._group_keys(keys)
         for g, layout in enumerate(self.layouts):
             # vLLM holds null blocks outside a window: nothing is loaded there.
             for k in layout.needed(start, start + hit):
-                entry = index.ready(self._key(g, keys[k]))
+                entry = index.ready(gkeys[g][k])
                 if entry is not None:
                     index.touch(entry)
                     self.bytes_loaded += self.group_bytes[g]
-
-    def _kept(self, layout: GroupLayout, prompt_tokens: int, k: int) -> bool:
-        """Whether block ``k`` of a window group is saved: ``SchedulerHalf._kept``'s rule
-        (retained hit points at both ends of the prompt and every ``window_retention``
-        tokens; the nearest point above ``k`` of each kind decides)."""
-        bs = self.block_size
-        points = [max(0, prompt_tokens - 1) // bs, prompt_tokens // bs]
-        every = self.config.window_retention // bs
-        if every:
-            points.append((k // every + 1) * every)
-        return any(k in layout.needed(0, h) for h in points if h > k)
 
     def save(
         self,
@@ -152,7 +154,7 @@ class OffloadCPUModel:
         for g in self.window_groups:
             layout = self.layouts[g]
             if layout not in kept:
-                kept[layout] = {k for k in range(stop) if self._kept(layout, prompt_tokens, k)}
+                kept[layout] = layout.kept_blocks(stop, prompt_tokens, self.config.window_retention)
         keep = {g: kept[self.layouts[g]] for g in self.window_groups}
         if keep:
             self._full += stop * self.full_bytes
@@ -173,27 +175,31 @@ class OffloadCPUModel:
     ) -> int:
         """Store blocks ``[0, stop)`` of every group (as ``save`` decided), until a block
         finds no slot; returns the slots newly stored."""
-        index, key, group_bytes = self.index, self._key, self.group_bytes
-        never = self.config.promote == "never"
+        index, gkeys, group_bytes = self.index, self._group_keys(keys), self.group_bytes
+        get, touch, allocate, mark_ready = index.get, index.touch, index.allocate, index.mark_ready
+        tenant, never = self.request.tenant, self.config.promote == "never"
+        # A window group saves only blocks the request computes itself, and of those
+        # the ones it keeps: the groups each position stores, in group order.
+        others = [g for g in range(len(group_bytes)) if g not in keep]
         stored = 0
         for k in range(stop):
             if never and any(a <= k < b for a, b in loaded):
                 continue  # another node loaded it: not promoted
-            for g in range(len(group_bytes)):
-                # A window group saves only blocks the request computes itself.
-                if g in keep and (k < computed or k not in keep[g]):
-                    continue
-                block = key(g, keys[k])
-                known = index.get(block)
+            groups = others if k < computed else [
+                g for g in range(len(group_bytes)) if g not in keep or k in keep[g]
+            ]
+            for g in groups:
+                block = gkeys[g][k]
+                known = get(block)
                 if known is not None:
-                    index.touch(known)
+                    touch(known)
                     continue
                 # None: every block is kept (retention) or the tenant is at its share;
                 # the real tier tries again next step, where a replay has nothing new.
-                entry = index.allocate(block, self.request.tenant)
+                entry = allocate(block, tenant)
                 if entry is None:
                     return stored
-                index.mark_ready(entry)
+                mark_ready(entry)
                 stored += 1
                 self.bytes_saved += group_bytes[g]
         return stored
@@ -204,10 +210,10 @@ class OffloadCPUModel:
         retention = self.request.retention
         if retention is None:
             return
-        index, key = self.index, self._key
-        for g in range(len(self.group_bytes)):
-            for k in range(len(keys)):
-                entry = index.get(key(g, keys[k]))
+        index = self.index
+        for group in self._group_keys(keys):
+            for block in group:
+                entry = index.get(block)
                 if entry is not None:
                     index.retain(entry, retention)
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from kvc_offload_cpu.config import OffloadCPUConfig
-from kvc_offload_cpu.layout import layout_from_kv_cache_config
+from kvc_offload_cpu.layout import GroupLayout, layout_from_kv_cache_config
 from kvc_offload_cpu.scheduler import SchedulerHalf
 from kvc_offload_cpu.worker import WorkerHalf
 from offload_cpu_fakes import (
@@ -180,3 +180,21 @@ def test_a_state_space_group_gets_no_hits_and_says_why() -> None:
     assert "granite-4-tiny" in sched.disabled_reason and "mamba" in sched.disabled_reason
     req = RequestView(FakeRequest("a", _prompt(200)))
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+@pytest.mark.parametrize("kind", ["sliding_window", "chunked_local"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("retention", [0, 16, 48, 64, 1000])
+def test_the_kept_blocks_of_a_whole_prompt_are_the_blocks_kept_one_by_one(
+    kind: str, block_size: int, retention: int
+) -> None:
+    """kvc simulate asks GroupLayout.kept_blocks (ranges) where the scheduler half asks
+    GroupLayout.kept per block: the same blocks, for every window, prompt and stop."""
+    for window in (16, 24, 64, 100):
+        layout = GroupLayout(kind, block_size, window)
+        for prompt in range(0, 400, 7):
+            for stop in (0, 1, prompt // block_size, prompt // block_size + 3):
+                one_by_one = {k for k in range(stop) if layout.kept(k, prompt, retention)}
+                assert layout.kept_blocks(stop, prompt, retention) == one_by_one, (
+                    window, prompt, stop
+                )
