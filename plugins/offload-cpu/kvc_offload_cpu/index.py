@@ -219,26 +219,25 @@ class BlockIndex:
         """A slot for a new block of ``tenant`` (its request's ``cache_salt``), evicting
         the eviction policy's first block (as the quotas allow) if full; None: no
         block may go."""
-        if key in self._entries:
+        entries, quotas = self._entries, self.quotas
+        if key in entries:
             raise KeyError(f"key already indexed: {key.hex()}")
-        owner = self.quotas.of(tenant) if self.quotas is not None else OTHERS
+        owner = OTHERS if quotas is None else quotas.of(tenant)
         if self._free:
             slot = heapq.heappop(self._free)
         else:
-            victim = self._victim(OTHERS) if self.quotas is None else self._victim_for(owner)
+            victim = self._victim(OTHERS) if quotas is None else self._victim_for(owner)
             if victim is None:
                 return None
             self._remove(victim, evicted=True)
             self.evictions += 1
-            if self.quotas is not None:
-                self.quotas.evicted[victim.tenant] += 1
+            if quotas is not None:
+                quotas.evicted[victim.tenant] += 1
             slot = victim.slot
-        self._gen[slot] += 1
-        entry = Entry(key, slot, self._gen[slot], owner)
-        self._entries[key] = entry
-        self._by_slot[slot] = entry
-        if self.quotas is not None:
-            self.quotas.held[owner] += 1
+        gen = self._gen[slot] = self._gen[slot] + 1
+        entry = entries[key] = self._by_slot[slot] = Entry(key, slot, gen, owner)
+        if quotas is not None:
+            quotas.held[owner] += 1
         return entry
 
     def mark_ready(self, entry: Entry) -> None:
