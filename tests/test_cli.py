@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from composer.cli import main
+from composer.cli import main, running
 from composer.cli.showing import mermaid_text
 from composer.loader import MAX_FILE_BYTES
 from composer.pipeline import SCHEMA_ID
@@ -444,20 +444,16 @@ def test_serve_and_demo_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_serve_and_demo_hand_their_arguments_over(monkeypatch: pytest.MonkeyPatch) -> None:
-    import composer.cli.demo
-    import composer.cli.serve
-
     calls: list[tuple[str, object, object]] = []
     monkeypatch.setattr(
-        composer.cli.serve,
+        running,
         "serve",
         lambda file, args, valkey, kv_role: (
             calls.append(("serve" + "+valkey" * valkey + f"+{kv_role}" * bool(kv_role), file, args))
             or 0
         ),
     )
-    demo = composer.cli.demo
-    monkeypatch.setattr(demo, "main", lambda file: calls.append(("demo", file, None)) or 3)
+    monkeypatch.setattr(running, "demo_main", lambda file: calls.append(("demo", file, None)) or 3)
     assert main(["serve", "p.yaml", "--", "MODEL", "--port", "8000", "--", "x"]) == 0
     assert main(["serve", "p.yaml"]) == 0
     assert main(["serve", "--valkey", "p.yaml", "--", "MODEL"]) == 0
@@ -472,6 +468,22 @@ def test_serve_and_demo_hand_their_arguments_over(monkeypatch: pytest.MonkeyPatc
         ("demo", None, None),
         ("demo", "p.yaml", None),
     ]
+
+
+@pytest.mark.parametrize("missing", ["vllm", "torch", "vllm.config"])
+def test_serve_and_demo_without_vllm_or_torch_say_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], missing: str
+) -> None:
+    def absent(*args: object, **kwargs: object) -> int:
+        raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+
+    monkeypatch.setattr(running, "serve", absent)
+    monkeypatch.setattr(running, "demo_main", absent)
+    for command in (["serve", "p.yaml"], ["demo"]):
+        code, _, err = run(capsys, *command)
+        assert code == 1 and "Traceback" not in err
+        assert err.startswith(f"kvc: error: kvc {command[0]} needs vLLM (No module named")
+        assert "pip install 'kv-composer[vllm]'" in err
 
 
 def test_the_demo_names_its_requests_for_what_they_are() -> None:

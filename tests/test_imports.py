@@ -122,6 +122,68 @@ def test_no_import_circle() -> None:
     assert circles == []
 
 
+#: What ``import composer``, ``kvc validate`` and ``kvc --help`` must not load: a module
+#: imported inside a function is one that loads one of these (directly or through
+#: the composer modules it imports at its top).
+HEAVY = {"torch", "vllm", "transformers", "lmcache", "nixl", "rich", "matplotlib"}
+
+
+def _top_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """The imports a module runs when it is imported (not those in a function, nor
+    under ``TYPE_CHECKING``)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            stack += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            stack += node.body + node.orelse + node.finalbody
+            stack += [n for handler in node.handlers for n in handler.body]
+    return found
+
+
+def _external(node: ast.Import | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {a.name.split(".")[0] for a in node.names}
+    return set() if node.level else {(node.module or "").split(".")[0]}
+
+
+def _loads_heavy(module: str, seen: dict[str, bool]) -> bool:
+    if module not in seen:
+        seen[module] = False  # (a circle is another test's failure)
+        imports = _top_level_imports(ast.parse(MODULES[module].read_text()))
+        seen[module] = any(_external(node) & HEAVY for node in imports) or any(
+            _loads_heavy(target, seen) for node in imports for target in _imported(module, node)
+        )
+    return seen[module]
+
+
+def _deferred() -> list[tuple[str, int, str]]:
+    """(module, line, composer module) of every composer import inside a function."""
+    out = []
+    for module, path in MODULES.items():
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Import | ast.ImportFrom):
+                        out += [(module, node.lineno, t) for t in _imported(module, node)]
+    return out
+
+
+def test_a_deferred_import_is_for_lightness() -> None:
+    """A composer module is imported inside a function only when it loads a heavy
+    library (:data:`HEAVY`) as it is imported: anything else goes at the top."""
+    seen: dict[str, bool] = {}
+    needless = [f"{m}:{line}: {target}" for m, line, target in _deferred()
+                if not _loads_heavy(target, seen)]
+    assert needless == []
+    # (The check can fail: composer.cli.top loads rich, composer.errors nothing heavy.)
+    assert _loads_heavy("composer.cli.top", seen) and not _loads_heavy("composer.errors", seen)
+
+
 def test_the_check_sees_a_circle_and_an_upward_arrow() -> None:
     tree = ast.parse("from composer.cli.serve import serve\nimport composer.bench.run\n")
     found = [t for node in tree.body for t in _imported("composer.bench.fleet", node)]  # type: ignore[arg-type]

@@ -117,16 +117,20 @@ def test_with_two_in_flight_load_aware_policies_use_both_engines(router: str) ->
     assert _fleet(router, _long(6), concurrency=2)["by_engine"] == [3, 3]
 
 
-def test_kv_aware_tiers_follows_its_credit_until_the_pending_prefill_outweighs_it() -> None:
-    # A1 ends (0.129 s) long before five more turns of it arrive together. Engine 0's
-    # tier credits each 4 blocks x 32 tokens x 0.6 = 76.8 tokens; each computes 65
-    # there (2 blocks and a token), 193 elsewhere. Turns 1-2 go to engine 0 (pending
-    # 0, then 65 < 76.8); turn 3 finds 130 pending there: engine 1 (nothing pending);
-    # turns 4-5: engine 0 (130 - 76.8 < 193). Without the tiers' events nothing is
-    # credited: the least loaded each time (engine 0 first of equals).
-    turns = [A1, *(_turn([1, 2, 3, 4, 5, 6 + i], at_ms=1000.0) for i in range(5))]
-    assert _fleet("kv_aware-tiers", turns, concurrency=None)["by_engine"] == [5, 1]
-    assert _fleet("kv_aware-vllm", turns, concurrency=None)["by_engine"] == [4, 2]
+def test_kv_aware_weighs_its_credit_against_reserved_prefill_and_requests_in_flight() -> None:
+    # vllm-router 0.1.17's cost: (new prefill + prefill reserved by the engine's requests
+    # not yet at their first token) x (requests in flight + 1), the least, the first of
+    # equals. A1 and B1 arrive together: A1 to engine 0 (129 against 129), B1 to engine
+    # 1 ((129 + 129) x 2 against 129). Later three turns of B (193 tokens) arrive
+    # together; engine 1's tier credits 4 blocks x 32 tokens x 0.6 = 76.8 of each: 117
+    # new there, 193 on engine 0. Tiers: 193 vs 117 -> 1; 193 vs (117 + 117) x 2 -> 0;
+    # (193 + 193) x 2 vs 468 -> 1: two turns where B is. Nothing credited: 193 vs 193
+    # -> 0; 772 vs 193 -> 1; 772 vs 772 -> 0: one.
+    turns = [A1, B1, *(_turn([11, 12, 13, 14, 15, 16 + i], at_ms=1000.0) for i in range(3))]
+    tiers = _fleet("kv_aware-tiers", turns, concurrency=None)
+    assert tiers == {"by_engine": [3, 2], "served": {"cpu": 2 * 4 * BLOCK}}
+    vllm = _fleet("kv_aware-vllm", turns, concurrency=None)
+    assert vllm == {"by_engine": [3, 2], "served": {"cpu": 4 * BLOCK}}
 
 
 def _engines(vllm_blocks: int) -> list[_Replay]:
@@ -157,8 +161,10 @@ def test_kv_aware_credits_the_engine_that_holds_the_prompt(vllm_blocks: int) -> 
     assert _choose("kv_aware-tiers", engines, A2, [0, 0]) == 1
     # Crediting vLLM's cache only: the tier is invisible, its cache is not.
     assert _choose("kv_aware-vllm", engines, A2, [0, 0]) == (1 if vllm_blocks else 0)
-    # Nothing held: the least prefill pending, the first of equals, whatever the load.
-    assert _choose("kv_aware-tiers", engines, B1, [3, 1]) == 0
+    # Nothing held: the fewer requests in flight, then the less prefill reserved, then
+    # the first (129 new tokens each: 129 x 4 against 129 x 2; 169 against 168).
+    assert _choose("kv_aware-tiers", engines, B1, [3, 1]) == 1
+    assert _choose("kv_aware-tiers", engines, B1, [1, 1]) == 0
     assert _choose("kv_aware-tiers", engines, B1, [0, 0], pending=[40, 39]) == 1
 
 
@@ -166,13 +172,25 @@ def test_kv_aware_weighs_the_credit_against_the_prefill_each_engine_has_pending(
     engines = _engines(0)
     engines[0].request(_turn([1, 2]))
     engines[1].request(A1)
-    # A2's credit: 2 blocks x 32 tokens x 0.6 on engine 0, 4 x 32 x 0.6 on engine 1.
+    # A2 (193 tokens) is credited 2 blocks x 32 tokens x 0.6 on engine 0 (155 new) and
+    # 4 x 32 x 0.6 on engine 1 (117 new).
     assert _choose("kv_aware-tiers", engines, A2, [0, 0]) == 1
-    assert _choose("kv_aware-tiers", engines, A2, [0, 5], pending=[0, 38]) == 1
-    assert _choose("kv_aware-tiers", engines, A2, [0, 5], pending=[0, 39]) == 0
+    assert _choose("kv_aware-tiers", engines, A2, [0, 0], pending=[0, 37]) == 1  # 155 vs 154
+    assert _choose("kv_aware-tiers", engines, A2, [0, 0], pending=[0, 38]) == 0  # equal
+    assert _choose("kv_aware-tiers", engines, A2, [0, 1]) == 0  # 155 vs 117 x 2
+    assert _choose("kv_aware-tiers", engines, A2, [1, 0]) == 1  # 155 x 2 vs 117
     engines[0].request(A1)  # equal credit: the less pending, then the first
     assert _choose("kv_aware-tiers", engines, A2, [0, 0], pending=[10, 9]) == 1
     assert _choose("kv_aware-tiers", engines, A2, [0, 0], pending=[9, 9]) == 0
+
+
+def test_kv_aware_credits_nothing_to_a_request_with_a_cache_salt() -> None:
+    engines = _engines(64)
+    first, again = replace(A1, tenant="t"), replace(A2, tenant="t")
+    engines[1].request(first)  # its tier and vLLM cache hold the tenant's prompt
+    assert engines[1].holds(engines[1].units(again)[1], 5) == (4, 0)
+    assert _choose("kv_aware-tiers", engines, again, [0, 0]) == 0  # the first of equals
+    assert _choose("kv_aware-tiers", engines, A2, [0, 0]) == 0  # nobody holds it unsalted
 
 
 def test_cache_aware_keeps_a_session_where_it_went_unless_the_load_is_imbalanced() -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 from composer.errors import PipelineInvalid
 from composer.export import kv_transfer_config
+from composer.testing.engine import EngineFailed, EngineSpec, run_engine
+from composer.testing.tiny_model import build_tiny_model, make_prompts
 from composer.validation import load_pipeline
 
 DEFAULT_PIPELINE: dict[str, Any] = {
@@ -34,7 +36,6 @@ def demo_rounds() -> list[list[tuple[str, str]]]:
     """The requests, round by round, as ``(name, prompt)``; round 2 starts when round 1
     has finished. Round 1: three new prompts. Round 2: two of them again, one that
     starts as A does, and a new one."""
-    from composer.testing.tiny_model import make_prompts
 
     a, b, c, d, tail = make_prompts(5, words=90, seed=11)
     a_start = " ".join(a.split()[:60] + tail.split()[:30])
@@ -45,9 +46,6 @@ def demo_rounds() -> list[list[tuple[str, str]]]:
 
 
 def main(file: str | None = None, *, max_tokens: int = 16) -> int:
-    from composer.testing.engine import EngineFailed, EngineSpec, run_engine
-    from composer.testing.tiny_model import build_tiny_model
-
     try:
         pipeline = load_pipeline(file if file else DEFAULT_PIPELINE)
     except PipelineInvalid as exc:

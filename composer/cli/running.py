@@ -1,6 +1,7 @@
 """``kvc serve``, ``kvc demo`` and ``kvc top``: commands that run or watch a vLLM server.
 
-vLLM is imported inside the command, never at import time: ``kvc --help`` stays light.
+vLLM and torch are imported where the command runs them, never at import time, and
+``kvc top``'s rich inside its command: ``kvc --help`` stays light.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import argparse
 
 from composer.cli.common import CommandError, needs_runtime, stop_servers_on_sigterm
+from composer.cli.demo import main as demo_main
+from composer.cli.serve import serve
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -15,15 +18,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if vllm_args[:1] == ["--"]:
         vllm_args = vllm_args[1:]
     with needs_runtime("kvc serve"):
-        from composer.cli.serve import serve
-    return serve(args.file, vllm_args, valkey=args.valkey, kv_role=args.kv_role)
+        return serve(args.file, vllm_args, valkey=args.valkey, kv_role=args.kv_role)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     stop_servers_on_sigterm()
     with needs_runtime("kvc demo"):
-        from composer.cli.demo import main as demo_main
-    return demo_main(args.file)
+        return demo_main(args.file)
 
 
 def cmd_top(args: argparse.Namespace) -> int:

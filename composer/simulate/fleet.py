@@ -121,7 +121,8 @@ class FleetResult:
 
 class _Job:
     __slots__ = (
-        "index", "engine", "arrival", "prefill", "decode", "alone", "started", "ttft", "computed"
+        "index", "engine", "arrival", "prefill", "decode", "alone", "started", "ttft", "computed",
+        "reserved",
     )
 
     def __init__(
@@ -133,6 +134,8 @@ class _Job:
         self.started = started
         self.ttft = -1.0
         self.computed = started.prompt - started.tokens_served
+        #: The prefill the router reserved for it (:attr:`FleetView.estimate`).
+        self.reserved = self.computed
 
 
 class _Engine:
@@ -290,6 +293,7 @@ class _Run:
     def _arrive(self, now: float, index: int, req: TraceRequest, units: Units) -> None:
         replays, view = self.replays, self.view
         prompt, keys, limit = units
+        view.estimate = None
         e = self.choose(view, req, keys, limit, now)
         self.counts[e] += 1
         view.load[e] += 1
@@ -309,7 +313,8 @@ class _Run:
             started,
         )
         engine.jobs.append(job)
-        view.pending[e] += job.computed
+        job.reserved = job.computed if view.estimate is None else view.estimate
+        view.pending[e] += job.reserved
         engine.peak = max(engine.peak, len(engine.jobs))
         self._reschedule(now, e)
 
@@ -322,7 +327,7 @@ class _Run:
             if job.prefill <= _EPS and job.ttft < 0:
                 job.ttft = now - job.arrival
                 self.ttfts.append(job.ttft)
-                self.view.pending[e] -= job.computed  # its first token: prefill done
+                self.view.pending[e] -= job.reserved  # its first token: prefill done
                 engine.wait += job.ttft - job.alone
             if job.prefill <= _EPS and job.decode <= _EPS:
                 self.replays[e].finish(job.started)

@@ -21,25 +21,27 @@ its ``--help`` (the defaults below are its own), for the requests ``kvc bench
   least loaded (the first of equals); when the load is imbalanced (``max -
   min > --balance-abs-threshold`` (64) and ``max > --balance-rel-threshold``
   (1.5) ``x min``) the least loaded whatever the session;
-* ``kv_aware-vllm`` / ``kv_aware-tiers``: from the engines' KV events, each
-  engine's credit for the prompt's leading blocks: its vLLM prefix cache in
-  full, what its nodes hold after that at ``--kv-penalty-external`` (0.6: KV
-  Composer's events name their node) or not at all (``-vllm``); the engine
-  with the least prefill work: the prompt less its credit, plus the prompt
-  tokens it has yet to compute for its requests in flight (released at their
-  first token), the first of equals (``--router-temperature`` 0: the minimum,
-  no sampling), also with nothing credited anywhere.
+* ``kv_aware-vllm`` / ``kv_aware-tiers`` (``kv_aware.rs``,
+  ``select_worker_with_qualified_inputs``): from the engines' KV events, each
+  engine's credit for the prompt: its vLLM prefix cache's run from the first
+  block in full, one node's run after it at ``--kv-penalty-external`` (0.6: KV
+  Composer's events name their node) or not at all (``-vllm``), at most the
+  prompt less one token, nothing for a request with a ``cache_salt``
+  (``credited_tokens``); the new prefill is the prompt less its credit, rounded
+  up. The cost of an engine (``MultiplicativeScorer``): (new prefill + the
+  prefill the router reserved for its requests not yet at their first token)
+  x (its requests in flight + 1); the least, the first of equals
+  (``--router-temperature`` 0: no sampling). The router's worker order is
+  random per router process; the simulator's engines are alike, so the first
+  is engine 0 (the split, busiest first, is the same).
 
-What was read: the router's ``--help`` (every default above), its source
-(``cache_aware.rs``, ``power_of_two.rs``, ``sticky_least_loaded.rs``, and a
-``kv_aware.rs`` older than 0.1.17, which fell back to the least loaded with
-nothing credited), and 0.1.17's debug log (``--log-level debug``) of a
-``kvc bench --fleet 2`` run: every ``kv_aware`` decision is a ``prefix_cost``
-one, naming the request's ``new_prefill_tokens`` and ``credited_prefix_tokens``,
-with nothing credited too, and the binary names a per-worker prefill work
-estimate. The pending-prefill term is this model's reading of that estimate
-(its exact form is not in what was read), checked against ``kvc bench
---fleet`` (docs/simulate.md).
+What was read: the router's ``--help`` (every default above) and its source:
+``cache_aware.rs``, ``power_of_two.rs``, ``sticky_least_loaded.rs``, and
+0.1.17's own sdist (``pip download vllm-router==0.1.17 --no-binary :all:``):
+``src/policies/kv_aware.rs`` (its ``credited_tokens``, ``cost_components``,
+``MultiplicativeScorer`` and ``pick_among``), ``src/routers/http/router.rs``
+(the reservation released at a response's first data frame), whose log lines
+match the installed binary's debug log.
 
 The fleet's engines are :class:`composer.simulate.replay._Replay`; the router
 sees them as they are when the request arrives (KV events reach it within
@@ -49,6 +51,7 @@ milliseconds).
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -100,8 +103,13 @@ class FleetView:
     #: First key of a prompt -> engines that ever stored a prompt starting with it
     #: (only they can credit any of it: the rest are not asked).
     holders: dict[bytes, set[int]] = field(default_factory=dict)
-    #: Prompt tokens each engine has yet to compute for its requests in flight.
+    #: Prefill tokens reserved on each engine by its requests not yet at their first
+    #: token: what the router estimated when it sent them (``estimate``).
     pending: list[int] = field(default_factory=list)
+    #: What the last choice reserves on its engine: a ``kv_aware`` router's estimate
+    #: of the prefill (the prompt less its credit there); None: the tokens the engine
+    #: computes (a router that estimates nothing; no term reads it).
+    estimate: int | None = None
 
     def __post_init__(self) -> None:
         self.pending = self.pending or [0] * len(self.load)
@@ -200,15 +208,24 @@ def _kv_aware(credit: float) -> Choose:
     def choose(
         view: FleetView, req: TraceRequest, keys: Sequence[bytes], limit: int, now: float
     ) -> int:
-        pending = view.pending
-        credits = [0.0] * len(pending)
-        unit = view.replays[0].unit
-        for engine in view.holders.get(keys[0], ()) if keys and limit else ():
-            gpu, tier = view.replays[engine].holds(keys, limit)
-            credits[engine] = (gpu + credit * tier) * unit
-        # The least prefill work: the prompt less its credit (the prompt is the same
-        # everywhere), plus what the engine has yet to compute; the first of equals.
-        return min(range(len(pending)), key=lambda e: pending[e] - credits[e])
+        engines = range(len(view.load))
+        replays = view.replays
+        prompt = replays[0].keymaker.prompt_tokens(req)
+        credits = [0.0] * len(view.load)
+        # A request with a cache_salt (a tenant) is credited nothing (credited_tokens).
+        holders = view.holders.get(keys[0], ()) if keys and limit and not req.tenant else ()
+        for engine in holders:
+            gpu, tier = replays[engine].holds(keys, limit)
+            # vLLM's run from the first block in full, one node's run after it at the
+            # penalty; the last token is always computed.
+            credits[engine] = min((gpu + credit * tier) * replays[engine].unit, prompt - 1)
+        new = [math.ceil(max(prompt - c, 0.0)) for c in credits]
+        # MultiplicativeScorer: (new prefill + prefill reserved by the engine's requests
+        # not yet at their first token) x (requests in flight + this one); the minimum,
+        # the first of equals.
+        engine = min(engines, key=lambda e: (new[e] + view.pending[e]) * (view.load[e] + 1))
+        view.estimate = new[engine]
+        return engine
 
     return choose
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from composer.export import CONNECTOR_NAME
+from composer.testing.tiny_model import build_tiny_model
 
 #: KVTransferConfig keys of a child and the ``vllm`` node option each becomes.
 _CHILD_KEYS = {
@@ -86,7 +87,6 @@ def make_vllm_config(
         VllmConfig,
     )
 
-    from composer.testing.tiny_model import build_tiny_model
 
     kv_transfer_config = None
     if children is not None:

@@ -19,6 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from composer.bench import replay
+from composer.trace import read_trace
+
 WORDS = [
     "the",
     "a",
@@ -253,8 +256,6 @@ def trace_prompts(n: int, model: str, max_model_len: int = 1024) -> list[dict[st
     """The first ``n`` requests of :data:`TRACE_SLICE` that fit ``max_model_len``, as
     token-id prompts in ``model``'s vocabulary (a trace block of 512 tokens scaled
     to 32, one vLLM block of the tests)."""
-    from composer.bench import replay
-    from composer.trace import read_trace
 
     prompts, _ = replay.make_prompts(
         read_trace(TRACE_SLICE, limit=3 * n),

@@ -31,6 +31,7 @@ from composer.errors import Problem, did_you_mean, one_of
 from composer.hookspecs import HOOKS, PROJECT, NodeSpec
 from composer.loader import Marks
 from composer.pipeline import ResolvedNode, ResolvedPipeline
+from composer.plugin import Plugin
 from composer.plugin_types import ClassRef, choose_class, resolve_ref
 
 #: Hookimpl options the chain does not honour: a wrapper never wraps (the chain
@@ -209,7 +210,6 @@ def cannot_sleep(node: ResolvedNode) -> str:
 
 def class_problems(cls: type) -> list[str]:
     """A node class's problems: base class, hook names and arguments, options."""
-    from composer.plugin import Plugin
 
     if not issubclass(cls, Plugin):
         return ["does not subclass composer.plugin.Plugin"]

@@ -32,6 +32,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from composer.chain import ChainMetadata, ChainWorkerMetadata, chain_for
 from composer.hookspecs import Every, hooks_where
+from composer.vllm.canonical import build, refuse_moves
+from composer.vllm.handoff import loaded_model
 from composer.vllm.metrics import (
     ComposedPromMetrics,  # noqa: F401  (re-exported: known as the connector's)
     ComposedStats,  # noqa: F401  (re-exported: known as the connector's)
@@ -196,7 +198,6 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         # builds it, in this same worker process, before the connector exists.
         if self._model_delivered or hasattr(KVConnectorBase_V1, "initialize_worker_connector"):
             return
-        from composer.vllm.handoff import loaded_model
 
         model = loaded_model()
         if model is None:
@@ -208,7 +209,6 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         return cast("AbstractContextManager | None", self.chain.get_mem_pool_context())
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from composer.vllm.canonical import build, refuse_moves
 
         canonical = build(kv_caches, self._kv_cache_config)
         self.canonical_kv_caches = canonical
@@ -240,7 +240,6 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         """After vLLM wakes up with its KV cache: the same tensors, remapped in place."""
         if self._kv_caches is None or not self._asleep:
             return
-        from composer.vllm.canonical import build
 
         self.canonical_kv_caches = build(self._kv_caches, self._kv_cache_config)
         self.chain.restore_kv_caches(self.canonical_kv_caches, self._kv_caches)

@@ -16,10 +16,12 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from composer.builtin import VllmConnectorConfig
+from composer.export import native_child_config
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.validation import load_pipeline
-from composer.validation.deep_check import deep_check
+from composer.validation.deep_check import cannot_sleep, deep_check
 from composer.validation.model_check import check_at_engine_start
+from composer.vllm.native import child_vllm_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,7 +85,6 @@ def native_transfer_config(node: ResolvedNode, pipeline: ResolvedPipeline) -> An
     wraps it in a vLLM config for the node's own connector)."""
     from vllm.config.kv_transfer import KVTransferConfig
 
-    from composer.export import native_child_config
 
     child = native_child_config(cast(VllmConnectorConfig, node.config), pipeline.kv_role)
     return KVTransferConfig(**child)
@@ -93,7 +94,6 @@ def native_classes(
     pipeline: ResolvedPipeline, vllm_config: VllmConfig
 ) -> list[tuple[str, type[KVConnectorBase_V1], Any]]:
     """(node id, connector class, the node's vLLM config) of every native node."""
-    from composer.vllm.native import child_vllm_config
 
     out = []
     for node in pipeline.nodes:
@@ -141,7 +141,6 @@ def sleep_mode_refusals(pipeline: ResolvedPipeline) -> list[tuple[ResolvedNode, 
     (vLLM releases without it have no sleep-mode gate, nor hooks to tell a
     connector); any other node as :func:`~composer.validation.deep_check.cannot_sleep` says.
     """
-    from composer.validation.deep_check import cannot_sleep
 
     out: list[tuple[ResolvedNode, str]] = []
     for node in pipeline.nodes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from composer.export import CONNECTOR_NAME as CONNECTOR
+from composer.vllm.handoff import install
 
 
 def register() -> None:
@@ -15,7 +16,6 @@ def register() -> None:
             CONNECTOR, "composer.vllm.connector", "ComposedConnector"  # the class
         )
     _route_hma_question(KVConnectorFactory)
-    from composer.vllm.handoff import install
 
     install()
 
