@@ -18,6 +18,7 @@ import pytest
 from composer.bench import replay
 from composer.bench import report as bench_report
 from composer.bench import servers as bench_servers
+from composer.bench.servers import Config, ServerSpec, server_command
 from composer.trace import KeyMaker, TraceRequest, read_trace
 
 TRACES = Path(__file__).parent / "data" / "traces"
@@ -340,3 +341,12 @@ def test_the_tiers_hits_are_set_against_vllms_count() -> None:
         assert none.tier_over_vllm is None and "tier ÷ vLLM" not in bench_report.markdown_table(
             [none]
         )
+
+
+def test_a_server_given_cores_runs_every_process_on_them() -> None:
+    spec = ServerSpec(model="m", cpus="1")
+    pinned = server_command(Config.parse("none"), spec, 8000)
+    assert pinned[:3] == ["taskset", "-c", "1"]
+    assert pinned[3:] == server_command(Config.parse("none"), replace(spec, cpus=None), 8000)
+    pipeline = server_command(Config.parse("examples/cpu-offload.yaml"), spec, 8000)
+    assert pipeline[:3] == ["taskset", "-c", "1"] and "serve" in pipeline

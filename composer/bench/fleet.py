@@ -1,7 +1,12 @@
 """``kvc bench --fleet N``: N engines behind vLLM's router, the trace once per routing policy.
 
 N ``kvc serve`` engines run one pipeline, each with vLLM's KV event publisher
-on (``--kv-events-config``, ZMQ), each bound to its own CPU core(s). For each
+on (``--kv-events-config``, ZMQ), each on its own CPU core: every process of
+it (API server, engine core, worker: ``taskset``), not only vLLM's compute
+threads. (Bound by its threads alone, an engine's API server and engine core
+went where the kernel put them, unevenly: with four in flight the router's
+load terms then sent 109/42 and 119/32 of 151 requests to one engine where the
+model of equal engines said 77/74; with every process bound, 80/71.) For each
 policy the engines' caches are emptied (vLLM's ``/reset_prefix_cache`` with
 ``reset_external``: its prefix cache and every node's tier; vLLM says success
 only once nothing was held, else it is asked again), vLLM's router
@@ -78,6 +83,8 @@ class Engine:
     events: str
     #: Where the router asks for the events it missed (vLLM's replay socket).
     replay: str
+    #: The server's process (its group holds every process of the engine).
+    pid: int = 0
 
 
 def policy(name: str) -> Policy:
@@ -140,6 +147,7 @@ def fleet(config: Config, spec: ServerSpec, n: int, workdir: Path) -> Iterator[l
         engine = replace(
             spec,
             threads_bind=str(i % cores),
+            cpus=str(i % cores),
             extra_args=[*spec.extra_args, "--kv-events-config", json.dumps(events)],
             # Dev mode: vLLM's /reset_prefix_cache; one hash seed across the fleet.
             env={**spec.env, "VLLM_SERVER_DEV_MODE": "1", "PYTHONHASHSEED": "0"},
@@ -148,7 +156,9 @@ def fleet(config: Config, spec: ServerSpec, n: int, workdir: Path) -> Iterator[l
         # (Its URL once started.)
         engines.append(Engine("", f"tcp://{LOOPBACK}:{port}", f"tcp://{LOOPBACK}:{replay}"))
     with servers(wanted) as started:
-        yield [replace(e, url=s.url) for e, s in zip(engines, started, strict=True)]
+        yield [
+            replace(e, url=s.url, pid=s.proc.pid) for e, s in zip(engines, started, strict=True)
+        ]
 
 
 def run_policy(

@@ -57,6 +57,9 @@ class ServerSpec:
     num_blocks: int | None = None
     kv_cache_gib: float = 1
     threads_bind: str = "0-1"
+    #: The cores every process of the server runs on (``taskset -c``), when it must
+    #: not share theirs with another engine's; None: wherever the kernel puts them.
+    cpus: str | None = None
     #: ``kvc serve --kv-role``: the P/D side a pipeline server plays (None: the file's).
     kv_role: str | None = None
     extra_args: list[str] = field(default_factory=list)
@@ -83,12 +86,13 @@ def server_command(config: Config, spec: ServerSpec, port: int) -> list[str]:
     if spec.num_blocks is not None:
         args += ["--num-gpu-blocks-override", str(spec.num_blocks)]
     args += spec.extra_args
+    pinned = ["taskset", "-c", spec.cpus] if spec.cpus is not None else []
     if config.pipeline is None:
-        return [*vllm_command(), "serve", *args]
+        return [*pinned, *vllm_command(), "serve", *args]
     kvc = Path(sys.executable).with_name("kvc")
     launcher = [str(kvc)] if kvc.exists() else [sys.executable, "-m", "composer.cli"]
     role = ["--kv-role", spec.kv_role] if spec.kv_role else []
-    return [*launcher, "serve", *role, str(config.pipeline), "--", *args]
+    return [*pinned, *launcher, "serve", *role, str(config.pipeline), "--", *args]
 
 
 @contextlib.contextmanager

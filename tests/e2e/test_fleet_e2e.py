@@ -1,7 +1,8 @@
 """A fleet of two `kvc serve` engines behind vLLM's router (vllm-router), real processes.
 
 Both engines run ``examples/fleet-cpu-events.yaml`` (an offload-cpu tier that
-publishes its KV events through vLLM's ZMQ publisher), one CPU core each,
+publishes its KV events through vLLM's ZMQ publisher), one CPU core each (every
+process of an engine on it, checked),
 started once for the module; every run empties their caches first.
 
 * **The tier's events steer the router.** Each engine is given a prompt of its
@@ -20,6 +21,8 @@ started once for the module; every run empties their caches first.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import time
 from collections import Counter
@@ -74,6 +77,17 @@ def _prompt(index: int, ids: list[int]) -> Prompt:
     return Prompt(index, ids, OUTPUT, 0.0)
 
 
+def _group(pgid: int) -> list[int]:
+    """The processes of a process group."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:  # (state, ppid, pgrp, ...)
+                pids.append(int(stat.parent.name))
+    return pids
+
+
 @pytest.fixture(scope="module")
 def runs(
     tiny_model: str, engine_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
@@ -108,6 +122,8 @@ def runs(
         pause_s=PAUSE_S,
     )
     with fleet(config, server, 2, workdir) as engines:
+        # (Read while they run: the tests run after the module's engines stopped.)
+        out["cores"] = [{pid: os.sched_getaffinity(pid) for pid in _group(e.pid)} for e in engines]
         for name in ("kv_aware-tiers", "kv_aware-vllm"):
             out[f"steer/{name}"] = _steer(engines, name, vocab, workdir)
         for name in POLICIES:
@@ -164,6 +180,13 @@ def test_without_the_tiers_events_the_router_sees_nothing_cached(runs: dict[str,
     # so one turn lands where no tier holds its prompt and is computed again.
     assert turns[0]["went"] == turns[1]["went"], turns
     assert sorted(t["cached"] for t in turns) == [0, PROMPT_BLOCKS * BLOCK], turns
+
+
+def test_every_process_of_an_engine_runs_on_its_own_core(runs: dict[str, Any]) -> None:
+    cores = os.cpu_count() or 1
+    for i, group in enumerate(runs["cores"]):
+        assert len(group) >= 2, group  # the API server, the engine core and its worker
+        assert group == dict.fromkeys(group, {i % cores})
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
