@@ -62,17 +62,18 @@ class CostModel:
 
 _POINTS = (1, 4, 8)
 
-#: Fitted by ``benchmarks/cost_model.py`` on this project's machine, 2026-11-27 (one
-#: engine, the tiny model, one core; 110 requests of the Mooncake conversation trace,
-#: lengths / 16, 16 output tokens): TTFT p50 / p90 measured 17 / 44 ms alone, 50 / 96 ms
-#: at 4 in flight, 156 / 269 ms at 8; this model gives 22 / 37, 44 / 75 and 104 / 179.
+#: Fitted by ``benchmarks/cost_model.py`` on this project's machine, 2026-11-28 (one
+#: engine, the tiny model, every process of it on one core; 110 requests of the
+#: Mooncake conversation trace, lengths / 16, 16 output tokens): TTFT p50 / p90
+#: measured 12 / 35 ms alone, 65 / 121 ms at 4 in flight, 186 / 248 ms at 8; this
+#: model gives 13 / 33, 33 / 82 and 63 / 160 (docs/simulate.md says why).
 CALIBRATED = CostModel(
-    request_s=0.0125,
-    prefill_token_s=1.91e-5,
-    load_token_s=8.54e-6,
-    decode_token_s=0.00180,
-    speedup_4=1.99,
-    speedup_8=1.68,
+    request_s=0.0060,
+    prefill_token_s=2.16e-5,
+    load_token_s=4.07e-6,
+    decode_token_s=0.00267,
+    speedup_4=1.61,
+    speedup_8=1.70,
 )
 
 
