@@ -286,7 +286,8 @@ class BlockIndex:
 
     def _remove(self, entry: Entry, evicted: bool = False) -> None:
         del self._entries[entry.key]
-        self._left_quota(entry)
+        if self.quotas is not None:
+            self._left_quota(entry)
         self._left_policy(entry, evicted)
         if self.on_remove is not None:
             self.on_remove(entry)
@@ -327,13 +328,12 @@ class BlockIndex:
         entries = self._entries
         try:
             for block in self.policies[tenant].victims():
-                entry = entries.get(block.key)
-                if entry is not block or not entry.ready or entry.pins:
+                if entries.get(block.key) is not block or not block.ready or block.pins:
                     continue
-                if consulted and self._kept(entry, now):
-                    kept.append(entry)
+                if consulted and self._kept(block, now):
+                    kept.append(block)
                     continue
-                return entry
+                return block
         except Exception as exc:
             self._policy_failed("victims", exc)
             return self._victim(tenant)

@@ -178,17 +178,16 @@ class OffloadCPUModel:
         index, gkeys, group_bytes = self.index, self._group_keys(keys), self.group_bytes
         get, touch, allocate, mark_ready = index.get, index.touch, index.allocate, index.mark_ready
         tenant, never = self.request.tenant, self.config.promote == "never"
+        groups = range(len(group_bytes))
         # A window group saves only blocks the request computes itself, and of those
         # the ones it keeps: the groups each position stores, in group order.
-        others = [g for g in range(len(group_bytes)) if g not in keep]
-        stored = 0
+        others = [g for g in groups if g not in keep]
+        stored = saved = 0
         for k in range(stop):
             if never and any(a <= k < b for a, b in loaded):
                 continue  # another node loaded it: not promoted
-            groups = others if k < computed else [
-                g for g in range(len(group_bytes)) if g not in keep or k in keep[g]
-            ]
-            for g in groups:
+            at = others if k < computed else [g for g in groups if g not in keep or k in keep[g]]
+            for g in at:
                 block = gkeys[g][k]
                 known = get(block)
                 if known is not None:
@@ -198,10 +197,12 @@ class OffloadCPUModel:
                 # the real tier tries again next step, where a replay has nothing new.
                 entry = allocate(block, tenant)
                 if entry is None:
+                    self.bytes_saved += saved
                     return stored
                 mark_ready(entry)
                 stored += 1
-                self.bytes_saved += group_bytes[g]
+                saved += group_bytes[g]
+        self.bytes_saved += saved
         return stored
 
     def _retain(self, keys: Sequence[bytes]) -> None:
