@@ -4,6 +4,7 @@ against a local streaming HTTP server, the statistics, the report and the CLI's 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -343,10 +344,14 @@ def test_the_tiers_hits_are_set_against_vllms_count() -> None:
         )
 
 
-def test_a_server_given_cores_runs_every_process_on_them() -> None:
+def test_a_server_given_cores_runs_every_process_on_them(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = ServerSpec(model="m", cpus="1")
     pinned = server_command(Config.parse("none"), spec, 8000)
-    assert pinned[:3] == ["taskset", "-c", "1"]
+    taskset = shutil.which("taskset")
+    assert pinned[:3] == [taskset, "-c", "1"]
     assert pinned[3:] == server_command(Config.parse("none"), replace(spec, cpus=None), 8000)
     pipeline = server_command(Config.parse("examples/cpu-offload.yaml"), spec, 8000)
-    assert pipeline[:3] == ["taskset", "-c", "1"] and "serve" in pipeline
+    assert pipeline[:3] == [taskset, "-c", "1"] and "serve" in pipeline
+    # Without taskset the server still runs, unbound (and the log says so).
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert server_command(Config.parse("none"), spec, 8000) == pinned[3:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,10 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from composer.bench.replay import BenchError
 from composer.servers.loopback import LOOPBACK, free_port
 from composer.servers.process import stop_group
 from composer.servers.vllm_serve import vllm_command
+
+log = structlog.get_logger("kv_composer")
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,14 @@ def server_command(config: Config, spec: ServerSpec, port: int) -> list[str]:
     if spec.num_blocks is not None:
         args += ["--num-gpu-blocks-override", str(spec.num_blocks)]
     args += spec.extra_args
-    pinned = ["taskset", "-c", spec.cpus] if spec.cpus is not None else []
+    pinned = []
+    if spec.cpus is not None:
+        taskset = shutil.which("taskset")
+        if taskset is None:  # (util-linux's; the server runs, unbound)
+            log.warning("taskset not found: the server's processes are not bound to cores",
+                        cpus=spec.cpus)
+        else:
+            pinned = [taskset, "-c", spec.cpus]
     if config.pipeline is None:
         return [*pinned, *vllm_command(), "serve", *args]
     kvc = Path(sys.executable).with_name("kvc")
