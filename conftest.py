@@ -13,10 +13,11 @@ output, so a printed figure would be seen only under ``-s``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+import structlog
 
 if TYPE_CHECKING:
     from composer.testing.engine import Prompt, SharedRuns
@@ -32,6 +33,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if rounds is not None and rounds not in wanted:
             wanted.append(rounds)
     session.config.stash[_WANTED] = wanted
+
+
+@pytest.fixture(autouse=True)
+def _structlog_as_before() -> Iterator[None]:
+    """A test that runs ``kvc`` in-process configures structlog for the stderr of that
+    moment, which is pytest's capture, closed after the test: the configuration of
+    before comes back after each test, or a later test's first log writes to a
+    closed file (``ValueError: I/O operation on closed file``)."""
+    before = structlog.get_config()
+    yield
+    structlog.configure(**before)
 
 
 @pytest.fixture(scope="session")
