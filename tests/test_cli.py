@@ -470,7 +470,7 @@ def test_serve_and_demo_hand_their_arguments_over(monkeypatch: pytest.MonkeyPatc
     ]
 
 
-@pytest.mark.parametrize("missing", ["vllm", "torch", "vllm.config"])
+@pytest.mark.parametrize("missing", ["vllm", "torch", "torch.cuda"])
 def test_serve_and_demo_without_vllm_or_torch_say_what_to_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], missing: str
 ) -> None:
