@@ -1,7 +1,8 @@
 """A fleet behind vLLM's router (``kvc bench --fleet``'s code), each policy side by side,
 and ``kvc simulate --fleet``'s prediction of each.
 
-Two ``kvc serve`` engines (the tiny model, one core each, vLLM's own KV cache
+Two ``kvc serve`` engines (the tiny model, one core each for all of an engine's
+processes, vLLM's own KV cache
 ``KVC_BENCH_VLLM_BLOCKS`` blocks, too small for the slice) run
 ``examples/fleet-cpu-events.yaml`` (an offload-cpu tier publishing its KV
 events) behind vllm-router. The slice: the conversations of the first
