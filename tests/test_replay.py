@@ -3,6 +3,7 @@ against a local streaming HTTP server, the statistics, the report and the CLI's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -13,13 +14,17 @@ from collections.abc import Iterator
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from composer.bench import fleet as bench_fleet
 from composer.bench import replay
 from composer.bench import report as bench_report
 from composer.bench import servers as bench_servers
-from composer.bench.servers import Config, ServerSpec, server_command
+from composer.bench.replay import BenchError
+from composer.bench.servers import Config, PortTaken, ServerSpec, server_command
 from composer.trace import KeyMaker, TraceRequest, read_trace
 
 TRACES = Path(__file__).parent / "data" / "traces"
@@ -355,3 +360,45 @@ def test_a_server_given_cores_runs_every_process_on_them(monkeypatch: pytest.Mon
     # Without taskset the server still runs, unbound (and the log says so).
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert server_command(Config.parse("none"), spec, 8000) == pinned[3:]
+
+
+@pytest.mark.parametrize(("said", "error"), [
+    ("zmq.error.ZMQError: Address already in use (addr='tcp://*:39213')", PortTaken),
+    ("RuntimeError: Engine core initialization failed", BenchError),
+])
+def test_a_server_that_exits_says_whether_a_port_was_taken(
+    tmp_path: Path, said: str, error: type[BenchError]
+) -> None:
+    log = tmp_path / "server.log"
+    log.write_text(f"starting\n{said}\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    proc.wait()
+    with pytest.raises(BenchError) as raised:
+        bench_servers.wait_healthy("http://127.0.0.1:9", proc, log, timeout=5)
+    assert type(raised.value) is error and said in str(raised.value)
+
+
+def test_a_fleet_whose_port_was_taken_starts_again_on_new_ports(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    starts: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def servers(wanted: list[tuple[Config, ServerSpec, Path]]) -> Iterator[list[Any]]:
+        starts.append([spec.extra_args[-1] for _, spec, _ in wanted])  # the events config
+        if len(starts) < fails + 1:
+            raise PortTaken("server exited with 1; log tail:\nAddress already in use")
+        yield [SimpleNamespace(url=f"http://e{i}", proc=SimpleNamespace(pid=i))
+               for i in range(len(wanted))]
+
+    monkeypatch.setattr(bench_fleet, "servers", servers)
+    config, spec = Config.parse("examples/cpu-offload.yaml"), ServerSpec(model="m")
+    fails = 2  # the last attempt starts
+    with bench_fleet.fleet(config, spec, 2, tmp_path) as engines:
+        assert [e.url for e in engines] == ["http://e0", "http://e1"]
+    assert len(starts) == bench_fleet.PORT_ATTEMPTS and len({s[0] for s in starts}) == 3
+    starts.clear()
+    fails = bench_fleet.PORT_ATTEMPTS  # every attempt finds a port taken
+    with pytest.raises(PortTaken), bench_fleet.fleet(config, spec, 2, tmp_path):
+        pass
+    assert len(starts) == bench_fleet.PORT_ATTEMPTS

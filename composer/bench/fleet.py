@@ -41,13 +41,17 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import structlog
+
 from composer import scrape
 from composer.bench.replay import BenchError, Prompt, Record, replay, served_model
 from composer.bench.report import RunResult, engine_counters, pool
-from composer.bench.servers import Config, ServerSpec, servers
+from composer.bench.servers import Config, PortTaken, ServerSpec, servers
 from composer.bench.spec import BenchSpec, bench_prompts
 from composer.servers.loopback import LOOPBACK, free_port
 from composer.servers.vllm_router import vllm_router
+
+log = structlog.get_logger("kv_composer")
 
 #: Seconds after a replay for the engines' last counters to arrive.
 SETTLE_S = 1.0
@@ -124,12 +128,43 @@ def own_engines(spec: BenchSpec, flag: str, engines: str) -> tuple[Config, Serve
     return spec.configs[0], spec.server
 
 
+#: Starts of a fleet whose engine found a port taken before it could bind it.
+PORT_ATTEMPTS = 3
+
+
 @contextlib.contextmanager
 def fleet(config: Config, spec: ServerSpec, n: int, workdir: Path) -> Iterator[list[Engine]]:
     """``n`` engines running ``config``, started side by side, healthy, each with its KV
-    event publisher and its own CPU core(s); all stopped after, also when the body fails."""
+    event publisher and its own CPU core(s); all stopped after, also when the body fails.
+
+    Ports are chosen free and bound by the engines seconds later; one taken in
+    between (by another process, or one of vLLM's own) stops that engine's start:
+    the fleet is started again on new ports (:data:`PORT_ATTEMPTS` in all)."""
     if n < 1:
         raise BenchError(f"--fleet must be >= 1, got {n}")
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        engines, wanted = _fleet_specs(config, spec, n, workdir)
+        stack = contextlib.ExitStack()
+        try:
+            started = stack.enter_context(servers(wanted))
+        except PortTaken as exc:
+            if attempt == PORT_ATTEMPTS:
+                raise
+            log.warning("a port was taken before its engine bound it; the fleet starts again",
+                        attempt=attempt, error=str(exc).splitlines()[0])
+            continue
+        with stack:
+            yield [
+                replace(e, url=s.url, pid=s.proc.pid)
+                for e, s in zip(engines, started, strict=True)
+            ]
+        return
+
+
+def _fleet_specs(
+    config: Config, spec: ServerSpec, n: int, workdir: Path
+) -> tuple[list[Engine], list[tuple[Config, ServerSpec, Path]]]:
+    """Each engine's ports and server spec, the ports chosen now."""
     cores = os.cpu_count() or 1
     engines: list[Engine] = []
     wanted: list[tuple[Config, ServerSpec, Path]] = []
@@ -155,10 +190,7 @@ def fleet(config: Config, spec: ServerSpec, n: int, workdir: Path) -> Iterator[l
         wanted.append((config, engine, workdir / f"engine-{i}.log"))
         # (Its URL once started.)
         engines.append(Engine("", f"tcp://{LOOPBACK}:{port}", f"tcp://{LOOPBACK}:{replay}"))
-    with servers(wanted) as started:
-        yield [
-            replace(e, url=s.url, pid=s.proc.pid) for e, s in zip(engines, started, strict=True)
-        ]
+    return engines, wanted
 
 
 def run_policy(

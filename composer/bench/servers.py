@@ -162,12 +162,18 @@ def servers(wanted: Sequence[tuple[Config, ServerSpec, Path]]) -> Iterator[list[
         yield [running for running, _ in started]
 
 
+class PortTaken(BenchError):
+    """A server exited because a port it was given was taken (chosen free, then bound
+    by another process before the server bound it): worth a start on new ports."""
+
+
 def wait_healthy(base: str, proc: subprocess.Popen[Any], log_path: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise BenchError(f"server exited with {proc.returncode}; log tail:\n{tail}")
+            text = log_path.read_text(errors="replace")
+            error = PortTaken if "Address already in use" in text else BenchError
+            raise error(f"server exited with {proc.returncode}; log tail:\n{text[-3000:]}")
         try:
             with urllib.request.urlopen(f"{base}/health", timeout=2):
                 return
