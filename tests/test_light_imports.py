@@ -1,4 +1,5 @@
-"""``import composer``, ``kvc validate`` and ``kvc --help`` must not import torch or vLLM.
+"""``import composer``, ``kvc validate`` and ``kvc --help`` must not import torch or vLLM (and the
+two commands not structlog either).
 
 They run in fresh interpreters: this test process may have imported anything.
 """
@@ -93,3 +94,6 @@ def test_console_script_import_profile(argv: list[str], root: Path, kvc: str) ->
     }
     assert "composer.cli" in imported
     assert sorted(m for m in imported if m.split(".")[0] in HEAVY) == []
+    # Nor structlog: it costs more than the rest of either (only a command that has
+    # something to log imports it).
+    assert "structlog" not in imported

@@ -41,8 +41,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import structlog
-
 from composer import scrape
 from composer.bench.replay import BenchError, Prompt, Record, replay, served_model
 from composer.bench.report import RunResult, engine_counters, pool
@@ -50,8 +48,6 @@ from composer.bench.servers import Config, PortTaken, ServerSpec, servers
 from composer.bench.spec import BenchSpec, bench_prompts
 from composer.servers.loopback import LOOPBACK, free_port
 from composer.servers.vllm_router import vllm_router
-
-log = structlog.get_logger("kv_composer")
 
 #: Seconds after a replay for the engines' last counters to arrive.
 SETTLE_S = 1.0
@@ -150,8 +146,13 @@ def fleet(config: Config, spec: ServerSpec, n: int, workdir: Path) -> Iterator[l
         except PortTaken as exc:
             if attempt == PORT_ATTEMPTS:
                 raise
-            log.warning("a port was taken before its engine bound it; the fleet starts again",
-                        attempt=attempt, error=str(exc).splitlines()[0])
+            import structlog  # lazily: it costs `kvc --help` more than the rest
+
+            structlog.get_logger("kv_composer").warning(
+                "a port was taken before its engine bound it; the fleet starts again",
+                attempt=attempt,
+                error=str(exc).splitlines()[0],
+            )
             continue
         with stack:
             yield [

@@ -21,14 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from composer.bench.replay import BenchError
 from composer.servers.loopback import LOOPBACK, free_port
 from composer.servers.process import stop_group
 from composer.servers.vllm_serve import vllm_command
-
-log = structlog.get_logger("kv_composer")
 
 
 @dataclass(frozen=True)
@@ -95,8 +91,11 @@ def server_command(config: Config, spec: ServerSpec, port: int) -> list[str]:
     if spec.cpus is not None:
         taskset = shutil.which("taskset")
         if taskset is None:  # (util-linux's; the server runs, unbound)
-            log.warning("taskset not found: the server's processes are not bound to cores",
-                        cpus=spec.cpus)
+            import structlog  # lazily: it costs `kvc --help` more than the rest
+
+            structlog.get_logger("kv_composer").warning(
+                "taskset not found: the server's processes are not bound to cores", cpus=spec.cpus
+            )
         else:
             pinned = [taskset, "-c", spec.cpus]
     if config.pipeline is None:
