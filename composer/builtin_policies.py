@@ -20,10 +20,8 @@ class Lru(EvictionPolicy):
         self.order: OrderedDict[bytes, Block] = OrderedDict()
 
     def added(self, block: Block) -> None:
-        order, key = self.order, block.key
-        if key in order:  # (a new key goes last as it is set)
-            order.move_to_end(key)
-        order[key] = block
+        self.order[block.key] = block
+        self.order.move_to_end(block.key)
 
     def touched(self, block: Block) -> None:
         self.order.move_to_end(block.key)

@@ -219,25 +219,26 @@ class BlockIndex:
         """A slot for a new block of ``tenant`` (its request's ``cache_salt``), evicting
         the eviction policy's first block (as the quotas allow) if full; None: no
         block may go."""
-        entries, quotas = self._entries, self.quotas
-        if key in entries:
+        if key in self._entries:
             raise KeyError(f"key already indexed: {key.hex()}")
-        owner = OTHERS if quotas is None else quotas.of(tenant)
+        owner = self.quotas.of(tenant) if self.quotas is not None else OTHERS
         if self._free:
             slot = heapq.heappop(self._free)
         else:
-            victim = self._victim(OTHERS) if quotas is None else self._victim_for(owner)
+            victim = self._victim(OTHERS) if self.quotas is None else self._victim_for(owner)
             if victim is None:
                 return None
             self._remove(victim, evicted=True)
             self.evictions += 1
-            if quotas is not None:
-                quotas.evicted[victim.tenant] += 1
+            if self.quotas is not None:
+                self.quotas.evicted[victim.tenant] += 1
             slot = victim.slot
-        gen = self._gen[slot] = self._gen[slot] + 1
-        entry = entries[key] = self._by_slot[slot] = Entry(key, slot, gen, owner)
-        if quotas is not None:
-            quotas.held[owner] += 1
+        self._gen[slot] += 1
+        entry = Entry(key, slot, self._gen[slot], owner)
+        self._entries[key] = entry
+        self._by_slot[slot] = entry
+        if self.quotas is not None:
+            self.quotas.held[owner] += 1
         return entry
 
     def mark_ready(self, entry: Entry) -> None:
@@ -286,8 +287,7 @@ class BlockIndex:
 
     def _remove(self, entry: Entry, evicted: bool = False) -> None:
         del self._entries[entry.key]
-        if self.quotas is not None:
-            self._left_quota(entry)
+        self._left_quota(entry)
         self._left_policy(entry, evicted)
         if self.on_remove is not None:
             self.on_remove(entry)
@@ -328,12 +328,13 @@ class BlockIndex:
         entries = self._entries
         try:
             for block in self.policies[tenant].victims():
-                if entries.get(block.key) is not block or not block.ready or block.pins:
+                entry = entries.get(block.key)
+                if entry is not block or not entry.ready or entry.pins:
                     continue
-                if consulted and self._kept(block, now):
-                    kept.append(block)
+                if consulted and self._kept(entry, now):
+                    kept.append(entry)
                     continue
-                return block
+                return entry
         except Exception as exc:
             self._policy_failed("victims", exc)
             return self._victim(tenant)
