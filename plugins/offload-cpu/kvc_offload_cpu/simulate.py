@@ -176,33 +176,30 @@ class OffloadCPUModel:
         """Store blocks ``[0, stop)`` of every group (as ``save`` decided), until a block
         finds no slot; returns the slots newly stored."""
         index, gkeys, group_bytes = self.index, self._group_keys(keys), self.group_bytes
-        get, touch, allocate, mark_ready = index.get, index.touch, index.allocate, index.mark_ready
-        tenant, never = self.request.tenant, self.config.promote == "never"
+        never = self.config.promote == "never"
         groups = range(len(group_bytes))
         # A window group saves only blocks the request computes itself, and of those
         # the ones it keeps: the groups each position stores, in group order.
         others = [g for g in groups if g not in keep]
-        stored = saved = 0
+        stored = 0
         for k in range(stop):
             if never and any(a <= k < b for a, b in loaded):
                 continue  # another node loaded it: not promoted
             at = others if k < computed else [g for g in groups if g not in keep or k in keep[g]]
             for g in at:
                 block = gkeys[g][k]
-                known = get(block)
+                known = index.get(block)
                 if known is not None:
-                    touch(known)
+                    index.touch(known)
                     continue
                 # None: every block is kept (retention) or the tenant is at its share;
                 # the real tier tries again next step, where a replay has nothing new.
-                entry = allocate(block, tenant)
+                entry = index.allocate(block, self.request.tenant)
                 if entry is None:
-                    self.bytes_saved += saved
                     return stored
-                mark_ready(entry)
+                index.mark_ready(entry)
                 stored += 1
-                saved += group_bytes[g]
-        self.bytes_saved += saved
+                self.bytes_saved += group_bytes[g]
         return stored
 
     def _retain(self, keys: Sequence[bytes]) -> None:
