@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from composer import load_pipeline
@@ -77,15 +78,14 @@ def _prompt(index: int, ids: list[int]) -> Prompt:
     return Prompt(index, ids, OUTPUT, 0.0)
 
 
-def _group(pgid: int) -> list[int]:
-    """The processes of a process group."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:  # (state, ppid, pgrp, ...)
-                pids.append(int(stat.parent.name))
-    return pids
+def _cores(pgid: int) -> dict[int, set[int]]:
+    """The cores each process of a process group may run on."""
+    cores = {}
+    for p in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            if os.getpgid(p.pid) == pgid:
+                cores[p.pid] = set(p.cpu_affinity())
+    return cores
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def runs(
     )
     with fleet(config, server, 2, workdir) as engines:
         # (Read while they run: the tests run after the module's engines stopped.)
-        out["cores"] = [{pid: os.sched_getaffinity(pid) for pid in _group(e.pid)} for e in engines]
+        out["cores"] = [_cores(e.pid) for e in engines]
         for name in ("kv_aware-tiers", "kv_aware-vllm"):
             out[f"steer/{name}"] = _steer(engines, name, vocab, workdir)
         for name in POLICIES:
