@@ -117,7 +117,7 @@ def test_a_policy_in_one_file_is_chosen_by_name(fifo: ModuleType, tmp_path: Path
     index.mark_ready(b)
     index.touch(a)  # a hit: fifo does not care
     c = index.allocate(b"c")
-    assert c is not None and c.slot == a.slot and b"a" not in index
+    assert c is not None and c.slots == a.slots and b"a" not in index
 
 
 def test_the_simulator_runs_the_named_policy(fifo: ModuleType, tmp_path: Path) -> None:
@@ -260,7 +260,7 @@ def test_an_eviction_policy_that_raises_loses_no_block(method: str) -> None:
     # Every block is where the index says: indexed, or evicted and counted.
     assert len(index) + index.evictions == 4 and index.used_slots == 3
     for entry in index.entries():
-        assert index.current(entry.slot, entry.gen) is entry
+        assert index.current(entry.slots[0], entry.gens[0]) is entry
 
 
 def test_an_admission_policy_that_raises_admits_every_block(

@@ -1,8 +1,12 @@
-"""The scheduler half's index: block key -> slot of the host pool, eviction, pins.
+"""The scheduler half's index: block key -> slots of the host pool, eviction, pins.
 
-The index never touches bytes. A slot's *generation* grows every time the slot
-is given to a new key, so a worker can tell a slot that was overwritten from
-the one a load was planned against. Which ready block goes first when the pool
+The index never touches bytes. An entry holds one slot, or, for a hybrid
+model, one slot per KV cache group of a *bundle* (the groups of one layout,
+:attr:`BlockLayout.bundles <kvc_offload_cpu.layout.BlockLayout.bundles>`): a
+position's blocks of those groups are kept, served and evicted together, as
+one entry. A slot's *generation* grows every time the slot is given to a new
+key, so a worker can tell a slot that was overwritten from the one a load was
+planned against. Which ready block goes first when the pool
 is full is the eviction policy's, a cache policy plugin the node config names
 (``eviction: lru``; :mod:`composer.policy`): the index tells it each block that
 becomes ready, is served or leaves, and takes the first unpinned block of its
@@ -40,12 +44,15 @@ OTHERS = "*"
 
 
 class Entry:
-    __slots__ = ("key", "slot", "gen", "tenant", "ready", "pins", "dropped", "event")
+    __slots__ = ("key", "slots", "gens", "tenant", "ready", "pins", "dropped", "event")
 
-    def __init__(self, key: bytes, slot: int, gen: int, tenant: str = OTHERS) -> None:
+    def __init__(
+        self, key: bytes, slots: tuple[int, ...], gens: tuple[int, ...], tenant: str = OTHERS
+    ) -> None:
         self.key = key
-        self.slot = slot
-        self.gen = gen
+        #: Its slots (one per KV cache group of its bundle) and their generations.
+        self.slots = slots
+        self.gens = gens
         #: Whose block it is: a tenant a quota names, or :data:`OTHERS`.
         self.tenant = tenant
         #: False while the save is in flight: not a hit until every worker confirms it.
@@ -54,12 +61,12 @@ class Entry:
         self.pins = 0
         #: Removed from the index while pinned; the slot is freed at the last unpin.
         self.dropped = False
-        #: The scheduler's KV cache event state for this block (None: none).
+        #: The scheduler's KV cache event state for this entry (None: none).
         self.event: Any = None
 
     def __repr__(self) -> str:
         state = "ready" if self.ready else "saving"
-        return f"Entry(slot={self.slot}, gen={self.gen}, {state}, pins={self.pins})"
+        return f"Entry(slots={self.slots}, gens={self.gens}, {state}, pins={self.pins})"
 
 
 class Quotas:
@@ -215,31 +222,52 @@ class BlockIndex:
             except Exception as exc:
                 self._policy_failed("touched", exc)
 
-    def allocate(self, key: bytes, tenant: str = "") -> Entry | None:
-        """A slot for a new block of ``tenant`` (its request's ``cache_salt``), evicting
-        the eviction policy's first block (as the quotas allow) if full; None: no
-        block may go."""
+    def allocate(self, key: bytes, tenant: str = "", size: int = 1) -> Entry | None:
+        """``size`` slots (one per group of a bundle) for a new entry of ``tenant`` (its
+        request's ``cache_salt``), free ones first, then the slots of the eviction
+        policy's first entries (as the quotas allow); None: no entry may go."""
         if key in self._entries:
             raise KeyError(f"key already indexed: {key.hex()}")
         owner = self.quotas.of(tenant) if self.quotas is not None else OTHERS
-        if self._free:
-            slot = heapq.heappop(self._free)
+        slots = self._take(size, owner)
+        if slots is None:
+            return None
+        gen, by_slot = self._gen, self._by_slot
+        if size == 1:  # (most entries: spared the loops)
+            slot = slots[0]
+            gen[slot] += 1
+            entry = by_slot[slot] = Entry(key, slots, (gen[slot],), owner)
         else:
-            victim = self._victim(OTHERS) if self.quotas is None else self._victim_for(owner)
+            for slot in slots:
+                gen[slot] += 1
+            entry = Entry(key, slots, tuple([gen[slot] for slot in slots]), owner)
+            for slot in slots:
+                by_slot[slot] = entry
+        self._entries[key] = entry
+        if self.quotas is not None:
+            self.quotas.held[owner] += size
+        return entry
+
+    def _take(self, size: int, owner: str) -> tuple[int, ...] | None:
+        """``size`` free slots for ``owner``, evicting entries until there are; None
+        when no entry may go (the slots of those it evicted stay free)."""
+        free = self._free
+        while len(free) < size:
+            quotas = self.quotas
+            victim = (
+                self._victim(OTHERS) if quotas is None
+                else self._victim_for(owner, size - len(free))
+            )
             if victim is None:
                 return None
             self._remove(victim, evicted=True)
-            self.evictions += 1
-            if self.quotas is not None:
-                self.quotas.evicted[victim.tenant] += 1
-            slot = victim.slot
-        self._gen[slot] += 1
-        entry = Entry(key, slot, self._gen[slot], owner)
-        self._entries[key] = entry
-        self._by_slot[slot] = entry
-        if self.quotas is not None:
-            self.quotas.held[owner] += 1
-        return entry
+            self._free_slots(victim)
+            self.evictions += len(victim.slots)
+            if quotas is not None:
+                quotas.evicted[victim.tenant] += len(victim.slots)
+        if size == 1:
+            return (heapq.heappop(free),)
+        return tuple([heapq.heappop(free) for _ in range(size)])
 
     def mark_ready(self, entry: Entry) -> None:
         if entry.dropped or self._entries.get(entry.key) is not entry:
@@ -263,8 +291,7 @@ class BlockIndex:
                 self.on_remove(entry)
         else:
             self._remove(entry)
-            self._by_slot[entry.slot] = None
-            heapq.heappush(self._free, entry.slot)
+            self._free_slots(entry)
 
     def pin(self, entry: Entry) -> None:
         entry.pins += 1
@@ -274,9 +301,7 @@ class BlockIndex:
         assert entry.pins >= 0, entry
         if entry.pins == 0 and entry.dropped:
             entry.dropped = False  # freed once
-            if self._by_slot[entry.slot] is entry:
-                self._by_slot[entry.slot] = None
-            heapq.heappush(self._free, entry.slot)
+            self._free_slots(entry)
 
     def reset(self) -> int:
         """Drop every ready, unpinned entry (``reset_cache``); returns how many."""
@@ -292,18 +317,25 @@ class BlockIndex:
         if self.on_remove is not None:
             self.on_remove(entry)
 
+    def _free_slots(self, entry: Entry) -> None:
+        for slot in entry.slots:
+            if self._by_slot[slot] is entry:
+                self._by_slot[slot] = None
+            heapq.heappush(self._free, slot)
+
     def _left_quota(self, entry: Entry) -> None:
         if self.quotas is not None:
-            self.quotas.held[entry.tenant] -= 1
+            self.quotas.held[entry.tenant] -= len(entry.slots)
 
     # -- the policy ----------------------------------------------------------- #
 
-    def _victim_for(self, owner: str) -> Entry | None:
-        """The block a new block of ``owner`` replaces (see the module's docstring)."""
+    def _victim_for(self, owner: str, need: int = 1) -> Entry | None:
+        """The next entry to go for ``need`` more slots of ``owner`` (see the module's
+        docstring)."""
         quotas = self.quotas
         if quotas is None:
             return self._victim(OTHERS)
-        if quotas.held[owner] >= quotas.limit[owner]:
+        if quotas.held[owner] + need > quotas.limit[owner]:
             return self._victim(owner) or self._first_victim(quotas.past() - {owner})
         # (Nobody past: the shares' rounding left slots over; anyone's, furthest first.)
         return self._first_victim(quotas.past()) or self._first_victim(set(quotas.limit))

@@ -7,12 +7,16 @@ slot index from it; the worker half checks it against the canonical view
 With vLLM's hybrid KV cache manager a model has one group per kind of layer
 (full attention, sliding window, chunked local attention, mamba). Every group
 draws its blocks from one pool, so a block id is one group's block; the tier
-stores one group's block per slot. Without it (or for a plain model) there is
-one group, and a slot holds one block of every layer, as before.
+stores one group's block per slot. Groups of one layout (vLLM splits a
+hybrid's window layers into several groups of one window) keep and need the
+same blocks: the tier indexes a position's blocks of them as one entry, a
+*bundle* (:func:`bundles`). Without the hybrid manager (or for a plain model)
+there is one group, and a slot holds one block of every layer, as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +96,20 @@ class BlockLayout:
     @property
     def unserved_kinds(self) -> tuple[str, ...]:
         return tuple(k for k in self.group_kinds if k not in SERVED_KINDS)
+
+    @property
+    def bundles(self) -> tuple[tuple[int, ...], ...]:
+        return bundles(self.groups)
+
+
+def bundles(groups: Sequence[GroupLayout]) -> tuple[tuple[int, ...], ...]:
+    """The groups of each layout, in the order of each layout's first group: the
+    groups whose blocks at one position the tier keeps, serves and evicts
+    together (one index entry, one slot per group)."""
+    of: dict[GroupLayout, list[int]] = {}
+    for g, layout in enumerate(groups):
+        of.setdefault(layout, []).append(g)
+    return tuple(tuple(members) for members in of.values())
 
 
 def layout_from_kv_cache_config(kv_cache_config: Any) -> BlockLayout:

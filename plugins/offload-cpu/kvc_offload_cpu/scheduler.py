@@ -1,10 +1,12 @@
 """The scheduler half: owns the index, answers lookups, plans loads and saves.
 
 It runs in vLLM's EngineCore process and never touches KV bytes. With several
-KV cache groups (vLLM's hybrid manager) every group's blocks are indexed on
-their own: full-attention groups keep every block, sliding-window and
-chunked-local groups only the blocks a hit at a retained point needs, and a
-hit is the longest prefix every group can serve (vLLM's own rule). Every step it
+KV cache groups (vLLM's hybrid manager) each layout's blocks are indexed on
+their own, a position's blocks of the groups of one layout as one entry (a
+bundle: :func:`~kvc_offload_cpu.layout.bundles`): full attention keeps every
+block, sliding-window and chunked-local layouts only the blocks a hit at a
+retained point needs, and a hit is the longest prefix every group can serve
+(vLLM's own rule). Every step it
 tells the worker half, through :class:`~kvc_offload_cpu.metadata.OffloadMetadata`,
 which slots to load into which blocks and which blocks to save into which
 slots; the workers confirm through
@@ -16,6 +18,7 @@ When vLLM publishes KV cache events, so does the tier (``take_events``: see
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import Any
 
@@ -62,12 +65,14 @@ class _Req:
 
 
 class _PendingSave:
-    __slots__ = ("entry", "req", "confirmations")
+    __slots__ = ("entry", "req", "confirmations", "order")
 
-    def __init__(self, entry: Entry, req: _Req) -> None:
+    def __init__(self, entry: Entry, req: _Req, order: int) -> None:
         self.entry = entry
         self.req = req
         self.confirmations = 0
+        #: When it was planned: saves become ready in this order.
+        self.order = order
 
 
 class _PendingLoad:
@@ -96,8 +101,16 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
             self.num_slots, config.eviction, config, config.retention, quotas=config.quotas
         )
         self.admission = Admission(config.admission, self.num_slots, config)
-        self.full_groups = [g for g, x in enumerate(layout.groups) if x.kind == "attention"]
-        self.window_groups = [g for g, x in enumerate(layout.groups) if x.window]
+        self.bundles = layout.bundles
+        #: Each bundle's layout, and each group's bundle and place in it.
+        self.bundle_layouts = [layout.groups[members[0]] for members in self.bundles]
+        self.bundle_of = [(0, 0)] * layout.num_groups
+        for b, members in enumerate(self.bundles):
+            for i, g in enumerate(members):
+                self.bundle_of[g] = (b, i)
+        self.full_bundles = [b for b, x in enumerate(self.bundle_layouts) if x.kind == "attention"]
+        self.window_bundles = [b for b, x in enumerate(self.bundle_layouts) if x.window]
+        largest = max(len(members) for members in self.bundles)
         self.disabled_reason: str | None = None
         if layout.unserved_kinds:
             model = getattr(getattr(ctx.vllm_config, "model_config", None), "model", "?")
@@ -107,9 +120,12 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
                 "per-block state snapshots here), so this node serves no hits for it; "
                 "tokens are computed as without the tier"
             )
-        elif self.num_slots == 0:
+        elif self.num_slots < largest:
             self.disabled_reason = (
-                f"capacity {config.capacity.human_readable()} holds no block "
+                f"capacity {config.capacity.human_readable()} holds no {largest} blocks "
+                f"of {layout.slot_bytes} bytes (one position of {largest} KV cache groups)"
+                if largest > 1
+                else f"capacity {config.capacity.human_readable()} holds no block "
                 f"of {layout.slot_bytes} bytes"
             )
         if self.disabled_reason:
@@ -119,6 +135,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         self.hash_ratio = self.block_size // hbs if self.block_size % hbs == 0 else None
         self._reqs: dict[str, _Req] = {}
         self._saving: dict[SlotGen, _PendingSave] = {}
+        self._planned = itertools.count()
         self._loading: dict[str, deque[_PendingLoad]] = {}
         self._pending_loads: list[Transfer] = []
         self._pending_hold: list[str] = []
@@ -167,17 +184,17 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
 
     # -- keys and groups ------------------------------------------------------ #
 
-    def _key(self, st: _Req, group: int, k: int) -> bytes:
-        """Index key of block ``k`` of ``group`` (the block key alone with one group)."""
+    def _key(self, st: _Req, bundle: int, k: int) -> bytes:
+        """Index key of block ``k`` of ``bundle`` (the block key alone with one bundle)."""
         key = st.keys.keys[k]
-        return key if self.layout.num_groups == 1 else key + bytes((group,))
+        return key if len(self.bundles) == 1 else key + bytes((bundle,))
 
-    def _ready(self, st: _Req, group: int, positions: range) -> bool:
-        return all(self.index.ready(self._key(st, group, k)) is not None for k in positions)
+    def _ready(self, st: _Req, bundle: int, positions: range) -> bool:
+        return all(self.index.ready(self._key(st, bundle, k)) is not None for k in positions)
 
-    def _kept(self, st: _Req, group: int, k: int) -> bool:
-        """Whether block ``k`` of a windowed group is saved (:meth:`GroupLayout.kept`)."""
-        spec: GroupLayout = self.layout.groups[group]
+    def _kept(self, st: _Req, bundle: int, k: int) -> bool:
+        """Whether block ``k`` of a windowed bundle is saved (:meth:`GroupLayout.kept`)."""
+        spec: GroupLayout = self.bundle_layouts[bundle]
         return spec.kept(k, st.view.num_prompt_tokens, self.config.window_retention)
 
     # -- requests ------------------------------------------------------------ #
@@ -215,15 +232,15 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         if num_computed_tokens % bs == 0 and start < max_blocks:
             end = start
             available = st.keys.ensure(request, max_blocks, bs)
-            # Full-attention groups: the longest run of stored blocks.
+            # Full attention: the longest run of stored blocks.
             while end < available and all(
-                self.index.ready(self._key(st, g, end)) is not None for g in self.full_groups
+                self.index.ready(self._key(st, b, end)) is not None for b in self.full_bundles
             ):
                 end += 1
-            # Windowed groups: the longest of those ends whose window they hold.
+            # Windowed layouts: the longest of those ends whose window they hold.
             while end > start and not all(
-                self._ready(st, g, self.layout.groups[g].needed(start, end))
-                for g in self.window_groups
+                self._ready(st, b, self.bundle_layouts[b].needed(start, end))
+                for b in self.window_bundles
             ):
                 end -= 1
             hit = end - start
@@ -261,18 +278,19 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         # Every block vLLM allocated for the hit is loaded: positions outside a
         # window hold the null block, and nothing is loaded there.
         for g, ids in enumerate(block_ids):
+            b, i = self.bundle_of[g]
             for k in range(start, min(start + n, len(ids))):
                 if ids[k] == NULL_BLOCK:
                     continue
-                key = self._key(st, g, k) if k < len(st.keys.keys) else None
+                key = self._key(st, b, k) if k < len(st.keys.keys) else None
                 entry = self.index.ready(key) if key is not None else None
                 if entry is None:  # cannot happen between lookup and alloc; fail it safely
                     transfer.add(-1, -1, ids[k], g, k)
                     continue
-                self.index.pin(entry)
+                self.index.pin(entry)  # once per group: each group's load unpins it
                 self.index.touch(entry)
                 entries.append(entry)
-                transfer.add(entry.slot, entry.gen, ids[k], g, k)
+                transfer.add(entry.slots[i], entry.gens[i], ids[k], g, k)
         # Saving skips the loaded blocks by key (they are in the index).
         self._loading.setdefault(request.request_id, deque()).append(_PendingLoad(entries))
         self._pending_loads.append(transfer)
@@ -309,9 +327,9 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         use is now); a pin not granted is counted, logged and said in the request's
         ``kv_transfer_params`` (``kv_composer.retention.<node>``)."""
         refused = asked = 0
-        for g in range(len(st.block_ids)):
+        for b in range(len(self.bundles) if st.block_ids else 0):
             for k in range(len(st.keys.keys)):
-                entry = self.index.get(self._key(st, g, k))
+                entry = self.index.get(self._key(st, b, k))
                 if entry is not None:
                     asked += 1
                     refused += not self.index.retain(entry, retention)
@@ -381,17 +399,17 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
             if foreign and never:
                 k += 1  # loaded by another node: not promoted here
                 continue
-            for g, ids in enumerate(st.block_ids):
-                if ids[k] == NULL_BLOCK or (
-                    g in self.window_groups and (k < fresh or not self._kept(st, g, k))
+            for b, members in enumerate(self.bundles):
+                if any(st.block_ids[g][k] == NULL_BLOCK for g in members) or (
+                    b in self.window_bundles and (k < fresh or not self._kept(st, b, k))
                 ):
                     continue
-                key = self._key(st, g, k)
+                key = self._key(st, b, k)
                 known = self.index.get(key)
                 if known is not None:  # stored or being stored (maybe by another request)
                     self.index.touch(known)
                     continue
-                entry = self.index.allocate(key, view.tenant)
+                entry = self.index.allocate(key, view.tenant, len(members))
                 if entry is None:  # every slot pinned or in flight: try again next step
                     self.stats.extra.add("save_skipped_full")
                     st.next_save = k
@@ -399,16 +417,25 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
                 if transfer is None:
                     transfer = Transfer(view.request_id)
                     meta.saves.append(transfer)
-                transfer.add(entry.slot, entry.gen, ids[k], g, k)
+                self._plan_save(st, entry, members, k, transfer)
                 if foreign:
-                    self.stats.extra.add("blocks_promoted")
-                if self.events is not None:  # vLLM's payload, while the request is here
-                    entry.event = self.events.block_stored(view, g, k)
-                sg = (entry.slot, entry.gen)
-                self._saving[sg] = _PendingSave(entry, st)
-                st.inflight.add(sg)
+                    self.stats.extra.add("blocks_promoted", len(members))
             k += 1
         st.next_save = k
+
+    def _plan_save(
+        self, st: _Req, entry: Entry, members: tuple[int, ...], k: int, transfer: Transfer
+    ) -> None:
+        """Block ``k`` of each group of a bundle into its slot of ``entry``: ready once
+        every worker confirmed every slot."""
+        pending = _PendingSave(entry, st, next(self._planned))
+        for i, g in enumerate(members):
+            transfer.add(entry.slots[i], entry.gens[i], st.block_ids[g][k], g, k)
+            sg = (entry.slots[i], entry.gens[i])
+            self._saving[sg] = pending
+            st.inflight.add(sg)
+        if self.events is not None:  # vLLM's payloads, while the request is here
+            entry.event = [self.events.block_stored(st.view, g, k) for g in members]
 
     def _save_end(self, st: _Req) -> int | None:
         """Tokens of the request this tier may save: its tier controls
@@ -431,22 +458,26 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
     def update_connector_output(self, worker_meta: OffloadWorkerMeta | None) -> None:
         if worker_meta is None:
             return
+        done: dict[int, _PendingSave] = {}
         for sg, n in worker_meta.saved.items():
             pending = self._saving.get(sg)
             if pending is None:
                 continue
             pending.confirmations += n
-            if pending.confirmations >= self.num_workers:
-                del self._saving[sg]
-                self.index.mark_ready(pending.entry)
-                if self.events is not None and pending.entry.ready:
-                    self._stored(pending.entry)
-                self._save_resolved(pending, sg)
+            if pending.confirmations >= self.num_workers * len(pending.entry.slots):
+                done[pending.order] = pending
+        # Ready in the order they were planned (position by position, as kvc simulate's
+        # model), not the workers' (group by group): the eviction policy sees that order.
+        for _, pending in sorted(done.items()):
+            self.index.mark_ready(pending.entry)
+            if self.events is not None and pending.entry.ready:
+                self._stored(pending.entry)
+            self._save_resolved(pending)
         for sg in worker_meta.save_failed:
-            pending = self._saving.pop(sg, None)
+            pending = self._saving.get(sg)
             if pending is not None:
                 self.index.drop(pending.entry)
-                self._save_resolved(pending, sg)
+                self._save_resolved(pending)
         for rid, n in worker_meta.loaded.items():
             queue = self._loading.get(rid)
             while queue and n > 0:
@@ -469,9 +500,12 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
                 st.next_save = min(st.next_save, position)
         self._update_gauges()
 
-    def _save_resolved(self, pending: _PendingSave, sg: SlotGen) -> None:
+    def _save_resolved(self, pending: _PendingSave) -> None:
+        """The entry's save is over (every slot saved, or one failed)."""
         st = pending.req
-        st.inflight.discard(sg)
+        for sg in zip(pending.entry.slots, pending.entry.gens, strict=True):
+            self._saving.pop(sg, None)
+            st.inflight.discard(sg)
         if st.finished and not st.inflight:
             self._forget(st)
 
@@ -484,21 +518,21 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
     # -- KV cache events ------------------------------------------------------- #
 
     def _stored(self, entry: Entry) -> None:
-        """A block every worker saved: announce it (its payload was captured at planning)."""
+        """An entry every worker saved: announce its groups' blocks (their payloads were
+        captured at planning)."""
         assert self.events is not None
-        stored = entry.event
-        if stored is None:  # vLLM had no hash for it: not announced
-            if not self.events.warned:
-                self.events.warned = True
-                self.log.warning("offload-cpu: a block without vLLM's block hash is not published")
-            return
-        entry.event = self.events.announce(stored)
+        payloads = entry.event or []
+        if None in payloads and not self.events.warned:  # vLLM had no hash: not announced
+            self.events.warned = True
+            self.log.warning("offload-cpu: a block without vLLM's block hash is not published")
+        entry.event = [self.events.announce(p) for p in payloads if p is not None]
 
     def _removed(self, entry: Entry) -> None:
-        """``BlockIndex.on_remove``: an announced block left the tier."""
-        if entry.ready and isinstance(entry.event, tuple):
+        """``BlockIndex.on_remove``: an entry whose blocks were announced left the tier."""
+        if entry.ready and entry.event:
             assert self.events is not None
-            self.events.remove(entry.event)
+            for announced in entry.event:
+                self.events.remove(announced)
         entry.event = None
 
     @hookimpl

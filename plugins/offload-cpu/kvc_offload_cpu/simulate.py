@@ -14,8 +14,10 @@ node's ``quotas``), and a request's ``kv_retention`` reaches the retention
 policy at its end, with the trace's clock as the policy's ``now``.
 
 With several KV cache groups (a hybrid model), as the scheduler half: a slot
-holds one group's block, keyed by the block key and the group;
-full-attention groups keep every block, window groups only the blocks
+holds one group's block, and an index entry a position's blocks of the groups
+of one layout (a bundle, :func:`~kvc_offload_cpu.layout.bundles`), keyed by the
+block key and the bundle; full attention keeps every block, window layouts
+only the blocks
 :meth:`GroupLayout.needed <kvc_offload_cpu.layout.GroupLayout.needed>` gives for
 the retained hit points, and a hit is the longest prefix every group can serve.
 A mamba group turns the node off, as the real one turns itself off.
@@ -29,8 +31,8 @@ from pydantic import BaseModel
 
 from composer import SimKVGroup, SimRequest
 from kvc_offload_cpu.config import OffloadCPUConfig
-from kvc_offload_cpu.index import Admission, BlockIndex
-from kvc_offload_cpu.layout import SERVED_KINDS, GroupLayout
+from kvc_offload_cpu.index import Admission, BlockIndex, Entry
+from kvc_offload_cpu.layout import SERVED_KINDS, GroupLayout, bundles
 
 
 class OffloadCPUModel:
@@ -60,12 +62,21 @@ class OffloadCPUModel:
         groups = tuple(groups) or (SimKVGroup("attention", bytes_per_block),)
         self.layouts = tuple(GroupLayout(g.kind, block_size, g.window) for g in groups)
         self.group_bytes = tuple(g.block_bytes for g in groups)
-        self.several = len(groups) > 1
-        self._suffixes = [bytes((g,)) for g in range(len(groups))]
+        self.bundles = bundles(self.layouts)
+        #: Each group's bundle; each bundle's layout, slots and bytes.
+        self.bundle_of = [0] * len(groups)
+        for b, members in enumerate(self.bundles):
+            for g in members:
+                self.bundle_of[g] = b
+        self.bundle_layouts = [self.layouts[members[0]] for members in self.bundles]
+        self.bundle_sizes = [len(members) for members in self.bundles]
+        self.bundle_bytes = [sum(self.group_bytes[g] for g in m) for m in self.bundles]
+        self.several = len(self.bundles) > 1
+        self._suffixes = [bytes((b,)) for b in range(len(self.bundles))]
         self._keys_of: Sequence[bytes] | None = None
         self._keys: list[Sequence[bytes]] = []
-        self.full_groups = [g for g, x in enumerate(self.layouts) if x.kind == "attention"]
-        self.window_groups = [g for g, x in enumerate(self.layouts) if x.window]
+        self.full_bundles = [b for b, x in enumerate(self.bundle_layouts) if x.kind == "attention"]
+        self.window_bundles = [b for b, x in enumerate(self.bundle_layouts) if x.window]
         #: Bytes of one block position with every group at full attention.
         self.full_bytes = sum(
             b for x, b in zip(self.layouts, self.group_bytes, strict=True) if x.kind in SERVED_KINDS
@@ -86,14 +97,14 @@ class OffloadCPUModel:
 
     @property
     def window_saving(self) -> float | None:
-        if not self.window_groups or self.disabled_reason:
+        if not self.window_bundles or self.disabled_reason:
             return None
         return self._kept_bytes / self._full if self._full else 1.0
 
-    def _group_keys(self, keys: Sequence[bytes]) -> list[Sequence[bytes]]:
-        """Each group's index keys of ``keys`` (the block key and the group; the block key
-        alone with one group), made once per request: its lookup, load and save ask them
-        all (the replay hands each the same list)."""
+    def _bundle_keys(self, keys: Sequence[bytes]) -> list[Sequence[bytes]]:
+        """Each bundle's index keys of ``keys`` (the block key and the bundle; the block
+        key alone with one bundle), made once per request: its lookup, load and save ask
+        them all (the replay hands each the same list)."""
         if keys is not self._keys_of:
             self._keys_of = keys
             self._keys = (
@@ -109,28 +120,29 @@ class OffloadCPUModel:
     def lookup(self, keys: Sequence[bytes], start: int, limit: int) -> int:
         if self.disabled_reason:
             return 0
-        ready, gkeys = self.index.ready, self._group_keys(keys)
-        full = [gkeys[g] for g in self.full_groups]
+        ready, gkeys = self.index.ready, self._bundle_keys(keys)
+        full = [gkeys[b] for b in self.full_bundles]
         end, stop = start, min(limit, len(keys))
-        # Full-attention groups: the longest run of stored blocks.
-        while end < stop and all(ready(group[end]) is not None for group in full):
+        # Full attention: the longest run of stored blocks.
+        while end < stop and all(ready(bundle[end]) is not None for bundle in full):
             end += 1
-        # Window groups: the longest of those ends whose window they hold.
+        # Window layouts: the longest of those ends whose window they hold.
         while end > start and not all(
-            ready(gkeys[g][k]) is not None
-            for g in self.window_groups
-            for k in self.layouts[g].needed(start, end)
+            ready(gkeys[b][k]) is not None
+            for b in self.window_bundles
+            for k in self.bundle_layouts[b].needed(start, end)
         ):
             end -= 1
         hit = end - start
         return hit if hit >= self.config.min_blocks else 0
 
     def load(self, keys: Sequence[bytes], start: int, hit: int) -> None:
-        index, gkeys = self.index, self._group_keys(keys)
-        for g, layout in enumerate(self.layouts):
+        index, gkeys = self.index, self._bundle_keys(keys)
+        for g, layout in enumerate(self.layouts):  # (group by group, as the scheduler half)
             # vLLM holds null blocks outside a window: nothing is loaded there.
+            bundle = gkeys[self.bundle_of[g]]
             for k in layout.needed(start, start + hit):
-                entry = index.ready(gkeys[g][k])
+                entry = index.ready(bundle[k])
                 if entry is not None:
                     index.touch(entry)
                     self.bytes_loaded += self.group_bytes[g]
@@ -142,24 +154,23 @@ class OffloadCPUModel:
         computed: int,
         loaded: Sequence[tuple[int, int]] = (),
     ) -> int:
-        if not self.capacity_blocks or self.disabled_reason:  # the real tier disables itself
+        # The real tier disables itself when no position of its largest bundle fits.
+        if self.capacity_blocks < max(self.bundle_sizes) or self.disabled_reason:
             return 0
-        group_bytes = self.group_bytes
         prompt_blocks = min(prompt_tokens // self.block_size, len(keys))
         stop = prompt_blocks if self.config.save == "prompt" else len(keys)
         stop = min(stop, self._admitted(keys, prompt_blocks))
-        # Groups of one layout (a hybrid's window layers split into several groups of
-        # one window) keep the same blocks: worked out once per layout.
-        kept: dict[GroupLayout, set[int]] = {}
-        for g in self.window_groups:
-            layout = self.layouts[g]
-            if layout not in kept:
-                kept[layout] = layout.kept_blocks(stop, prompt_tokens, self.config.window_retention)
-        keep = {g: kept[self.layouts[g]] for g in self.window_groups}
+        keep = {
+            b: self.bundle_layouts[b].kept_blocks(
+                stop, prompt_tokens, self.config.window_retention
+            )
+            for b in self.window_bundles
+        }
         if keep:
+            sizes = self.bundle_bytes
             self._full += stop * self.full_bytes
-            self._kept_bytes += sum(group_bytes[g] * stop for g in self.full_groups) + sum(
-                group_bytes[g] * len(positions) for g, positions in keep.items()
+            self._kept_bytes += sum(sizes[b] * stop for b in self.full_bundles) + sum(
+                sizes[b] * len(positions) for b, positions in keep.items()
             )
         stored = self._store(keys, stop, computed, keep, loaded)
         self._retain(keys)
@@ -173,33 +184,42 @@ class OffloadCPUModel:
         keep: dict[int, set[int]],
         loaded: Sequence[tuple[int, int]],
     ) -> int:
-        """Store blocks ``[0, stop)`` of every group (as ``save`` decided), until a block
-        finds no slot; returns the slots newly stored."""
-        index, gkeys, group_bytes = self.index, self._group_keys(keys), self.group_bytes
+        """Store blocks ``[0, stop)`` of every bundle (as ``save`` decided), until an
+        entry finds no slots; returns the slots newly stored."""
+        index, gkeys, tenant = self.index, self._bundle_keys(keys), self.request.tenant
+        sizes, nbytes = self.bundle_sizes, self.bundle_bytes
         never = self.config.promote == "never"
-        groups = range(len(group_bytes))
-        # A window group saves only blocks the request computes itself, and of those
-        # the ones it keeps: the groups each position stores, in group order.
-        others = [g for g in groups if g not in keep]
+        bundles = range(len(sizes))
+        # A window layout saves only blocks the request computes itself, and of those
+        # the ones it keeps: the bundles each position stores, in bundle order.
+        others = [b for b in bundles if b not in keep]
         stored = 0
         for k in range(stop):
             if never and any(a <= k < b for a, b in loaded):
                 continue  # another node loaded it: not promoted
-            at = others if k < computed else [g for g in groups if g not in keep or k in keep[g]]
-            for g in at:
-                block = gkeys[g][k]
+            at = others if k < computed else [b for b in bundles if b not in keep or k in keep[b]]
+            # A position's entries are ready together, as a step's saves are.
+            new: list[Entry] = []
+            full = False
+            for b in at:
+                block = gkeys[b][k]
                 known = index.get(block)
                 if known is not None:
                     index.touch(known)
                     continue
                 # None: every block is kept (retention) or the tenant is at its share;
                 # the real tier tries again next step, where a replay has nothing new.
-                entry = index.allocate(block, self.request.tenant)
+                entry = index.allocate(block, tenant, sizes[b])
                 if entry is None:
-                    return stored
+                    full = True
+                    break
+                new.append(entry)
+                stored += sizes[b]
+                self.bytes_saved += nbytes[b]
+            for entry in new:
                 index.mark_ready(entry)
-                stored += 1
-                self.bytes_saved += group_bytes[g]
+            if full:
+                return stored
         return stored
 
     def _retain(self, keys: Sequence[bytes]) -> None:
@@ -209,8 +229,8 @@ class OffloadCPUModel:
         if retention is None:
             return
         index = self.index
-        for group in self._group_keys(keys):
-            for block in group:
+        for bundle in self._bundle_keys(keys):
+            for block in bundle:
                 entry = index.get(block)
                 if entry is not None:
                     index.retain(entry, retention)

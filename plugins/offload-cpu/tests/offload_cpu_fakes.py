@@ -91,21 +91,29 @@ def kv_cache_config(num_blocks: int) -> Any:
 HYBRID_LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
 
-def hybrid_kv_cache_config(windowed: Any, full: Any, num_blocks: int) -> Any:
-    """vLLM's ``KVCacheConfig`` of a windowed group and a full-attention group, one
-    layer each, overlaying one allocation per layer (a block id is one group's block)."""
+def hybrid_layers(windowed: int = 1) -> tuple[str, ...]:
+    """``windowed`` windowed layers, then a full-attention one (one group each)."""
+    return tuple(f"model.layers.{i}.self_attn.attn" for i in range(windowed + 1))
+
+
+def hybrid_kv_cache_config(windowed: Any, full: Any, num_blocks: int, groups: int = 1) -> Any:
+    """vLLM's ``KVCacheConfig`` of ``groups`` windowed groups (one layout: vLLM splits a
+    hybrid's window layers so) and a full-attention group, one layer each,
+    overlaying one allocation per layer (a block id is one group's block)."""
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
     page = windowed.page_size_bytes
+    layers = hybrid_layers(groups)
+    specs = [windowed] * groups + [full]
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[
             KVCacheTensor(size=num_blocks * page, layers=[name], layer_stride=0, block_stride=page)
-            for name in HYBRID_LAYERS
+            for name in layers
         ],
         kv_cache_groups=[
-            KVCacheGroupSpec(layer_names=[HYBRID_LAYERS[0]], kv_cache_spec=windowed),
-            KVCacheGroupSpec(layer_names=[HYBRID_LAYERS[1]], kv_cache_spec=full),
+            KVCacheGroupSpec(layer_names=[name], kv_cache_spec=spec)
+            for name, spec in zip(layers, specs, strict=True)
         ],
         hash_block_size=windowed.block_size,
     )

@@ -68,7 +68,7 @@ def test_a_corrupt_slot_is_refused_on_the_device(device: str) -> None:
     eng.finish("a")
     eng.settle(4)
     entry = next(e for e in eng.index.entries() if e.ready)
-    corrupt(eng.worker.pool, entry.slot, 7)
+    corrupt(eng.worker.pool, entry.slots[0], 7)
     eng.add("b", p)
     eng.prefill("b", forward=False)
     assert len(eng.errors) == 1

@@ -218,7 +218,7 @@ def test_dropped_and_reset_blocks_are_removed_and_saves_in_flight_are_not_announ
     # a corrupt slot: the load fails its checksum, the block leaves the tier
     entry = eng.index.ready(keys[1])
     assert entry is not None
-    corrupt(eng.pool, entry.slot, SLOT - 1000)
+    corrupt(eng.pool, entry.slots[0], SLOT - 1000)
     eng.add("b", a)
     eng.prefill("b")
     (removed,) = eng.events()

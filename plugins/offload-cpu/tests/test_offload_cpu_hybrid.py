@@ -1,9 +1,10 @@
 """offload-cpu with several KV cache groups (vLLM's hybrid manager), one kind at a time.
 
-vLLM's own spec classes describe a two-layer model: one windowed layer (a
+vLLM's own spec classes describe a model of one or two windowed layers (a
 sliding window or a local-attention chunk of 64 tokens) and one full-attention
-layer, each its own KV cache group, both groups' blocks in one shared region
-as vLLM's CPU backend lays them out. A request is computed and saved, then a
+layer, each its own KV cache group (two windowed groups of one layout: one
+bundle), every group's blocks in one shared region as vLLM's CPU backend lays
+them out. A request is computed and saved, then a
 repeat is looked up, allocated the way vLLM allocates a hit (null blocks where
 the window has left) and loaded: the bytes must come back, only the window's
 blocks of the windowed group are stored, and a state-space group gets no hits.
@@ -17,15 +18,19 @@ from typing import Any
 import pytest
 import torch
 from kvc_offload_cpu.config import OffloadCPUConfig
+from kvc_offload_cpu.keys import block_keys
 from kvc_offload_cpu.layout import GroupLayout, layout_from_kv_cache_config
 from kvc_offload_cpu.scheduler import SchedulerHalf
+from kvc_offload_cpu.simulate import OffloadCPUModel
 from kvc_offload_cpu.worker import WorkerHalf
 from offload_cpu_fakes import (
     HYBRID_LAYERS,
+    CachedReqs,
     FakeRequest,
     FakeSchedulerOutput,
     NewReq,
     hybrid_kv_cache_config,
+    hybrid_layers,
 )
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -41,6 +46,7 @@ from composer import (
     KVRegion,
     NodeContext,
     RequestView,
+    SimKVGroup,
     StepView,
 )
 
@@ -55,29 +61,33 @@ WINDOWED = {
 }
 
 
-def kv_cache_config(windowed: Any) -> KVCacheConfig:
-    kvc: KVCacheConfig = hybrid_kv_cache_config(windowed, FullAttentionSpec(**COMMON), NUM_BLOCKS)
+def kv_cache_config(windowed: Any, groups: int = 1) -> KVCacheConfig:
+    kvc: KVCacheConfig = hybrid_kv_cache_config(
+        windowed, FullAttentionSpec(**COMMON), NUM_BLOCKS, groups
+    )
     return kvc
 
 
 class Hybrid:
-    """A scheduler half and a worker half over one shared region, driven like vLLM."""
+    """A scheduler half and a worker half over one shared region, driven like vLLM:
+    ``groups`` windowed groups of ``kind`` (one bundle), then a full-attention one."""
 
-    def __init__(self, kind: str, **config: Any) -> None:
+    def __init__(self, kind: str, groups: int = 1, capacity: int = 4 << 20, **config: Any) -> None:
         self.spec = WINDOWED[kind]
-        kvc = kv_cache_config(self.spec)
-        cfg = OffloadCPUConfig(capacity=4 << 20, save_mode="sync", **config)
+        kvc = kv_cache_config(self.spec, groups)
+        cfg = OffloadCPUConfig(capacity=capacity, save_mode="sync", **config)
         ctx = {"kv_cache_config": kvc}
         self.sched = SchedulerHalf(NodeContext("cpu", cfg, "both", "scheduler", **ctx))
         self.worker = WorkerHalf(NodeContext("cpu", cfg, "both", "worker", **ctx))
         page = self.spec.page_size_bytes
         self.region = torch.zeros(NUM_BLOCKS, page, dtype=torch.int8)
-        groups = (
-            KVGroup(0, kind, BLOCK, LAYERS[:1], (0,)),
-            KVGroup(1, "attention", BLOCK, LAYERS[1:], (0,)),
+        layers = hybrid_layers(groups)
+        kv_groups = tuple(
+            KVGroup(g, kind if g < groups else "attention", BLOCK, (name,), (0,))
+            for g, name in enumerate(layers)
         )
         self.worker.register_kv_caches(
-            CanonicalKVCaches(NUM_BLOCKS, (KVRegion(self.region, LAYERS),), groups)
+            CanonicalKVCaches(NUM_BLOCKS, (KVRegion(self.region, layers),), kv_groups)
         )
 
     def step(self, out: FakeSchedulerOutput, computed: dict[int, int] | None = None) -> Any:
@@ -99,13 +109,17 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(10, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("kind", sorted(WINDOWED))
-def test_a_repeat_loads_every_group_and_the_window_keeps_only_what_a_hit_needs(kind: str) -> None:
-    h = Hybrid(kind)
+def test_a_repeat_loads_every_group_and_the_window_keeps_only_what_a_hit_needs(
+    kind: str, groups: int
+) -> None:
+    h = Hybrid(kind, groups)
+    full = groups  # the full-attention group comes last
     tokens = _prompt(200)  # 6 full blocks and a partial one
     a = RequestView(FakeRequest("a", tokens))
     assert h.sched.get_num_new_matched_tokens(a, 0) == (0, False)
-    ids_a = (list(range(1, 8)), list(range(11, 18)))  # (windowed, full)
+    ids_a = tuple(list(range(1 + 10 * g, 8 + 10 * g)) for g in range(groups + 1))
     h.sched.update_state_after_alloc(a, ids_a, 0)
     out = FakeSchedulerOutput(num_scheduled_tokens={"a": 200})
     out.scheduled_new_reqs.append(NewReq("a", ids_a, 0, tokens))
@@ -113,28 +127,36 @@ def test_a_repeat_loads_every_group_and_the_window_keeps_only_what_a_hit_needs(k
     meta = h.step(out, written)
     saved = {(g, k) for t in meta.saves for g, k in zip(t.groups, t.positions, strict=True)}
     hit_blocks = (200 - 1) // BLOCK  # a repeat leaves one token to compute
-    layout = layout_from_kv_cache_config(kv_cache_config(h.spec))
+    layout = layout_from_kv_cache_config(kv_cache_config(h.spec, groups))
     needed = set(layout.groups[0].needed(0, hit_blocks))
-    assert {k for g, k in saved if g == 1} == set(range(6))  # full attention: every block
-    assert {k for g, k in saved if g == 0} == needed  # the window before the hit only
+    assert {k for g, k in saved if g == full} == set(range(6))  # full attention: every block
+    for g in range(groups):  # the window before the hit only
+        assert {k for g_, k in saved if g_ == g} == needed
     assert len(needed) < 6
+    # One entry a position and layout: the window groups' blocks of a position together.
+    assert sorted(len(e.slots) for e in h.sched.index.entries()) == sorted(
+        [1] * 6 + [groups] * len(needed)
+    )
     h.sched.request_finished(a, ids_a[0])
 
     b = RequestView(FakeRequest("b", list(tokens)))
     assert h.sched.get_num_new_matched_tokens(b, 0) == (hit_blocks * BLOCK, False)
-    # vLLM gives the windowed group null blocks where the window has left.
-    ids_b = (
-        [NULL_BLOCK if k not in needed and k < hit_blocks else 21 + k for k in range(7)],
-        list(range(31, 38)),
+    # vLLM gives the windowed groups null blocks where the window has left.
+    ids_b = tuple(
+        [
+            NULL_BLOCK if g < groups and k not in needed and k < hit_blocks else 31 + 10 * g + k
+            for k in range(7)
+        ]
+        for g in range(groups + 1)
     )
     h.sched.update_state_after_alloc(b, ids_b, hit_blocks * BLOCK)
     meta = h.step(FakeSchedulerOutput())
     (load,) = meta.loads
     assert NULL_BLOCK not in load.block_ids
     assert sorted(zip(load.groups, load.positions, strict=True)) == sorted(
-        [(0, k) for k in needed] + [(1, k) for k in range(hit_blocks)]
+        [(g, k) for g in range(groups) for k in needed] + [(full, k) for k in range(hit_blocks)]
     )
-    for g in (0, 1):
+    for g in range(groups + 1):
         for k in range(hit_blocks):
             if ids_b[g][k] != NULL_BLOCK:
                 assert int(h.region[ids_b[g][k], 0]) == written[ids_a[g][k]], (g, k)
@@ -198,3 +220,75 @@ def test_the_kept_blocks_of_a_whole_prompt_are_the_blocks_kept_one_by_one(
                 assert layout.kept_blocks(stop, prompt, retention) == one_by_one, (
                     window, prompt, stop
                 )
+
+
+def _serve(h: Hybrid, rid: str, tokens: list[int], groups: int) -> int:
+    """One request through the scheduler half as vLLM runs it (look up, allocate with
+    null blocks outside the window, load, compute a block a step, save, finish); its
+    hit in blocks."""
+    view = RequestView(FakeRequest(rid, tokens))
+    hit = h.sched.get_num_new_matched_tokens(view, 0)[0] // BLOCK
+    blocks = -(-len(tokens) // BLOCK)
+    skipped = set(range(hit)) - set(h.sched.layout.groups[0].needed(0, hit))
+    ids = tuple(
+        [NULL_BLOCK if g < groups and k in skipped else 1 + 10 * g + k for k in range(blocks)]
+        for g in range(groups + 1)
+    )
+    h.sched.update_state_after_alloc(view, ids, hit * BLOCK)
+    done = hit * BLOCK
+    while done < len(tokens):  # chunked prefill, a block a step
+        n = min(BLOCK, len(tokens) - done)
+        out = FakeSchedulerOutput(num_scheduled_tokens={rid: n})
+        if done == hit * BLOCK:
+            out.scheduled_new_reqs.append(NewReq(rid, ids, done, tokens))
+        else:
+            out.scheduled_cached_reqs = CachedReqs([rid], set(), [None], [done], {})
+        h.step(out)
+        done += n
+    h.sched.request_finished(view, ids[0])
+    return hit
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+@pytest.mark.parametrize("retention", [0, 2 * BLOCK])
+@pytest.mark.parametrize("requests", [1, 2, 30])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_the_simulator_is_the_scheduler_half_on_a_hybrid(
+    groups: int, requests: int, retention: int, eviction: str
+) -> None:
+    """kvc simulate's model of the node (its own index and rules) against the scheduler
+    half driven as vLLM drives it, over windowed groups of one layout (a bundle) and a
+    full-attention group, on pools that evict and one that does not: the same hit
+    for every request, the same entries, slots and evictions after each. (Prefill
+    runs a block a step: the simulator's saves complete at once, the real tier's
+    at the end of their step.)"""
+    slots = requests * 10 * (groups + 1)  # the pool holds ``requests`` of 10 blocks
+    h = Hybrid(
+        "sliding_window", groups, capacity=slots * h_page(), window_retention=retention,
+        eviction=eviction,
+    )
+    sim = OffloadCPUModel(
+        h.sched.config, block_size=BLOCK, bytes_per_block=h_page(),
+        groups=[SimKVGroup("sliding_window", h_page(), WINDOW)] * groups
+        + [SimKVGroup("attention", h_page())],
+    )
+    base = [_prompt(300, seed=s) for s in range(5)]
+    # Repeats, extensions and a shared prefix with a new tail, in an order that evicts.
+    prompts = [base[0], base[1], base[0], base[0][:200] + _prompt(90, seed=7), base[2],
+               base[3], base[1], base[4], base[0] + _prompt(20, seed=8), base[2][:130],
+               base[0], base[3]]
+    for i, tokens in enumerate(prompts):
+        keys = block_keys(tokens, BLOCK)
+        start = sim.lookup(keys, 0, (len(tokens) - 1) // BLOCK)
+        if start:
+            sim.load(keys, 0, start)
+        sim.save(keys, len(tokens), start)
+        assert _serve(h, f"r{i}", tokens, groups) == start, i
+        assert len(h.sched.index) == len(sim.index), i
+        assert h.sched.index.used_slots == sim.index.used_slots, i
+        assert h.sched.index.evictions == sim.index.evictions, i
+    assert (sim.index.evictions > 0) == (requests < 30)
+
+
+def h_page() -> int:
+    return int(WINDOWED["sliding_window"].page_size_bytes)

@@ -416,4 +416,4 @@ def _slot_of(eng: Engine, tokens: list[int], block: int) -> int:
 
     entry = eng.index.ready(block_keys(tokens, BLOCK)[block])
     assert entry is not None
-    return int(entry.slot)
+    return int(entry.slots[0])

@@ -134,14 +134,14 @@ def test_index_lru_pins_and_generations() -> None:
     idx.mark_ready(b)
     idx.pin(a)
     c = idx.allocate(b"c")  # a is pinned: b goes
-    assert c is not None and c.slot == b.slot and c.gen == b.gen + 1
+    assert c is not None and c.slots == b.slots and c.gens[0] == b.gens[0] + 1
     assert b"b" not in idx and idx.evictions == 1
     assert idx.allocate(b"d") is None  # a pinned, c still saving
     idx.drop(a)  # dropped while pinned: slot stays taken until unpinned
     assert b"a" not in idx and idx.used_slots == 2
     idx.unpin(a)
     assert idx.used_slots == 1
-    assert idx.current(c.slot, c.gen) is c and idx.current(c.slot, c.gen - 1) is None
+    assert idx.current(c.slots[0], c.gens[0]) is c and idx.current(c.slots[0], c.gens[0] - 1) is None
 
 
 def test_data_path_helpers() -> None:
