@@ -224,7 +224,7 @@ def _add_simulate_size_options(p: argparse.ArgumentParser) -> None:
         "--model-config", metavar="CONFIG_JSON",
         help="a Hugging Face config.json (or its model directory): its KV cache groups as vLLM "
         "forms them; one group: bytes per block = layers x 2 x kv_heads x head_dim x dtype "
-        "bytes x block size; a hybrid model's tier stores each group's blocks on its own "
+        "bytes x block size; a hybrid model's tier stores each layout's blocks on its own "
         "(sliding windows only what a hit needs; mamba groups: no hits)",
     )
     p.add_argument(

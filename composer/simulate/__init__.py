@@ -18,7 +18,7 @@ order, one request at a time. The rules are the product's:
 
 A model's KV cache groups (:class:`SimKVGroup`, from its ``config.json`` by
 :mod:`composer.simulate.shape`) reach every tier model: a hybrid model's tier
-stores each group's blocks on its own (a sliding window only those a hit
+stores each layout's blocks on its own (a sliding window only those a hit
 needs). Window groups keep single blocks, so such a model replays every block.
 
 A plugin type brings its own model through ``PluginType.simulator``

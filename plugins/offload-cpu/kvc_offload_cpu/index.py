@@ -228,6 +228,8 @@ class BlockIndex:
         policy's first entries (as the quotas allow); None: no entry may go."""
         if key in self._entries:
             raise KeyError(f"key already indexed: {key.hex()}")
+        if size > self.num_slots:
+            return None
         owner = self.quotas.of(tenant) if self.quotas is not None else OTHERS
         slots = self._take(size, owner)
         if slots is None:

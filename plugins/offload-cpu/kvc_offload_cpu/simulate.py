@@ -8,8 +8,10 @@ load, and at save a known block is touched, a new one allocated (evicting as
 the policy says); with ``store_threshold`` a block is saved once that many
 requests contained it (each request counted once, at its first save), and
 with ``promote: never`` the blocks other nodes loaded are not saved. Saves
-complete at once here: the replay runs one request at a time, so no block is
-ever in flight or pinned. A block belongs to its request's tenant (the
+complete at once here, a position's entries together, as the real tier's
+would with a prefill of one block a step (the tests drive the two side by
+side so): the replay runs one request at a time, so no block is ever in
+flight or pinned. A block belongs to its request's tenant (the
 node's ``quotas``), and a request's ``kv_retention`` reaches the retention
 policy at its end, with the trace's clock as the policy's ``now``.
 
@@ -17,9 +19,9 @@ With several KV cache groups (a hybrid model), as the scheduler half: a slot
 holds one group's block, and an index entry a position's blocks of the groups
 of one layout (a bundle, :func:`~kvc_offload_cpu.layout.bundles`), keyed by the
 block key and the bundle; full attention keeps every block, window layouts
-only the blocks
-:meth:`GroupLayout.needed <kvc_offload_cpu.layout.GroupLayout.needed>` gives for
-the retained hit points, and a hit is the longest prefix every group can serve.
+only the blocks :meth:`GroupLayout.needed
+<kvc_offload_cpu.layout.GroupLayout.needed>` gives for the retained hit
+points, and a hit is the longest prefix every group can serve.
 A mamba group turns the node off, as the real one turns itself off.
 """
 

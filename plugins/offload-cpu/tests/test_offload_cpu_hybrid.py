@@ -20,6 +20,7 @@ import torch
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.keys import block_keys
 from kvc_offload_cpu.layout import GroupLayout, layout_from_kv_cache_config
+from kvc_offload_cpu.metadata import OffloadWorkerMeta
 from kvc_offload_cpu.scheduler import SchedulerHalf
 from kvc_offload_cpu.simulate import OffloadCPUModel
 from kvc_offload_cpu.worker import WorkerHalf
@@ -292,3 +293,41 @@ def test_the_simulator_is_the_scheduler_half_on_a_hybrid(
 
 def h_page() -> int:
     return int(WINDOWED["sliding_window"].page_size_bytes)
+
+
+def test_a_bundle_is_ready_once_every_worker_saved_every_slot_and_goes_whole() -> None:
+    """Two workers, two window groups of one layout: an entry is a hit only once both
+    workers confirmed both slots; a failed save or a bad slot of one group drops the
+    whole entry (its blocks are recomputed), and a late confirmation changes nothing."""
+    kvc = kv_cache_config(WINDOWED["sliding_window"], 2)
+    cfg = OffloadCPUConfig(capacity=4 << 20, window_retention=2 * BLOCK)
+    two = SimpleNamespace(parallel_config=SimpleNamespace(world_size=2))
+    sched = SchedulerHalf(
+        NodeContext("cpu", cfg, "both", "scheduler", kv_cache_config=kvc, vllm_config=two)
+    )
+    tokens = _prompt(200)
+    view = RequestView(FakeRequest("a", tokens))
+    sched.get_num_new_matched_tokens(view, 0)
+    ids = tuple(list(range(1 + 10 * g, 8 + 10 * g)) for g in range(3))
+    sched.update_state_after_alloc(view, ids, 0)
+    out = FakeSchedulerOutput(num_scheduled_tokens={"a": 200})
+    out.scheduled_new_reqs.append(NewReq("a", ids, 0, tokens))
+    (save,) = sched.build_connector_meta(StepView(out)).saves
+    planned = list(zip(save.slots, save.gens, save.groups, save.positions, strict=True))
+    window = {k: [(s, g) for s, g, grp, p in planned if grp < 2 and p == k] for k in range(6)}
+    good, bad, corrupt = [k for k in range(6) if len(window[k]) == 2][:3]  # kept positions
+    entry = {k: sched.index.get(block_keys(tokens, BLOCK)[k] + bytes((0,))) for k in range(6)}
+    assert all(entry[k] is not None and len(entry[k].slots) == 2 for k in (good, bad, corrupt))
+
+    def report(**kw: Any) -> None:
+        sched.update_connector_output(OffloadWorkerMeta(**kw))
+
+    first, second = window[good]
+    report(saved={first: 2, second: 1})  # both workers one slot, one worker the other
+    assert not entry[good].ready
+    report(saved={second: 1}, save_failed={window[bad][0]})
+    assert entry[good].ready and sched.index.get(entry[bad].key) is None
+    report(saved={sg: 2 for sg in window[bad] + window[corrupt]})  # late: still gone
+    assert sched.index.get(entry[bad].key) is None and entry[corrupt].ready
+    report(load_failed={window[corrupt][1]})  # one group's slot found bad: the entry goes
+    assert sched.index.get(entry[corrupt].key) is None and sched.index.get(entry[good].key)

@@ -144,6 +144,54 @@ def test_index_lru_pins_and_generations() -> None:
     assert idx.current(c.slots[0], c.gens[0]) is c and idx.current(c.slots[0], c.gens[0] - 1) is None
 
 
+def test_an_entry_of_several_slots_takes_free_ones_then_evicts_whole_entries() -> None:
+    """A hybrid's bundle: one entry, one slot per group; it goes whole, and what a
+    victim leaves over is free."""
+    idx = BlockIndex(5)
+    a = idx.allocate(b"a", size=3)
+    assert a is not None and len(set(a.slots)) == 3 and idx.used_slots == 3
+    idx.mark_ready(a)
+    b = idx.allocate(b"b")
+    assert b is not None
+    idx.mark_ready(b)
+    c = idx.allocate(b"c", size=2)  # one free slot: the oldest entry goes, all 3 slots
+    assert c is not None and b"a" not in idx and idx.evictions == 3 and idx.used_slots == 3
+    assert all(idx.current(s, g) is None for s, g in zip(a.slots, a.gens, strict=True))
+    assert all(idx.current(s, g) is c for s, g in zip(c.slots, c.gens, strict=True))
+    idx.mark_ready(c)
+    idx.pin(b)
+    idx.pin(c)
+    assert idx.allocate(b"d", size=3) is None  # 2 free, the rest pinned: nothing lost
+    assert len(idx) == 2 and idx.used_slots == 3 and idx.evictions == 3
+    assert idx.allocate(b"e", size=6) is None and len(idx) == 2  # more than the pool
+    d = idx.allocate(b"d", size=2)
+    assert d is not None and idx.used_slots == 5
+    idx.drop(c)  # dropped while pinned: both its slots stay taken until unpinned
+    assert idx.used_slots == 5
+    idx.unpin(c)
+    assert idx.used_slots == 3 and idx.current(c.slots[1], c.gens[1]) is None
+
+
+def test_a_quota_counts_an_entrys_slots() -> None:
+    idx = BlockIndex(6, quotas={"t": 0.5})  # t: 3 slots
+    assert idx.quotas is not None
+    first = idx.allocate(b"x", "t", size=2)
+    assert first is not None
+    idx.mark_ready(first)
+    other = idx.allocate(b"o", "u", size=2)  # (others: the rest)
+    assert other is not None
+    idx.mark_ready(other)
+    assert idx.quotas.held["t"] == 2
+    # t holds 2 of its 3 and needs 2: with 2 slots free, free slots are anyone's
+    second = idx.allocate(b"y", "t", size=2)
+    assert second is not None and idx.quotas.held["t"] == 4
+    idx.mark_ready(second)
+    # Full, t past its share: t's own oldest entry goes, not the other tenant's.
+    third = idx.allocate(b"z", "t", size=2)
+    assert third is not None and b"x" not in idx and b"o" in idx
+    assert idx.quotas.held["t"] == 4 and idx.quotas.evicted["t"] == 2
+
+
 def test_data_path_helpers() -> None:
     assert runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 5, 9), (5, 6, 2)]
     assert wide(torch.zeros(4, 16, dtype=torch.int8)).dtype == torch.int64
