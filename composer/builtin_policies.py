@@ -39,56 +39,70 @@ class Arc(EvictionPolicy):
     ``b1``/``b2`` remember the keys evicted from each. A block saved again after
     its eviction from ``t1`` grows ``t1``'s target share ``p`` (recency was
     evicted too soon); after its eviction from ``t2``, shrinks it. Victims come
-    from ``t1`` while it holds more than ``p``."""
+    from ``t1`` while it holds more than ``p``. Every list is measured in the
+    tier's slots (a block's ``size``), as ``p`` and the pool are."""
 
     def __init__(self, slots: int, config: Any = None) -> None:
         super().__init__(slots, config)
         self.p = 0
         self.t1: OrderedDict[bytes, Block] = OrderedDict()
         self.t2: OrderedDict[bytes, Block] = OrderedDict()
-        self.b1: OrderedDict[bytes, None] = OrderedDict()
-        self.b2: OrderedDict[bytes, None] = OrderedDict()
+        #: Evicted keys, and the slots each took.
+        self.b1: OrderedDict[bytes, int] = OrderedDict()
+        self.b2: OrderedDict[bytes, int] = OrderedDict()
+        #: Slots of each list's blocks.
+        self.n1 = self.n2 = self.g1 = self.g2 = 0
 
     def added(self, block: Block) -> None:
-        key, capacity = block.key, self.slots
+        key, size, capacity = block.key, block.size, self.slots
         if key in self.b1:
-            self.p = min(capacity, self.p + max(1, len(self.b2) // max(1, len(self.b1))))
-            del self.b1[key]
+            self.p = min(capacity, self.p + size * max(1, self.g2 // max(1, self.g1)))
+            self.g1 -= self.b1.pop(key)
             self.t2[key] = block
+            self.n2 += size
         elif key in self.b2:
-            self.p = max(0, self.p - max(1, len(self.b1) // max(1, len(self.b2))))
-            del self.b2[key]
+            self.p = max(0, self.p - size * max(1, self.g1 // max(1, self.g2)))
+            self.g2 -= self.b2.pop(key)
             self.t2[key] = block
+            self.n2 += size
         else:
             self.t1[key] = block
+            self.n1 += size
         # The ghost lists remember at most a pool's worth of keys each.
-        while self.b1 and len(self.t1) + len(self.b1) > capacity:
-            self.b1.popitem(last=False)
-        while self.b2 and len(self.t2) + len(self.b2) > 2 * capacity:
-            self.b2.popitem(last=False)
+        while self.b1 and self.n1 + self.g1 > capacity:
+            self.g1 -= self.b1.popitem(last=False)[1]
+        while self.b2 and self.n2 + self.g2 > 2 * capacity:
+            self.g2 -= self.b2.popitem(last=False)[1]
 
     def touched(self, block: Block) -> None:
         key = block.key
         if key in self.t1:
             del self.t1[key]
             self.t2[key] = block
+            self.n1 -= block.size
+            self.n2 += block.size
         elif key in self.t2:
             self.t2.move_to_end(key)
 
     def victims(self) -> Iterator[Block]:
         first, then = (
-            (self.t1, self.t2) if len(self.t1) > self.p or not self.t2 else (self.t2, self.t1)
+            (self.t1, self.t2) if self.n1 > self.p or not self.t2 else (self.t2, self.t1)
         )
         yield from list(first.values())
         yield from list(then.values())
 
     def removed(self, block: Block, evicted: bool) -> None:
-        key = block.key
+        key, size = block.key, block.size
         if self.t1.pop(key, None) is not None:
+            self.n1 -= size
             if evicted:
-                self.b1[key] = None
-        elif self.t2.pop(key, None) is not None and evicted:
-            self.b2[key] = None
+                self.b1[key] = size
+                self.g1 += size
+        elif self.t2.pop(key, None) is not None:
+            self.n2 -= size
+            if evicted:
+                self.b2[key] = size
+                self.g2 += size
 
 
 class Threshold(AdmissionPolicy):
@@ -132,7 +146,9 @@ class RequestRetention(RetentionPolicy):
         self.pin_cap = int(slots * float(getattr(config, "max_pinned_share", 0.25)))
         self.until: dict[bytes, float] = {}
         self.priority: dict[bytes, int] = {}
-        self.pinned: set[bytes] = set()
+        #: Pinned keys and the slots each takes (the cap counts slots).
+        self.pinned: dict[bytes, int] = {}
+        self.pinned_slots = 0
 
     def requested(self, block: Block, retention: Retention, now: float) -> bool:
         key = block.key
@@ -141,12 +157,16 @@ class RequestRetention(RetentionPolicy):
         if retention.priority or key in self.priority:
             self.priority[key] = retention.priority
         if retention.pin is False:
-            self.pinned.discard(key)
+            self._unpin(key)
         elif retention.pin and key not in self.pinned:
-            if len(self.pinned) >= self.pin_cap:
+            if self.pinned_slots + block.size > self.pin_cap:
                 return False
-            self.pinned.add(key)
+            self.pinned[key] = block.size
+            self.pinned_slots += block.size
         return True
+
+    def _unpin(self, key: bytes) -> None:
+        self.pinned_slots -= self.pinned.pop(key, 0)
 
     def kept(self, block: Block, now: float) -> bool:
         key = block.key
@@ -171,7 +191,7 @@ class RequestRetention(RetentionPolicy):
     def removed(self, block: Block) -> None:
         self.until.pop(block.key, None)
         self.priority.pop(block.key, None)
-        self.pinned.discard(block.key)
+        self._unpin(block.key)
 
 
 BUILTIN: tuple[CachePolicy, ...] = (

@@ -40,6 +40,12 @@ class Block(Protocol):
     #: The block's key (vLLM's block hash, with the node's salt).
     key: bytes
 
+    @property
+    def size(self) -> int:
+        """The tier's slots it takes (the unit of the policy's ``slots``): 1, or, for
+        a hybrid model, one per KV cache group of its layout (the groups' blocks at
+        one position are one entry)."""
+
 
 class EvictionPolicy:
     """The spec of an eviction policy: the tier tells it what happens to its blocks and

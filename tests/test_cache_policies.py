@@ -69,8 +69,9 @@ def test_the_built_ins_are_registered_on_their_specs() -> None:
 
 
 class _Block:
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, size: int = 1) -> None:
         self.key = key
+        self.size = size
 
 
 def _order(policy: EvictionPolicy) -> list[bytes]:
@@ -93,6 +94,35 @@ def test_lru_puts_a_touched_block_last_and_arc_keeps_a_reused_block_through_a_sc
     assert _order(arc)[0] == b"b"  # the seen-once block goes first
     arc.removed(blocks[b"b"], evicted=True)
     assert b"b" in arc.b1  # remembered: if it comes back, recency grows
+
+
+def test_arc_measures_its_lists_in_slots() -> None:
+    """A hybrid's entry takes several slots: arc's ghost lists hold a pool's worth of
+    slots, and its target grows by the slots of the block that came back."""
+    a, b, c = _Block(b"a", 3), _Block(b"b", 3), _Block(b"c", 3)
+    arc = Arc(6)
+    arc.added(a)
+    arc.added(b)
+    arc.removed(a, evicted=True)
+    assert arc.g1 == 3 and arc.n1 == 3
+    arc.added(a)  # back from b1: p grows by its 3 slots
+    assert arc.p == 3 and arc.n2 == 3 and not arc.b1
+    arc.removed(b, evicted=True)
+    arc.added(c)
+    arc.removed(c, evicted=True)
+    assert list(arc.b1) == [b"b", b"c"] and arc.g1 == 6
+    arc.added(_Block(b"d", 3))  # t1 3 + b1 6 slots > the pool's 6: the oldest ghost goes
+    assert list(arc.b1) == [b"c"]
+    assert _order(arc)[0] == b"a"  # t1 holds 3 slots, not more than p: t2 first
+
+
+def test_a_pin_cap_counts_slots() -> None:
+    policy = RequestRetention(8, type("C", (), {"max_pinned_share": 0.5})())  # 4 slots
+    pin = Retention(pin=True)
+    wide, small = _Block(b"w", 3), _Block(b"s", 2)
+    assert policy.requested(wide, pin, 0.0) and not policy.requested(small, pin, 0.0)
+    policy.requested(wide, Retention(pin=False), 0.0)
+    assert policy.requested(small, pin, 0.0) and policy.pinned_slots == 2
 
 
 @pytest.mark.parametrize("threshold", [1, 2, 3])

@@ -64,6 +64,10 @@ class Entry:
         #: The scheduler's KV cache event state for this entry (None: none).
         self.event: Any = None
 
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
     def __repr__(self) -> str:
         state = "ready" if self.ready else "saving"
         return f"Entry(slots={self.slots}, gens={self.gens}, {state}, pins={self.pins})"

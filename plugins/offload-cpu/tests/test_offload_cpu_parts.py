@@ -141,7 +141,8 @@ def test_index_lru_pins_and_generations() -> None:
     assert b"a" not in idx and idx.used_slots == 2
     idx.unpin(a)
     assert idx.used_slots == 1
-    assert idx.current(c.slots[0], c.gens[0]) is c and idx.current(c.slots[0], c.gens[0] - 1) is None
+    (slot,), (gen,) = c.slots, c.gens
+    assert idx.current(slot, gen) is c and idx.current(slot, gen - 1) is None
 
 
 def test_an_entry_of_several_slots_takes_free_ones_then_evicts_whole_entries() -> None:
