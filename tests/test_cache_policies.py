@@ -290,7 +290,7 @@ def test_an_eviction_policy_that_raises_loses_no_block(method: str) -> None:
     # Every block is where the index says: indexed, or evicted and counted.
     assert len(index) + index.evictions == 4 and index.used_slots == 3
     for entry in index.entries():
-        assert index.current(entry.slots[0], entry.gens[0]) is entry
+        assert index.current(entry.slots[0], entry.gen) is entry
 
 
 def test_an_admission_policy_that_raises_admits_every_block(

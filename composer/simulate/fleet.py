@@ -34,6 +34,7 @@ from composer.simulate.replay import (
     _check_options,
     _Replay,
     _unit,
+    collector_paused,
     retentions,
 )
 from composer.simulate.routers import ROUTERS, FleetView, check_router, make_router
@@ -228,7 +229,8 @@ def simulate_fleet(
     elif len(units) != len(trace):
         raise ValueError("units: one per request of the trace")
     run = _Run(replays, router, keymaker, cost, seed, max_output_tokens)
-    run.replay(trace, units, concurrency, speedup)
+    with collector_paused():
+        run.replay(trace, units, concurrency, speedup)
     return run.result(router, len(trace), concurrency, speedup)
 
 

@@ -44,15 +44,13 @@ OTHERS = "*"
 
 
 class Entry:
-    __slots__ = ("key", "slots", "gens", "tenant", "ready", "pins", "dropped", "event")
+    __slots__ = ("key", "slots", "gen", "tenant", "ready", "pins", "dropped", "event")
 
-    def __init__(
-        self, key: bytes, slots: tuple[int, ...], gens: tuple[int, ...], tenant: str = OTHERS
-    ) -> None:
+    def __init__(self, key: bytes, slots: tuple[int, ...], gen: int, tenant: str = OTHERS) -> None:
         self.key = key
-        #: Its slots (one per KV cache group of its bundle) and their generations.
+        #: Its slots (one per KV cache group of its bundle), each at generation ``gen``.
         self.slots = slots
-        self.gens = gens
+        self.gen = gen
         #: Whose block it is: a tenant a quota names, or :data:`OTHERS`.
         self.tenant = tenant
         #: False while the save is in flight: not a hit until every worker confirms it.
@@ -70,7 +68,7 @@ class Entry:
 
     def __repr__(self) -> str:
         state = "ready" if self.ready else "saving"
-        return f"Entry(slots={self.slots}, gens={self.gens}, {state}, pins={self.pins})"
+        return f"Entry(slots={self.slots}, gen={self.gen}, {state}, pins={self.pins})"
 
 
 class Quotas:
@@ -229,51 +227,50 @@ class BlockIndex:
     def allocate(self, key: bytes, tenant: str = "", size: int = 1) -> Entry | None:
         """``size`` slots (one per group of a bundle) for a new entry of ``tenant`` (its
         request's ``cache_salt``), free ones first, then the slots of the eviction
-        policy's first entries (as the quotas allow); None: no entry may go."""
+        policy's first entries (as the quotas allow); None: no entry may go (the
+        slots of those it evicted stay free)."""
         if key in self._entries:
             raise KeyError(f"key already indexed: {key.hex()}")
         if size > self.num_slots:
             return None
         owner = self.quotas.of(tenant) if self.quotas is not None else OTHERS
-        slots = self._take(size, owner)
-        if slots is None:
-            return None
-        gen, by_slot = self._gen, self._by_slot
-        if size == 1:  # (most entries: spared the loops)
-            slot = slots[0]
-            gen[slot] += 1
-            entry = by_slot[slot] = Entry(key, slots, (gen[slot],), owner)
-        else:
-            for slot in slots:
-                gen[slot] += 1
-            entry = Entry(key, slots, tuple([gen[slot] for slot in slots]), owner)
-            for slot in slots:
-                by_slot[slot] = entry
-        self._entries[key] = entry
-        if self.quotas is not None:
-            self.quotas.held[owner] += size
-        return entry
-
-    def _take(self, size: int, owner: str) -> tuple[int, ...] | None:
-        """``size`` free slots for ``owner``, evicting entries until there are; None
-        when no entry may go (the slots of those it evicted stay free)."""
-        free = self._free
+        free, gen = self._free, self._gen
         while len(free) < size:
-            quotas = self.quotas
-            victim = (
-                self._victim(OTHERS) if quotas is None
-                else self._victim_for(owner, size - len(free))
-            )
+            victim = self._evict(owner, size - len(free))
             if victim is None:
                 return None
-            self._remove(victim, evicted=True)
+            if not free and len(victim.slots) == size:  # (a full pool: most evictions)
+                return self._place(key, victim.slots, victim.gen + 1, owner)
             self._free_slots(victim)
-            self.evictions += len(victim.slots)
-            if quotas is not None:
-                quotas.evicted[victim.tenant] += len(victim.slots)
         if size == 1:
-            return (heapq.heappop(free),)
-        return tuple([heapq.heappop(free) for _ in range(size)])
+            slot = heapq.heappop(free)
+            return self._place(key, (slot,), gen[slot] + 1, owner)
+        slots = tuple([heapq.heappop(free) for _ in range(size)])
+        # One generation for the entry, past each of its slots' own.
+        return self._place(key, slots, max([gen[slot] for slot in slots]) + 1, owner)
+
+    def _place(self, key: bytes, slots: tuple[int, ...], gen: int, owner: str) -> Entry:
+        entry = Entry(key, slots, gen, owner)
+        for slot in slots:
+            self._gen[slot] = gen
+            self._by_slot[slot] = entry
+        self._entries[key] = entry
+        if self.quotas is not None:
+            self.quotas.held[owner] += len(slots)
+        return entry
+
+    def _evict(self, owner: str, need: int) -> Entry | None:
+        """Evict the next entry for ``need`` more slots of ``owner`` (its slots are the
+        caller's to free or reuse); None: none may go."""
+        quotas = self.quotas
+        victim = self._victim(OTHERS) if quotas is None else self._victim_for(owner, need)
+        if victim is None:
+            return None
+        self._remove(victim, evicted=True)
+        self.evictions += len(victim.slots)
+        if quotas is not None:
+            quotas.evicted[victim.tenant] += len(victim.slots)
+        return victim
 
     def mark_ready(self, entry: Entry) -> None:
         if entry.dropped or self._entries.get(entry.key) is not entry:

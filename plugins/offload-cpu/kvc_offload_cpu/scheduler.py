@@ -290,7 +290,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
                 self.index.pin(entry)  # once per group: each group's load unpins it
                 self.index.touch(entry)
                 entries.append(entry)
-                transfer.add(entry.slots[i], entry.gens[i], ids[k], g, k)
+                transfer.add(entry.slots[i], entry.gen, ids[k], g, k)
         # Saving skips the loaded blocks by key (they are in the index).
         self._loading.setdefault(request.request_id, deque()).append(_PendingLoad(entries))
         self._pending_loads.append(transfer)
@@ -430,8 +430,8 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         every worker confirmed every slot."""
         pending = _PendingSave(entry, st, next(self._planned))
         for i, g in enumerate(members):
-            transfer.add(entry.slots[i], entry.gens[i], st.block_ids[g][k], g, k)
-            sg = (entry.slots[i], entry.gens[i])
+            transfer.add(entry.slots[i], entry.gen, st.block_ids[g][k], g, k)
+            sg = (entry.slots[i], entry.gen)
             self._saving[sg] = pending
             st.inflight.add(sg)
         if self.events is not None:  # vLLM's payloads, while the request is here
@@ -503,7 +503,8 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
     def _save_resolved(self, pending: _PendingSave) -> None:
         """The entry's save is over (every slot saved, or one failed)."""
         st = pending.req
-        for sg in zip(pending.entry.slots, pending.entry.gens, strict=True):
+        for slot in pending.entry.slots:
+            sg = (slot, pending.entry.gen)
             self._saving.pop(sg, None)
             st.inflight.discard(sg)
         if st.finished and not st.inflight:

@@ -134,14 +134,14 @@ def test_index_lru_pins_and_generations() -> None:
     idx.mark_ready(b)
     idx.pin(a)
     c = idx.allocate(b"c")  # a is pinned: b goes
-    assert c is not None and c.slots == b.slots and c.gens[0] == b.gens[0] + 1
+    assert c is not None and c.slots == b.slots and c.gen == b.gen + 1
     assert b"b" not in idx and idx.evictions == 1
     assert idx.allocate(b"d") is None  # a pinned, c still saving
     idx.drop(a)  # dropped while pinned: slot stays taken until unpinned
     assert b"a" not in idx and idx.used_slots == 2
     idx.unpin(a)
     assert idx.used_slots == 1
-    (slot,), (gen,) = c.slots, c.gens
+    (slot,), gen = c.slots, c.gen
     assert idx.current(slot, gen) is c and idx.current(slot, gen - 1) is None
 
 
@@ -157,8 +157,8 @@ def test_an_entry_of_several_slots_takes_free_ones_then_evicts_whole_entries() -
     idx.mark_ready(b)
     c = idx.allocate(b"c", size=2)  # one free slot: the oldest entry goes, all 3 slots
     assert c is not None and b"a" not in idx and idx.evictions == 3 and idx.used_slots == 3
-    assert all(idx.current(s, g) is None for s, g in zip(a.slots, a.gens, strict=True))
-    assert all(idx.current(s, g) is c for s, g in zip(c.slots, c.gens, strict=True))
+    assert all(idx.current(s, a.gen) is None for s in a.slots)
+    assert all(idx.current(s, c.gen) is c for s in c.slots)
     idx.mark_ready(c)
     idx.pin(b)
     idx.pin(c)
@@ -170,7 +170,7 @@ def test_an_entry_of_several_slots_takes_free_ones_then_evicts_whole_entries() -
     idx.drop(c)  # dropped while pinned: both its slots stay taken until unpinned
     assert idx.used_slots == 5
     idx.unpin(c)
-    assert idx.used_slots == 3 and idx.current(c.slots[1], c.gens[1]) is None
+    assert idx.used_slots == 3 and idx.current(c.slots[1], c.gen) is None
 
 
 def test_a_quota_counts_an_entrys_slots() -> None:
