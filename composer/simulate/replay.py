@@ -171,9 +171,8 @@ def simulate(
     kept = retentions(pipeline, overrides or {})
     unit = _unit(groups, block_size, trace_block_tokens, exact, notes, kept)
     keymaker = KeyMaker(block_size * unit, trace_block_tokens)
-    run = _Replay(
-        pipeline, overrides or {}, keymaker, unit, bytes_per_block, vllm_cache_blocks, groups
-    )
+    run = _Replay(pipeline, overrides or {}, keymaker, unit, bytes_per_block,
+                  vllm_cache_blocks, groups)
     with collector_paused():
         for req in trace:
             run.request(req)

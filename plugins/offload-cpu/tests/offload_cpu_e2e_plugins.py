@@ -106,7 +106,8 @@ class Holdings(Plugin[HoldingsConfig]):
         if len(self.requests) != self.config.dump_at:
             return 0, False
         tier = self.ctx.needs[self.config.target]
-        held = [e.event[0] for e in tier.index.entries() if e.ready and isinstance(e.event, tuple)]
+        # A ready entry's event: what its groups' BlockStored announced, (hash, group) each.
+        held = [h for e in tier.index.entries() if e.ready and e.event for h, _ in e.event]
         report = {
             "at": time.time(),
             "held": held,
