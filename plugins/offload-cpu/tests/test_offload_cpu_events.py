@@ -22,7 +22,6 @@ from kvc_offload_cpu.scheduler import SchedulerHalf
 from kvc_offload_cpu.worker import WorkerHalf
 from offload_cpu_fakes import (
     BLOCK,
-    HYBRID_LAYERS,
     SLOT,
     Engine,
     FakeSchedulerOutput,
@@ -30,6 +29,7 @@ from offload_cpu_fakes import (
     Running,
     corrupt,
     hybrid_kv_cache_config,
+    hybrid_layers,
     kv_cache_config,
     prompt,
 )
@@ -331,20 +331,25 @@ def test_through_the_chain_the_node_owns_its_events_and_counts_them() -> None:
 
 # -- two KV cache groups (vLLM's hybrid manager) ---------------------------------- #
 
-WINDOW, NUM_BLOCKS, LAYERS = 64, 32, HYBRID_LAYERS
+WINDOW, NUM_BLOCKS = 64, 32
 
 
-def hybrid_config() -> KVCacheConfig:
+def hybrid_config(groups: int = 1) -> KVCacheConfig:
     common: dict[str, Any] = dict(
         block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16
     )
     window = SlidingWindowSpec(**common, sliding_window=WINDOW)
-    kvc: KVCacheConfig = hybrid_kv_cache_config(window, FullAttentionSpec(**common), NUM_BLOCKS)
+    kvc: KVCacheConfig = hybrid_kv_cache_config(
+        window, FullAttentionSpec(**common), NUM_BLOCKS, groups
+    )
     return kvc
 
 
-def test_hybrid_events_carry_the_group_as_vllm_does() -> None:
-    kvc = hybrid_config()
+@pytest.mark.parametrize("groups", [1, 2])
+def test_hybrid_events_carry_the_group_as_vllm_does(groups: int) -> None:
+    """One event per group's block, as vLLM's, also where window groups of one layout
+    are one entry of the tier (``groups`` 2)."""
+    kvc = hybrid_config(groups)
     cfg = OffloadCPUConfig(capacity=4 << 20, save_mode="sync", window_retention=0)
     ctx: dict[str, Any] = {"kv_cache_config": kvc, "vllm_config": EVENTS_ON}
     sched = SchedulerHalf(NodeContext("cpu", cfg, "both", "scheduler", **ctx))
@@ -352,16 +357,19 @@ def test_hybrid_events_carry_the_group_as_vllm_does() -> None:
     region = torch.zeros(
         NUM_BLOCKS, kvc.kv_cache_groups[0].kv_cache_spec.page_size_bytes, dtype=torch.int8
     )
-    groups = (
-        KVGroup(0, "sliding_window", BLOCK, LAYERS[:1], (0,)),
-        KVGroup(1, "attention", BLOCK, LAYERS[1:], (0,)),
+    layers = hybrid_layers(groups)
+    kv_groups = tuple(
+        KVGroup(g, "sliding_window" if g < groups else "attention", BLOCK, (name,), (0,))
+        for g, name in enumerate(layers)
     )
-    worker.register_kv_caches(CanonicalKVCaches(NUM_BLOCKS, (KVRegion(region, LAYERS),), groups))
+    worker.register_kv_caches(
+        CanonicalKVCaches(NUM_BLOCKS, (KVRegion(region, layers),), kv_groups)
+    )
     p = prompt(9, 200)  # 6 full blocks
     req = vllm_request("a", p)
     view = RequestView(req)
     sched.get_num_new_matched_tokens(view, 0)
-    ids = (list(range(1, 8)), list(range(11, 18)))  # (windowed, full)
+    ids = tuple(list(range(1 + 10 * g, 8 + 10 * g)) for g in range(groups + 1))  # windowed, full
     sched.update_state_after_alloc(view, ids, 0)
     out = FakeSchedulerOutput(num_scheduled_tokens={"a": 200})
     out.scheduled_new_reqs.append(NewReq("a", ids, 0, p))
@@ -376,9 +384,12 @@ def test_hybrid_events_carry_the_group_as_vllm_does() -> None:
     assert sorted((e.group_idx, e.block_hashes) for e in events) == sorted(
         (g, [ext(req.block_hashes[k])]) for g, k in saved
     )
-    full = [e for e in events if e.group_idx == 1]
-    windowed = [e for e in events if e.group_idx == 0]
-    assert len(full) == 6 and 0 < len(windowed) < 6  # the window keeps what a hit needs
+    full = [e for e in events if e.group_idx == groups]
+    windowed = [e for e in events if e.group_idx < groups]
+    kept = {e.block_hashes[0] for e in windowed if e.group_idx == 0}
+    assert len(full) == 6 and 0 < len(kept) < 6  # the window keeps what a hit needs
+    for g in range(groups):  # each window group its own events, of the same blocks
+        assert {e.block_hashes[0] for e in windowed if e.group_idx == g} == kept
     assert {(e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in full} == {
         ("full_attention", None)
     }
@@ -393,9 +404,10 @@ def test_hybrid_events_carry_the_group_as_vllm_does() -> None:
     sched.reset_cache()
     removed = list(sched.take_events())
     assert all(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in removed)
+    every = range(groups + 1)
     by_group = {
-        g: sorted(h for e in removed if e.group_idx == g for h in e.block_hashes) for g in (0, 1)
+        g: sorted(h for e in removed if e.group_idx == g for h in e.block_hashes) for g in every
     }
     assert by_group == {
-        g: sorted(e.block_hashes[0] for e in events if e.group_idx == g) for g in (0, 1)
+        g: sorted(e.block_hashes[0] for e in events if e.group_idx == g) for g in every
     }
