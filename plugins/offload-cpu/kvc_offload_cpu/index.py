@@ -282,7 +282,7 @@ class BlockIndex:
             self._policy_failed("added", exc)
 
     def drop(self, entry: Entry) -> None:
-        """Forget ``entry`` (failed save, corrupt data); its slot is freed once unpinned."""
+        """Forget ``entry`` (failed save, corrupt data); its slots are freed once unpinned."""
         if self._entries.get(entry.key) is not entry:
             return
         if entry.pins:
