@@ -330,9 +330,9 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         for b in range(len(self.bundles) if st.block_ids else 0):
             for k in range(len(st.keys.keys)):
                 entry = self.index.get(self._key(st, b, k))
-                if entry is not None:
-                    asked += 1
-                    refused += not self.index.retain(entry, retention)
+                if entry is not None:  # (counted in blocks: an entry's slots)
+                    asked += entry.size
+                    refused += 0 if self.index.retain(entry, retention) else entry.size
         if not (refused and retention.pin):
             return None
         self.stats.extra.add("pins_refused", refused)

@@ -223,11 +223,14 @@ def test_the_kept_blocks_of_a_whole_prompt_are_the_blocks_kept_one_by_one(
                 )
 
 
-def _serve(h: Hybrid, rid: str, tokens: list[int], groups: int) -> int:
-    """One request through the scheduler half as vLLM runs it (look up, allocate with
-    null blocks outside the window, load, compute a block a step, save, finish); its
-    hit in blocks."""
-    view = RequestView(FakeRequest(rid, tokens))
+def _serve(
+    h: Hybrid, rid: str, tokens: list[int], groups: int, params: dict[str, Any] | None = None
+) -> tuple[int, dict[str, Any] | None]:
+    """One request (its ``kv_transfer_params``: ``params``) through the scheduler half
+    as vLLM runs it (look up, allocate with null blocks outside the window, load,
+    compute a block a step, save, finish); its hit in blocks, and what the tier
+    returned at its end."""
+    view = RequestView(FakeRequest(rid, tokens, kv_transfer_params=params))
     hit = h.sched.get_num_new_matched_tokens(view, 0)[0] // BLOCK
     blocks = -(-len(tokens) // BLOCK)
     skipped = set(range(hit)) - set(h.sched.layout.groups[0].needed(0, hit))
@@ -246,8 +249,7 @@ def _serve(h: Hybrid, rid: str, tokens: list[int], groups: int) -> int:
             out.scheduled_cached_reqs = CachedReqs([rid], set(), [None], [done], {})
         h.step(out)
         done += n
-    h.sched.request_finished(view, ids[0])
-    return hit
+    return hit, h.sched.request_finished(view, ids[0])[1]
 
 
 @pytest.mark.parametrize("eviction", ["lru", "arc"])
@@ -284,7 +286,7 @@ def test_the_simulator_is_the_scheduler_half_on_a_hybrid(
         if start:
             sim.load(keys, 0, start)
         sim.save(keys, len(tokens), start)
-        assert _serve(h, f"r{i}", tokens, groups) == start, i
+        assert _serve(h, f"r{i}", tokens, groups)[0] == start, i
         assert len(h.sched.index) == len(sim.index), i
         assert h.sched.index.used_slots == sim.index.used_slots, i
         assert h.sched.index.evictions == sim.index.evictions, i
@@ -331,3 +333,16 @@ def test_a_bundle_is_ready_once_every_worker_saved_every_slot_and_goes_whole() -
     assert sched.index.get(entry[bad].key) is None and entry[corrupt].ready
     report(load_failed={window[corrupt][1]})  # one group's slot found bad: the entry goes
     assert sched.index.get(entry[corrupt].key) is None and sched.index.get(entry[good].key)
+
+
+def test_a_refused_pin_is_counted_in_blocks_on_a_hybrid() -> None:
+    """The pin cap counts slots, and so does what the request is told: one entry of
+    two window groups is two blocks."""
+    h = Hybrid("sliding_window", 2, capacity=40 * h_page(), window_retention=2 * BLOCK,
+               retention="request", max_pinned_share=0.1)  # 4 slots may be pinned
+    tokens = _prompt(200)  # 6 blocks: 6 full-attention entries, 6 of two window groups
+    assert _serve(h, "a", tokens, 2)[0] == 0
+    hit, params = _serve(h, "b", tokens, 2, {"kv_retention": {"pin": True}})
+    assert hit == 6 and params == {"kv_composer": {"retention": {"cpu": (
+        "pin not granted for 14 of 18 blocks: max_pinned_share 0.1 of the tier is pinned"
+    )}}}
