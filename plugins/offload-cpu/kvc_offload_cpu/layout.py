@@ -98,18 +98,46 @@ class BlockLayout:
         return tuple(k for k in self.group_kinds if k not in SERVED_KINDS)
 
     @property
-    def bundles(self) -> tuple[tuple[int, ...], ...]:
+    def bundles(self) -> Bundles:
         return bundles(self.groups)
 
 
-def bundles(groups: Sequence[GroupLayout]) -> tuple[tuple[int, ...], ...]:
-    """The groups of each layout, in the order of each layout's first group: the
-    groups whose blocks at one position the tier keeps, serves and evicts
+@dataclass(frozen=True)
+class Bundles:
+    """The groups of each layout (a bundle), in the order of each layout's first group:
+    the groups whose blocks at one position the tier keeps, serves and evicts
     together (one index entry, one slot per group)."""
-    of: dict[GroupLayout, list[int]] = {}
+
+    members: tuple[tuple[int, ...], ...]
+    #: Each bundle's layout.
+    layouts: tuple[GroupLayout, ...]
+    #: Each group's bundle and its place in it.
+    of: tuple[tuple[int, int], ...]
+    #: The bundles of full attention, and of a window or chunk.
+    full: tuple[int, ...]
+    window: tuple[int, ...]
+
+    @property
+    def largest(self) -> int:
+        """Slots of the largest entry."""
+        return max(len(m) for m in self.members)
+
+
+def bundles(groups: Sequence[GroupLayout]) -> Bundles:
+    """The :class:`Bundles` of a model's groups."""
+    by_layout: dict[GroupLayout, list[int]] = {}
     for g, layout in enumerate(groups):
-        of.setdefault(layout, []).append(g)
-    return tuple(tuple(members) for members in of.values())
+        by_layout.setdefault(layout, []).append(g)
+    members = tuple(tuple(m) for m in by_layout.values())
+    layouts = tuple(by_layout)
+    of = {g: (b, i) for b, m in enumerate(members) for i, g in enumerate(m)}
+    return Bundles(
+        members,
+        layouts,
+        tuple(of[g] for g in range(len(groups))),
+        tuple(b for b, x in enumerate(layouts) if x.kind == "attention"),
+        tuple(b for b, x in enumerate(layouts) if x.window),
+    )
 
 
 def layout_from_kv_cache_config(kv_cache_config: Any) -> BlockLayout:

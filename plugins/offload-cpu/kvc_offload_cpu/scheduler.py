@@ -102,15 +102,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         )
         self.admission = Admission(config.admission, self.num_slots, config)
         self.bundles = layout.bundles
-        #: Each bundle's layout, and each group's bundle and place in it.
-        self.bundle_layouts = [layout.groups[members[0]] for members in self.bundles]
-        self.bundle_of = [(0, 0)] * layout.num_groups
-        for b, members in enumerate(self.bundles):
-            for i, g in enumerate(members):
-                self.bundle_of[g] = (b, i)
-        self.full_bundles = [b for b, x in enumerate(self.bundle_layouts) if x.kind == "attention"]
-        self.window_bundles = [b for b, x in enumerate(self.bundle_layouts) if x.window]
-        largest = max(len(members) for members in self.bundles)
+        largest = self.bundles.largest
         self.disabled_reason: str | None = None
         if layout.unserved_kinds:
             model = getattr(getattr(ctx.vllm_config, "model_config", None), "model", "?")
@@ -187,14 +179,14 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
     def _key(self, st: _Req, bundle: int, k: int) -> bytes:
         """Index key of block ``k`` of ``bundle`` (the block key alone with one bundle)."""
         key = st.keys.keys[k]
-        return key if len(self.bundles) == 1 else key + bytes((bundle,))
+        return key if len(self.bundles.members) == 1 else key + bytes((bundle,))
 
     def _ready(self, st: _Req, bundle: int, positions: range) -> bool:
         return all(self.index.ready(self._key(st, bundle, k)) is not None for k in positions)
 
     def _kept(self, st: _Req, bundle: int, k: int) -> bool:
         """Whether block ``k`` of a windowed bundle is saved (:meth:`GroupLayout.kept`)."""
-        spec: GroupLayout = self.bundle_layouts[bundle]
+        spec: GroupLayout = self.bundles.layouts[bundle]
         return spec.kept(k, st.view.num_prompt_tokens, self.config.window_retention)
 
     # -- requests ------------------------------------------------------------ #
@@ -234,13 +226,13 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
             available = st.keys.ensure(request, max_blocks, bs)
             # Full attention: the longest run of stored blocks.
             while end < available and all(
-                self.index.ready(self._key(st, b, end)) is not None for b in self.full_bundles
+                self.index.ready(self._key(st, b, end)) is not None for b in self.bundles.full
             ):
                 end += 1
             # Windowed layouts: the longest of those ends whose window they hold.
             while end > start and not all(
-                self._ready(st, b, self.bundle_layouts[b].needed(start, end))
-                for b in self.window_bundles
+                self._ready(st, b, self.bundles.layouts[b].needed(start, end))
+                for b in self.bundles.window
             ):
                 end -= 1
             hit = end - start
@@ -278,7 +270,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         # Every block vLLM allocated for the hit is loaded: positions outside a
         # window hold the null block, and nothing is loaded there.
         for g, ids in enumerate(block_ids):
-            b, i = self.bundle_of[g]
+            b, i = self.bundles.of[g]
             for k in range(start, min(start + n, len(ids))):
                 if ids[k] == NULL_BLOCK:
                     continue
@@ -327,7 +319,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         use is now); a pin not granted is counted, logged and said in the request's
         ``kv_transfer_params`` (``kv_composer.retention.<node>``)."""
         refused = asked = 0
-        for b in range(len(self.bundles) if st.block_ids else 0):
+        for b in range(len(self.bundles.members) if st.block_ids else 0):
             for k in range(len(st.keys.keys)):
                 entry = self.index.get(self._key(st, b, k))
                 if entry is not None:  # (counted in blocks: an entry's slots)
@@ -399,9 +391,9 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
             if foreign and never:
                 k += 1  # loaded by another node: not promoted here
                 continue
-            for b, members in enumerate(self.bundles):
+            for b, members in enumerate(self.bundles.members):
                 if any(st.block_ids[g][k] == NULL_BLOCK for g in members) or (
-                    b in self.window_bundles and (k < fresh or not self._kept(st, b, k))
+                    b in self.bundles.window and (k < fresh or not self._kept(st, b, k))
                 ):
                     continue
                 key = self._key(st, b, k)

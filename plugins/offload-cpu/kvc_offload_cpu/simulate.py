@@ -65,20 +65,13 @@ class OffloadCPUModel:
         self.layouts = tuple(GroupLayout(g.kind, block_size, g.window) for g in groups)
         self.group_bytes = tuple(g.block_bytes for g in groups)
         self.bundles = bundles(self.layouts)
-        #: Each group's bundle; each bundle's layout, slots and bytes.
-        self.bundle_of = [0] * len(groups)
-        for b, members in enumerate(self.bundles):
-            for g in members:
-                self.bundle_of[g] = b
-        self.bundle_layouts = [self.layouts[members[0]] for members in self.bundles]
-        self.bundle_sizes = [len(members) for members in self.bundles]
-        self.bundle_bytes = [sum(self.group_bytes[g] for g in m) for m in self.bundles]
-        self.several = len(self.bundles) > 1
-        self._suffixes = [bytes((b,)) for b in range(len(self.bundles))]
+        #: Each bundle's slots and bytes.
+        self.bundle_sizes = [len(m) for m in self.bundles.members]
+        self.bundle_bytes = [sum(self.group_bytes[g] for g in m) for m in self.bundles.members]
+        self.several = len(self.bundle_sizes) > 1
+        self._suffixes = [bytes((b,)) for b in range(len(self.bundle_sizes))]
         self._keys_of: Sequence[bytes] | None = None
         self._keys: list[Sequence[bytes]] = []
-        self.full_bundles = [b for b, x in enumerate(self.bundle_layouts) if x.kind == "attention"]
-        self.window_bundles = [b for b, x in enumerate(self.bundle_layouts) if x.window]
         #: Bytes of one block position with every group at full attention.
         self.full_bytes = sum(
             b for x, b in zip(self.layouts, self.group_bytes, strict=True) if x.kind in SERVED_KINDS
@@ -99,7 +92,7 @@ class OffloadCPUModel:
 
     @property
     def window_saving(self) -> float | None:
-        if not self.window_bundles or self.disabled_reason:
+        if not self.bundles.window or self.disabled_reason:
             return None
         return self._kept_bytes / self._full if self._full else 1.0
 
@@ -123,7 +116,7 @@ class OffloadCPUModel:
         if self.disabled_reason:
             return 0
         ready, gkeys = self.index.ready, self._bundle_keys(keys)
-        full = [gkeys[b] for b in self.full_bundles]
+        full = [gkeys[b] for b in self.bundles.full]
         end, stop = start, min(limit, len(keys))
         # Full attention: the longest run of stored blocks.
         while end < stop and all(ready(bundle[end]) is not None for bundle in full):
@@ -131,8 +124,8 @@ class OffloadCPUModel:
         # Window layouts: the longest of those ends whose window they hold.
         while end > start and not all(
             ready(gkeys[b][k]) is not None
-            for b in self.window_bundles
-            for k in self.bundle_layouts[b].needed(start, end)
+            for b in self.bundles.window
+            for k in self.bundles.layouts[b].needed(start, end)
         ):
             end -= 1
         hit = end - start
@@ -142,7 +135,7 @@ class OffloadCPUModel:
         index, gkeys = self.index, self._bundle_keys(keys)
         for g, layout in enumerate(self.layouts):  # (group by group, as the scheduler half)
             # vLLM holds null blocks outside a window: nothing is loaded there.
-            bundle = gkeys[self.bundle_of[g]]
+            bundle = gkeys[self.bundles.of[g][0]]
             for k in layout.needed(start, start + hit):
                 entry = index.ready(bundle[k])
                 if entry is not None:
@@ -157,21 +150,21 @@ class OffloadCPUModel:
         loaded: Sequence[tuple[int, int]] = (),
     ) -> int:
         # The real tier disables itself when no position of its largest bundle fits.
-        if self.capacity_blocks < max(self.bundle_sizes) or self.disabled_reason:
+        if self.capacity_blocks < self.bundles.largest or self.disabled_reason:
             return 0
         prompt_blocks = min(prompt_tokens // self.block_size, len(keys))
         stop = prompt_blocks if self.config.save == "prompt" else len(keys)
         stop = min(stop, self._admitted(keys, prompt_blocks))
         keep = {
-            b: self.bundle_layouts[b].kept_blocks(
+            b: self.bundles.layouts[b].kept_blocks(
                 stop, prompt_tokens, self.config.window_retention
             )
-            for b in self.window_bundles
+            for b in self.bundles.window
         }
         if keep:
             sizes = self.bundle_bytes
             self._full += stop * self.full_bytes
-            self._kept_bytes += sum(sizes[b] * stop for b in self.full_bundles) + sum(
+            self._kept_bytes += sum(sizes[b] * stop for b in self.bundles.full) + sum(
                 sizes[b] * len(positions) for b, positions in keep.items()
             )
         stored = self._store(keys, stop, computed, keep, loaded)
