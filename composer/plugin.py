@@ -36,6 +36,10 @@ class NodeContext:
     process: VllmProcess
     #: The service of each node this node ``needs``, by node id.
     needs: Mapping[str, Any] = field(default_factory=dict)
+    #: Its ``on_error`` policy: what the chain does when it raises (a node that finds at
+    #: start that it cannot serve may refuse to start under ``fail``, and say so and
+    #: serve nothing under the others).
+    on_error: str = "fail"
     #: vLLM's config, when running inside vLLM (None in unit tests).
     vllm_config: Any = None
     #: vLLM's ``KVCacheConfig`` (both roles get it; None in unit tests).
@@ -66,6 +70,15 @@ class Plugin(Generic[ConfigT]):
         import structlog  # lazily: `import composer` stays light
 
         self.log = structlog.get_logger("kv_composer").bind(node=ctx.node_id, process=ctx.process)
+
+    @classmethod
+    def launch_problems(cls, config: Any) -> list[str]:
+        """What keeps a node of this class with ``config`` from running on this machine,
+        found without starting it (a library it reaches missing, or of a release whose
+        internals differ). ``kvc validate --deep`` reports each, located at the node; a
+        node that finds one at engine start refuses to start in the same words.
+        Default: none."""
+        return []
 
     def service(self) -> Any:
         """What nodes that ``need`` this one receive (default: the instance)."""

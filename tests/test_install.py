@@ -46,3 +46,15 @@ def test_the_vllm_extra_admits_exactly_the_releases_the_readme_lists() -> None:
     following = Version(f"{listed[-1].major}.{listed[-1].minor + 1}.0")
     assert not spec.contains(str(following)), "an untested release would be installed"
     assert not spec.contains(f"{listed[0].major}.{listed[0].minor - 1}.0")
+
+
+def test_the_readme_lists_the_lmcache_releases_the_plugin_is_tested_with() -> None:
+    from kvc_lmcache.lmcache_internals import TESTED
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[
+        readme.index("<!-- lmcache releases -->") : readme.index("<!-- end lmcache releases -->")
+    ]
+    assert sorted(re.findall(r"\| LMCache (\d+\.\d+\.\d+)", table)) == sorted(TESTED)
+    pin = (ROOT / "plugins/lmcache/pyproject.toml").read_text()
+    assert [f'"lmcache=={v}"' in pin for v in TESTED] == [True] * len(TESTED)

@@ -104,6 +104,7 @@ class ChainCore:
                 role=rnode.role,
                 process=self.process,
                 needs={d: services[d] for d in rnode.needs if d in services},
+                on_error=rnode.on_error,
                 vllm_config=vllm_config,
                 kv_cache_config=kv_cache_config,
                 stats=NodeStats(changes=self.stats_changes),

@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-#: A prompt: text, or token ids as ``{"prompt_token_ids": [...]}`` (vLLM's TokensPrompt);
-#: a dict may add the request's ``"kv_transfer_params"`` (its tier controls, say).
+#: A prompt: text, or a dict: token ids as ``{"prompt_token_ids": [...]}`` (vLLM's
+#: TokensPrompt) or text as ``{"prompt": "..."}``; a dict may add the request's
+#: ``"kv_transfer_params"`` (its tier controls, say) and its ``"cache_salt"`` (tenant).
 Prompt = str | dict[str, Any]
 
 
@@ -300,7 +301,7 @@ def build_llm(spec: EngineSpec) -> Any:
 def generate(llm: Any, prompts: Sequence[Prompt], max_tokens: int) -> list[dict[str, Any]]:
     """One batch of greedy requests on ``llm``, as RequestResult fields."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TextPrompt, TokensPrompt
 
     def sampling(prompt: Prompt) -> SamplingParams:
         extra = None
@@ -311,10 +312,15 @@ def generate(llm: Any, prompts: Sequence[Prompt], max_tokens: int) -> list[dict[
             temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra
         )
 
-    inputs = [
-        p if isinstance(p, str) else TokensPrompt(prompt_token_ids=p["prompt_token_ids"])
-        for p in prompts
-    ]
+    def engine_input(prompt: Prompt) -> Any:
+        if isinstance(prompt, str):
+            return prompt
+        salt = {"cache_salt": prompt["cache_salt"]} if "cache_salt" in prompt else {}
+        if "prompt_token_ids" in prompt:
+            return TokensPrompt(prompt_token_ids=prompt["prompt_token_ids"], **salt)
+        return TextPrompt(prompt=prompt["prompt"], **salt)
+
+    inputs = [engine_input(p) for p in prompts]
     outputs = llm.generate(inputs, [sampling(p) for p in prompts], use_tqdm=False)
     return [
         {

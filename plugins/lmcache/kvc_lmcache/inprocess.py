@@ -14,8 +14,29 @@ output whose block ids are group ``g``'s, and the chain (Capabilities
 ``kv_cache_groups="one"``) passes ``request_finished_all_groups`` only that
 group's block ids.
 
+What LMCache returns, as LMCache 0.5.6 returns it: its impl's
+``get_num_new_matched_tokens`` answers an ``int`` (the tokens to load; 0 when its
+engine did not start and it runs *degraded*) or ``None`` while an asynchronous
+lookup is pending; vLLM's own ``LMCacheConnectorV1`` adds the ``False`` (loads
+are synchronous). The node does the same, asks again on the next step for a
+pending lookup (as vLLM's scheduler does) and refuses anything else by name.
+
+Degraded LMCache (its engine or lookup client failed to start: LMCache logs the
+traceback and recomputes everything) is said at engine start with LMCache's
+reason: under ``on_error: fail`` the node refuses to start; otherwise it
+serves nothing and the engine keeps serving.
+
+Tenants: LMCache's in-process connector keys KV by token ids and ignores vLLM's
+``cache_salt`` (LMCache #2878). Its keys do carry *tags* (``lmcache.tag.<name>``
+request configs, part of every ``CacheEngineKey``, its ``to_string`` and so of
+an L2 store's keys), so the node hands LMCache each salted request with the tag
+``kvc_salt`` = a hash of its salt, and an unsalted one without it
+(:mod:`kvc_lmcache.tenants`): a request is served only KV computed under its
+own salt.
+
 Unverified on a GPU: LMCache's in-process engine needs CUDA/XPU; on CPU it is
-unit-tested against LMCache's real classes with the engine pieces replaced.
+unit-tested against LMCache's real classes (the impl, its manager, config and
+request-config functions) with only the CUDA parts stood in.
 """
 
 from __future__ import annotations
@@ -29,7 +50,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from composer import NodeContext, Plugin, hookimpl
 from kvc_lmcache import memory
 from kvc_lmcache.config import LMCacheConfig
+from kvc_lmcache.lmcache_internals import init_failure, launch_problems, refuse_unknown_lmcache
 from kvc_lmcache.sizes import GIB, shown
+from kvc_lmcache.tenants import SaltedRequest, salted
 
 #: The instance id LMCache's vLLM integration (and CacheBlend) looks the model up under.
 LMCACHE_ENGINE_NAME = "vllm-instance"
@@ -37,6 +60,14 @@ LMCACHE_ENGINE_NAME = "vllm-instance"
 
 class InvalidKVCacheGroup(ValueError):
     pass
+
+
+class LMCacheDegraded(RuntimeError):
+    """LMCache's engine (or lookup client) did not start: it recomputes everything."""
+
+
+class LMCacheContractError(TypeError):
+    """LMCache answered what no LMCache release the node knows answers."""
 
 
 def select_group(kv_cache_config: Any, group: int) -> list[str]:
@@ -117,22 +148,27 @@ def impl_class() -> type:
     return cls
 
 
-def group_view(scheduler_output: Any, group: int) -> Any:
-    """``scheduler_output`` with every request's block ids narrowed to ``(ids[group],)``.
+def lmcache_view(scheduler_output: Any, group: int, salts: dict[str, str]) -> Any:
+    """``scheduler_output`` as LMCache's impl should read it, vLLM's own objects untouched.
 
-    LMCache's impl reads group 0 of each request's block ids; this hands it the
-    selected group's instead, without touching vLLM's own objects.
+    Each new request's sampling params :func:`salted` by its salt (``salts``:
+    request id -> salt, from the lookup; LMCache's impl keeps the request configs
+    it reads here for the request's saves); one the node never saw is saved by
+    no one (``lmcache.skip_save``), since its salt is unknown. And every request's
+    block ids narrowed to ``(ids[group],)``: LMCache's impl reads group 0.
     """
-    if group == 0:
-        return scheduler_output
     view = copy.copy(scheduler_output)
     new_reqs = []
     for req in scheduler_output.scheduled_new_reqs:
         r = copy.copy(req)
-        if isinstance(req.block_ids, tuple):
+        salt = salts.get(req.req_id)
+        r.sampling_params = salted(req.sampling_params, salt or "", skip_save=salt is None)
+        if group and isinstance(req.block_ids, tuple):
             r.block_ids = (req.block_ids[group],)
         new_reqs.append(r)
     view.scheduled_new_reqs = new_reqs
+    if not group:
+        return view
     cached = copy.copy(scheduler_output.scheduled_cached_reqs)
     cached.new_block_ids = [
         (ids[group],) if isinstance(ids, tuple) else ids for ids in cached.new_block_ids
@@ -149,8 +185,9 @@ def check_cpu_buffer_fits(node_id: str, config: LMCacheConfig) -> None:
     if config.extra.get("gds_path") is not None:
         return
     size = int(config.max_local_cpu_size * GIB)
+    node = f'lmcache node "{node_id}": ' if node_id else ""
     memory.check_fits(
-        f'lmcache node "{node_id}": max_local_cpu_size {shown(config.max_local_cpu_size)} '
+        f"{node}max_local_cpu_size {shown(config.max_local_cpu_size)} "
         f"({memory.human(size)} of CPU buffer in this vLLM worker process)",
         size,
         "lower max_local_cpu_size (each vLLM worker process allocates one)",
@@ -158,6 +195,15 @@ def check_cpu_buffer_fits(node_id: str, config: LMCacheConfig) -> None:
 
 
 class LMCacheInProcessNode(Plugin):
+    @classmethod
+    def launch_problems(cls, config: Any) -> list[str]:
+        problems = launch_problems("in_process")
+        try:  # (LMCache would allocate it at the worker's start, then degrade or crash)
+            check_cpu_buffer_fits("", config)
+        except ValueError as exc:
+            problems.append(str(exc))
+        return problems
+
     def __init__(self, ctx: NodeContext) -> None:
         super().__init__(ctx)
         config = ctx.config
@@ -169,11 +215,35 @@ class LMCacheInProcessNode(Plugin):
             self.group_layers = select_group(ctx.kv_cache_config, self.group)
         if ctx.process == "worker":
             check_cpu_buffer_fits(ctx.node_id, config)
+        refuse_unknown_lmcache(ctx.node_id, "in_process")
         role = KVConnectorRole.SCHEDULER if ctx.process == "scheduler" else KVConnectorRole.WORKER
         temp = child_vllm_config(config, ctx.vllm_config)
         self.parent = LMCacheParent(temp, role, ctx.kv_cache_config)
         self.impl = impl_class()(temp, role, self.parent)
         self.parent.impl = self.impl
+        #: Why LMCache runs degraded ("": it does not): the node then serves nothing.
+        self.degraded = ""
+        #: Request id -> its cache_salt ("" for none), from its lookup to its end.
+        self.salts: dict[str, str] = {}
+        self._check_started("start")
+
+    def _check_started(self, when: str) -> None:
+        """Say once that LMCache runs degraded, with its reason; refuse under ``fail``."""
+        reason = init_failure(self.impl)
+        if not reason or self.degraded:
+            return
+        message = (
+            f'lmcache node "{self.node_id}": LMCache runs degraded (it recomputes everything) '
+            f"since its {when}: {reason}"
+        )
+        if self.ctx.on_error == "fail":
+            raise LMCacheDegraded(
+                message + "; on_error is fail, so the engine does not start (on_error: "
+                "recompute or disable keeps serving without this node)"
+            )
+        self.degraded = reason
+        self.stats.gauges["lmcache_degraded"] = 1
+        self.log.warning(message + "; the node serves and saves nothing", reason=reason)
 
     @hookimpl
     def initialize_worker_connector(
@@ -201,6 +271,8 @@ class LMCacheInProcessNode(Plugin):
         if self.group_layers is not None:
             raw = {name: t for name, t in raw.items() if name in self.group_layers}
         self.parent.register_kv_caches(raw)
+        # LMCache builds its engine here (post_init): it may degrade now.
+        self._check_started("KV caches were registered")
 
     # Sleep mode: as vLLM's own LMCacheConnectorV1 (0.33), which leaves both to
     # LMCache's adapter: vLLM's do-nothing default where the adapter has none.
@@ -253,23 +325,39 @@ class LMCacheInProcessNode(Plugin):
 
     @hookimpl
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
-        tokens, load_async = self.impl.get_num_new_matched_tokens(request.raw, num_computed_tokens)
+        self.salts[request.request_id] = request.tenant
+        if self.degraded:
+            return 0, False
+        tokens = self.impl.get_num_new_matched_tokens(
+            SaltedRequest(request.raw), num_computed_tokens
+        )
+        if tokens is None:
+            return None, False  # LMCache's lookup is pending: vLLM asks again next step
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise LMCacheContractError(
+                "LMCache's LMCacheConnectorV1Impl.get_num_new_matched_tokens returned "
+                f"{tokens!r}; LMCache 0.5.6 returns the tokens to load (an int >= 0) or None "
+                "(a lookup pending)"
+            )
         if tokens:
             self.stats.extra.add("lookup_hit_tokens", tokens)
-        return tokens, load_async
+        # Loads are synchronous, as vLLM's own LMCacheConnectorV1 says.
+        return tokens, False
 
     @hookimpl
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
-        self.impl.update_state_after_alloc(request.raw, num_external_tokens)
+        self.salts[request.request_id] = request.tenant
+        self.impl.update_state_after_alloc(SaltedRequest(request.raw), num_external_tokens)
 
     @hookimpl
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        view = group_view(scheduler_output, self.group or 0)
+        view = lmcache_view(scheduler_output, self.group or 0, self.salts)
         return self.impl.build_connector_meta(view)
 
     @hookimpl
     def request_finished(self, request: Any, block_ids: list[int]) -> Any:
-        return self.impl.request_finished(request.raw, block_ids)
+        self.salts.pop(request.request_id, None)
+        return self.impl.request_finished(SaltedRequest(request.raw), block_ids)
 
     @hookimpl
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> Any:
@@ -279,7 +367,8 @@ class LMCacheInProcessNode(Plugin):
                 "lmcache: expected the block ids of one KV cache group, "
                 f"got {len(block_ids)} groups"
             )
-        return self.impl.request_finished(request.raw, block_ids[0])
+        self.salts.pop(request.request_id, None)
+        return self.impl.request_finished(SaltedRequest(request.raw), block_ids[0])
 
     @hookimpl
     def shutdown(self) -> None:

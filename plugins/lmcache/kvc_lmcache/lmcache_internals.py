@@ -1,12 +1,17 @@
 """Every place the plugin reaches past LMCache's public API, in one module.
 
-Written against ``lmcache==0.5.6`` (the version this package pins). Each reach
-is guarded: on another LMCache layout it finds nothing, and the plugin falls
-back to LMCache's own behaviour (validation leaves the check to LMCache; the
-server node waits for LMCache's heartbeat and ``mq_timeout``) instead of
-failing. On an LMCache upgrade this module is what to check, with the tests
-that compare its readings with LMCache's own (``test_lmcache_config``,
-``test_lmcache_l2_config``, ``test_lmcache_watch``).
+Written against ``lmcache==0.5.6`` (:data:`TESTED`, the releases this package
+is tested with). LMCache changes these between releases, so they are checked
+before they are used (:data:`REACHES`, :func:`reach_problems`): at engine start
+a node whose mode reaches one that is missing or of another shape refuses to
+start, naming it (``kvc validate --deep`` says the same, located at the node),
+and a release outside :data:`TESTED` is named in one warning
+(:func:`refuse_unknown_lmcache`). Each reach is also guarded where it is used:
+on another layout it finds nothing, and the plugin falls back to LMCache's own
+behaviour rather than failing mid-request. On an LMCache upgrade this module
+is what to check, with the tests that compare its readings with LMCache's own
+(``test_lmcache_config``, ``test_lmcache_l2_config``, ``test_lmcache_watch``,
+``test_lmcache_contract``).
 
 **Its source**, read with :mod:`ast` rather than imported: ``import lmcache``
 imports torch (~5 s), and ``kvc validate`` must stay light.
@@ -55,12 +60,285 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib
 import importlib.util
+import inspect
 import re
+import textwrap
 import threading
+from dataclasses import dataclass
 from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+#: The LMCache releases this package is tested with (README's table says the same).
+TESTED = ("0.5.6",)
+
+Mode = Literal["server", "in_process"]
+
+
+class LMCacheIncompatible(RuntimeError):
+    """The installed LMCache lacks something the node reaches: it refuses to start."""
+
+
+def lmcache_version() -> str | None:
+    """The installed LMCache release (None: not installed)."""
+    try:
+        return metadata.version("lmcache")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def untested_release() -> str:
+    """One line naming an installed LMCache release outside :data:`TESTED` ("": none)."""
+    version = lmcache_version()
+    if version is None or version in TESTED:
+        return ""
+    return (
+        f"LMCache {version} is installed; the lmcache node is tested with LMCache "
+        f"{', '.join(TESTED)} (the internals it reaches were checked and are present)"
+    )
+
+
+# -- what the node reaches, checked before it is used ----------------------------- #
+
+
+@dataclass(frozen=True)
+class Reach:
+    """A class or function of LMCache's (or vLLM's) the node uses beyond a public API,
+    and what of it: methods (with the arguments the node passes, by position),
+    attributes its instances get (``self.x = ...`` anywhere in its source; ``a|b``:
+    either), or, for a function, its arguments."""
+
+    where: str  # "module:QualName"
+    modes: tuple[Mode, ...]
+    methods: tuple[tuple[str, int], ...] = ()
+    attributes: tuple[str, ...] = ()
+    why: str = ""
+
+
+_IMPL = "lmcache.integration.vllm.vllm_v1_adapter:LMCacheConnectorV1Impl"
+_MP = "lmcache.integration.vllm.vllm_multi_process_adapter:"
+
+REACHES: tuple[Reach, ...] = (
+    Reach(
+        _IMPL,
+        ("in_process",),
+        methods=(
+            ("__init__", 3),  # (vllm_config, role, parent)
+            ("get_num_new_matched_tokens", 2),
+            ("update_state_after_alloc", 2),  # (request, num_external_tokens)
+            ("build_connector_meta", 1),
+            ("request_finished", 2),
+            ("register_kv_caches", 1),
+            ("start_load_kv", 1),
+            ("wait_for_layer_load", 1),
+            ("save_kv_layer", 3),
+            ("wait_for_save", 0),
+            ("get_finished", 1),
+            ("get_block_ids_with_load_errors", 0),
+            ("shutdown", 0),
+        ),
+        attributes=("_manager", "lookup_client"),
+        why="the in-process node drives it as vLLM's LMCacheConnectorV1 does",
+    ),
+    Reach(
+        "lmcache.v1.manager:LMCacheManager",
+        ("in_process",),
+        attributes=("_init_failed", "_init_failed_reason"),
+        why="whether LMCache runs degraded, and why (said at engine start)",
+    ),
+    Reach(
+        "lmcache.integration.vllm.utils:extract_request_configs_from_sampling_params",
+        ("in_process",),
+        methods=(("__call__", 1),),
+        why="a request's lmcache.* kv_transfer_params become its request configs (the "
+        "tenant's tag)",
+    ),
+    Reach(
+        "lmcache.utils:CacheEngineKey",
+        ("in_process",),
+        attributes=("tags",),
+        why="lmcache.tag.* request configs are part of every key (tenants apart)",
+    ),
+    Reach(
+        _MP + "LMCacheMPSchedulerAdapter",
+        ("server",),
+        methods=(("_ensure_heartbeat_started", 0),),
+        attributes=("_health_events", "_heartbeats", "is_healthy", "req_clients", "_mq_timeout"),
+        why="a dead server: LMCache's degraded mode entered at once, its waits ended",
+    ),
+    Reach(
+        _MP + "LMCacheMPWorkerAdapter",
+        ("server",),
+        methods=(("_ensure_heartbeat_started", 0),),
+        attributes=("_health_event", "_heartbeat", "is_healthy", "req_client", "_mq_timeout"),
+        why="a dead server: LMCache's degraded mode entered at once, its waits ended",
+    ),
+    Reach(
+        "lmcache.v1.multiprocess.transport.zmq_impl.client:ZmqMultiprocessClient",
+        ("server",),
+        attributes=("_message_queue_client",),
+        why="the message queue whose pending requests a dead server's outage ends",
+    ),
+    Reach(
+        "lmcache.v1.multiprocess.transport.zmq_impl.mq:MessageQueueClient",
+        ("server",),
+        attributes=("pending_futures", "socket"),
+        why="pending requests ended and sockets closed when the server is dead",
+    ),
+    Reach(
+        "lmcache.v1.mp_observability.errors:LMCacheTimeoutError",
+        ("server",),
+        why="the error a wait on a dead server ends with, as its mq_timeout would",
+    ),
+    Reach(
+        "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1",
+        ("server",),
+        methods=(("_get_connector_metadata", 0),),
+        why="the step's metadata, to count the tokens LMCache loaded",
+    ),
+)
+
+
+def _resolve(where: str) -> Any:
+    module, _, qualname = where.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _assigned(cls: type) -> set[str]:
+    """Attributes set on ``self`` anywhere in ``cls``'s source (and its bases')."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            target = node.target if isinstance(node, ast.AnnAssign) else None
+            targets = node.targets if isinstance(node, ast.Assign) else [target]
+            for t in targets:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id == "self"
+                ):
+                    names.add(t.attr)
+    return names
+
+
+def _positional(fn: Any) -> int | None:
+    """How many arguments ``fn`` takes by position (less ``self``); None: any number."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    n = sum(1 for p in params if p.kind in kinds)
+    return n - 1 if params and params[0].name == "self" else n
+
+
+def _required(fn: Any) -> int:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return 0
+    n = sum(
+        1
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    )
+    return n - 1 if params and params[0].name == "self" else n
+
+
+def check_reach(reach: Reach) -> list[str]:
+    """What is missing of ``reach``, or of another shape, in the installed release."""
+    try:
+        obj = _resolve(reach.where)
+    except Exception as exc:  # ImportError, AttributeError, or the module raising
+        return [f"{reach.where} is not there ({type(exc).__name__}: {exc})"]
+    out = []
+    for name, args in reach.methods:
+        fn = obj if name == "__call__" and not isinstance(obj, type) else getattr(obj, name, None)
+        label = reach.where if name == "__call__" else f"{reach.where}.{name}"
+        if not callable(fn):
+            out.append(f"{label} is not there")
+            continue
+        most, least = _positional(fn), _required(fn)
+        if least > args or (most is not None and most < args):
+            out.append(
+                f"{label} takes {least} to {most if most is not None else 'any'} arguments; "
+                f"the node passes {args}"
+            )
+    if reach.attributes and isinstance(obj, type):
+        assigned = _assigned(obj)
+        for name in reach.attributes:
+            if name not in assigned and not hasattr(obj, name):
+                out.append(f"{reach.where} has no attribute {name}")
+    return [f"{m} ({reach.why})" if reach.why else m for m in out]
+
+
+def reach_problems(mode: Mode) -> list[str]:
+    """Every reach of ``mode`` that the installed LMCache (and vLLM) lack; empty: none."""
+    if lmcache_version() is None:
+        return ["LMCache is not installed (pip install lmcache)"]
+    return [m for r in REACHES if mode in r.modes for m in check_reach(r)]
+
+
+def launch_problems(mode: Mode) -> list[str]:
+    """:func:`reach_problems` as ``kvc validate --deep`` says them (a node's
+    ``launch_problems``)."""
+    tested = ", ".join(TESTED)
+    return [
+        f"the installed LMCache {lmcache_version()} (tested: {tested}) lacks what mode "
+        f"{mode} reaches: {problem}"
+        for problem in reach_problems(mode)
+    ]
+
+
+_warned: list[str] = []
+
+
+def refuse_unknown_lmcache(node_id: str, mode: Mode) -> None:
+    """At a node's start: name an untested LMCache release once per process; refuse the
+    node (:class:`LMCacheIncompatible`) when something it reaches is not there."""
+    line = untested_release()
+    if line and not _warned:
+        import structlog  # (as the nodes log: this module is also imported by validation)
+
+        structlog.get_logger("kv_composer").warning(line, node=node_id)
+        _warned.append(line)
+    problems = reach_problems(mode)
+    if problems:
+        raise LMCacheIncompatible(
+            f'lmcache node "{node_id}" ({mode}) cannot run on the installed LMCache '
+            f"{lmcache_version()}: "
+            + "; ".join(problems)
+            + f". It is tested with LMCache {', '.join(TESTED)}: install that release."
+        )
+
+
+def init_failure(impl: Any) -> str:
+    """Why LMCache's in-process connector runs degraded, its last line ("": it does not).
+
+    LMCache 0.5.6's ``LMCacheManager`` catches a failure to build its engine or
+    lookup client (and its engine's ``post_init``), logs the traceback and runs
+    degraded: no lookups, loads or saves."""
+    manager = getattr(impl, "_manager", None)
+    if not getattr(manager, "_init_failed", False):
+        return ""
+    reason = str(getattr(manager, "_init_failed_reason", "") or "").strip()
+    lines = [line for line in reason.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no reason given"
+
 
 # -- its source ------------------------------------------------------------------ #
 

@@ -17,19 +17,30 @@ from typing import Any
 from composer import NodeContext, hookimpl
 from composer.vllm import NativeConnectorNode
 from kvc_lmcache.config import LMCacheConfig
-from kvc_lmcache.lmcache_internals import quiet, step_metadata
+from kvc_lmcache.lmcache_internals import (
+    launch_problems,
+    quiet,
+    refuse_unknown_lmcache,
+    step_metadata,
+)
 from kvc_lmcache.loads import LoadCounter
 from kvc_lmcache.server import ServerGone
 from kvc_lmcache.server_setup import FoundServer, find_server, native_config
 from kvc_lmcache.supervision import ServerSupervisor
+from kvc_lmcache.tenants import HashedSalt
 
 
 class LMCacheServerNode(NativeConnectorNode):
     """LMCache multiprocess mode: a (started or given) ``lmcache server`` + LMCacheMPConnector."""
 
+    @classmethod
+    def launch_problems(cls, config: Any) -> list[str]:
+        return launch_problems("server")
+
     def __init__(self, ctx: NodeContext) -> None:
         config = ctx.config
         assert isinstance(config, LMCacheConfig)
+        refuse_unknown_lmcache(ctx.node_id, "server")
         t0 = time.perf_counter()
         found = find_server(ctx, config)
         seconds = time.perf_counter() - t0
@@ -89,9 +100,11 @@ class LMCacheServerNode(NativeConnectorNode):
 
     @hookimpl
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        # (LMCache reads vLLM's Request through it: kvc_lmcache.tenants)
+        shown: Any = HashedSalt(request.raw)
         if self.supervisor.alive:
             try:
-                return self.connector.get_num_new_matched_tokens(request.raw, num_computed_tokens)
+                return self.connector.get_num_new_matched_tokens(shown, num_computed_tokens)
             except Exception as exc:
                 if self.supervisor.alive:
                     raise
@@ -99,7 +112,7 @@ class LMCacheServerNode(NativeConnectorNode):
         # LMCache is in its degraded mode (no server I/O): it still creates the
         # request's tracker, which update_state_after_alloc requires. Even a
         # hit it remembers from before the outage is not claimed: a miss.
-        self.connector.get_num_new_matched_tokens(request.raw, num_computed_tokens)
+        self.connector.get_num_new_matched_tokens(shown, num_computed_tokens)
         raise self._gone("the lookup")
 
     def _start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -9,13 +9,17 @@ plain engine's.
 
 * A (``offload-cpu`` in front, ``longest_hit``, annotated) computes P twice:
   round 1 is served by the CPU tier in front; Valkey now holds P.
+* Tenants (vLLM's ``cache_salt``) apart through the shared Valkey: A also
+  computes X under salt "alice". B's round 1 sends X under "bob": nothing is
+  served (Valkey holds X only under alice's salt), and B computes and saves it;
+  round 2 sends X under "alice": served from Valkey, A's.
 * B computes nothing of P: round 0 is served from Valkey. Then, from inside
   B's scheduler (the ``fleet-faults`` node), Valkey is SIGKILLed while round
-  1 (Q) is being computed and saved; round 2 repeats P with B's L1 emptied, so
+  3 (Q) is being computed and saved; round 4 repeats P with B's L1 emptied, so
   only the dead Valkey could serve it: it is recomputed. Valkey is started
-  again (empty) before round 3 (R, computed and saved to it); round 4 repeats
+  again (empty) before round 5 (R, computed and saved to it); round 6 repeats
   R with B's L1 emptied again: served from Valkey, vLLM never restarted.
-  Rounds 5-8 do it all again (S computed while Valkey dies, R not served,
+  Rounds 7-10 do it all again (S computed while Valkey dies, R not served,
   T saved to the restarted Valkey and served from it): an outage and a
   return, twice, each return's reconnect timed. Two last rounds of one
   request each show every KV block lent back; no request of B waited
@@ -66,26 +70,34 @@ Q = _prompts(N, 62)  # computed by B while Valkey is killed
 R = _prompts(N, 63)  # computed by B after Valkey is back
 S = _prompts(N, 64)  # computed by B while Valkey is killed again
 T = _prompts(N, 65)  # computed by B after Valkey is back again
+X = _prompts(N, 67)  # computed by A under alice's salt only
+
+
+def _salted(prompts: list[Prompt], salt: str) -> list[Prompt]:
+    return [{"prompt": p, "cache_salt": salt} for p in prompts]
+
+
+X_ALICE, X_BOB = _salted(X, "alice"), _salted(X, "bob")
 #: Two last rounds of one request each (see ``fleet_checks.blocks_not_back``).
 SENTINELS = [[p] for p in _prompts(2, 66)]
-A_ROUNDS = [P, P]
-B_ROUNDS = [P, Q, P, R, R, S, R, T, T, *SENTINELS]
+A_ROUNDS = [P, P, X_ALICE]
+B_ROUNDS = [P, X_BOB, X_ALICE, Q, P, R, R, S, R, T, T, *SENTINELS]
 #: The reference: B's rounds without a connector (the shared ``plain_llama`` engine).
 PLAIN_LLAMA_ROUNDS = B_ROUNDS
+#: The rounds in which Valkey is killed (each followed by its return, see the module).
+OUTAGE_ROUNDS = (3, 7)
 #: Request ordinal (1-based) -> what the fleet-faults node does first.
 B_ACTIONS = {
-    # SIGKILLed from a timer while round 1's requests are looked up, computed and saved.
-    str(1 * N + 1): ["kill_valkey_in_flight"],
-    str(2 * N + 1): ["wait_valkey_dead", "clear_l1"],
-    str(3 * N + 1): ["restart_valkey", "wait_l2_connected", "settle"],
-    str(4 * N + 1): ["clear_l1"],
-    # And again.
-    str(5 * N + 1): ["kill_valkey_in_flight"],
-    str(6 * N + 1): ["wait_valkey_dead", "clear_l1"],
-    str(7 * N + 1): ["restart_valkey", "wait_l2_connected", "settle"],
-    str(8 * N + 1): ["clear_l1"],
+    key: actions
+    for o in OUTAGE_ROUNDS
+    for key, actions in {
+        # SIGKILLed from a timer while round o's requests are looked up, computed, saved.
+        str(o * N + 1): ["kill_valkey_in_flight"],
+        str((o + 1) * N + 1): ["wait_valkey_dead", "clear_l1"],
+        str((o + 2) * N + 1): ["restart_valkey", "wait_l2_connected", "settle"],
+        str((o + 3) * N + 1): ["clear_l1"],
+    }.items()
 }
-OUTAGE_ROUNDS = (1, 5)
 
 
 def _lmcache(valkey_server: ValkeyServer) -> dict[str, Any]:
@@ -208,10 +220,10 @@ def _stop_valkey(pid: int) -> None:
 
 def test_tokens_equal_a_plain_engine_in_every_round(runs: dict[str, Any]) -> None:
     plain = runs["plain"]
-    # The plain engine ran B's rounds; A's are P twice, B's round 0.
-    assert plain.tokens(0) == plain.tokens(2)
-    for r in range(len(A_ROUNDS)):
-        assert runs["a"].tokens(r) == plain.tokens(0), f"A round {r}"
+    # The plain engine ran B's rounds; A's are P twice (B's round 0), then X (B's 1).
+    assert plain.tokens(0) == plain.tokens(4) and plain.tokens(1) == plain.tokens(2)
+    for r, b in enumerate((0, 0, 1)):
+        assert runs["a"].tokens(r) == plain.tokens(b), f"A round {r}"
     for r in range(len(B_ROUNDS)):
         assert runs["b"].tokens(r) == plain.tokens(r), f"B round {r}"
 
@@ -228,11 +240,21 @@ def test_the_cpu_tier_in_front_serves_a_repeat_on_the_same_engine(runs: dict[str
     assert served(runs["a"], 1) == ["cpu"] * N
 
 
-def test_b_serves_from_valkey_what_only_a_computed(runs: dict[str, Any]) -> None:
-    assert served(runs["b"], 0) == ["lmcache"] * N
-    for r in runs["b"].rounds[0]:
+@pytest.mark.parametrize("r", [0, 2])
+def test_b_serves_from_valkey_what_only_a_computed(runs: dict[str, Any], r: int) -> None:
+    # Round 2: X under alice's salt, as A computed it (and after B computed X
+    # under bob's: nothing of bob's is served to alice either).
+    assert served(runs["b"], r) == ["lmcache"] * N
+    for result in runs["b"].rounds[r]:
         # Every whole chunk of the prompt; the last partial one is computed.
-        assert r.cached_tokens == (r.prompt_tokens - 1) // BLOCK * BLOCK, r
+        assert result.cached_tokens == (result.prompt_tokens - 1) // BLOCK * BLOCK, result
+
+
+def test_no_kv_crosses_tenants_through_the_shared_valkey(runs: dict[str, Any]) -> None:
+    # Round 1: the same prompts as A's alice round, under bob's salt: Valkey holds
+    # them, for alice only.
+    assert served(runs["b"], 1) == [None] * N
+    assert [r.cached_tokens for r in runs["b"].rounds[1]] == [0] * N
 
 
 def test_valkey_was_killed_in_flight_and_restarted_by_the_faults_node(
@@ -279,12 +301,13 @@ def test_the_node_counts_the_l2_errors(runs: dict[str, Any]) -> None:
     for report in (runs["b/report"], runs["b/worker"]):
         gauges = report["gauges"]
         assert gauges["l2_adapters"] == 1
-        # Round 2's lookups (Valkey surely dead by then) failed, and whatever
-        # part of round 1 met the kill; round 3's saves reached the restarted one.
+        # The lookups of the round after each kill (Valkey surely dead by then)
+        # failed, and whatever part of the kill's round met it; the saves of the
+        # round after reached the restarted one.
         assert gauges["l2_errors"] > 0, gauges
         assert 0 < gauges["l2_stored_chunks"] <= gauges["l2_store_chunks"], gauges
-        # Rounds 0, 4 and 8 were served from Valkey.
-        assert gauges["l2_hit_tokens"] >= 3 * BLOCK * N, gauges
+        # Rounds 0, 2, 6 and 10 were served from Valkey.
+        assert gauges["l2_hit_tokens"] >= 4 * BLOCK * N, gauges
 
 
 def test_the_node_counts_the_tokens_it_loaded(runs: dict[str, Any]) -> None:
@@ -296,7 +319,7 @@ def test_the_node_counts_the_tokens_it_loaded(runs: dict[str, Any]) -> None:
         for r in rnd
         if (r.kv_transfer_params or {}).get("kv_composer", {}).get("served_by") == "lmcache"
     ]
-    assert len(served) == 3 * N  # rounds 0, 4 and 8
+    assert len(served) == 4 * N  # rounds 0, 2, 6 and 10
     assert runs["b/worker"]["totals"]["tokens_loaded"] == sum(served)
     assert runs["b/report"]["totals"]["tokens_loaded"] == 0  # loads happen in the worker
 

@@ -1,10 +1,12 @@
 """lmcache in-process mode against LMCache's real ``LMCacheConnectorV1Impl``.
 
-LMCache's in-process engine needs CUDA/XPU, so its ``LMCacheManager`` (which
-builds the engine, lookup client and server) is replaced by a stand-in with
-no engine; everything else is LMCache's and vLLM's own code: the impl, its
-config loading from the parent's ``lmcache.*`` extra config, vLLM's
-``KVTransferConfig`` and ``KVCacheConfig`` classes, and KV Composer's chain.
+LMCache's in-process engine needs CUDA/XPU, so the factory its
+``LMCacheManager`` builds the engine and lookup client with is a stand-in for
+those parts (:mod:`lmcache_standins`); everything else is LMCache's and vLLM's
+own code: the impl and its manager, its config loading from the parent's
+``lmcache.*`` extra config, vLLM's ``KVTransferConfig``, ``KVCacheConfig`` and
+``Request`` classes, and KV Composer's chain. The answers of LMCache's lookups
+are ``test_lmcache_contract``'s.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import vllm  # noqa: F401  (installed by `make test`: missing must fail, not ski
 from kvc_lmcache import memory  # noqa: E402
 from kvc_lmcache.inprocess import InvalidKVCacheGroup, LMCacheInProcessNode  # noqa: E402
 from lmcache.integration.vllm import vllm_v1_adapter  # noqa: E402
-from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
+from lmcache_standins import BLOCK, StandInLookup, request, stand_in, vllm_config
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -31,49 +33,13 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from composer import load_pipeline  # noqa: E402
 from composer.testing.chains import chain_for  # noqa: E402
 
-BLOCK = 16
-
-
-class EngineFreeManager:
-    """Stands in for LMCacheManager: no CUDA engine, lookup client or server."""
-
-    def __init__(self, config: Any, service_factory: Any, connector: Any) -> None:
-        self.config = config
-        self.lmcache_engine = None
-        self.lookup_client = None
-        self.lookup_server = None
-        self.stopped = False
-
-    def start_services(self) -> None:
-        pass
-
-    def post_init(self) -> None:
-        pass
-
-    def stop_services(self) -> None:
-        self.stopped = True
-
-    def __getattr__(self, name: str) -> Any:
-        return None
-
 
 @pytest.fixture(autouse=True)
 def no_cuda_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_v1_adapter, "LMCacheManager", EngineFreeManager)
-    monkeypatch.setattr(vllm_v1_adapter, "VllmServiceFactory", lambda *a, **k: None)
+    stand_in(monkeypatch, StandInLookup(hits=0))
     # Without the engine no CPU buffer is allocated: the nodes here start on any
     # machine, whatever its memory (the check has its own tests, at the end).
     monkeypatch.setattr(memory, "available_memory", lambda: (2**60, 2**60))
-
-
-def vllm_config() -> Any:
-    return SimpleNamespace(
-        device_config=SimpleNamespace(device="cpu"),
-        kv_transfer_config=KVTransferConfig(kv_connector="ComposedConnector", kv_role="kv_both"),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, rank=0, world_size=1),
-        cache_config=SimpleNamespace(block_size=BLOCK),
-        model_config=SimpleNamespace(get_num_layers=lambda parallel_config: 2),
-    )
 
 
 def hybrid_kv_cache_config() -> KVCacheConfig:
@@ -148,13 +114,9 @@ def test_request_finished_all_groups_forwards_the_selected_group() -> None:
         return real(request, block_ids)  # LMCache's own code runs
 
     node.impl.request_finished = recording
-    request = SimpleNamespace(
-        request_id="r1",
-        status=RequestStatus.FINISHED_LENGTH_CAPPED,
-        kv_transfer_params=None,
-        prompt_token_ids=[1, 2, 3],
-    )
-    hold, params = c.request_finished_all_groups(request, ([1, 2], [7, 8, 9]))
+    r = request("r1", 3)
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, params = c.request_finished_all_groups(r, ([1, 2], [7, 8, 9]))
     assert seen == [[7, 8, 9]]
     assert hold is False and params is None
 
@@ -169,7 +131,7 @@ def test_scheduler_output_is_narrowed_to_the_selected_group() -> None:
         return "meta"
 
     node.impl.build_connector_meta = build
-    new = SimpleNamespace(req_id="r1", block_ids=([1, 2], [5, 6]))
+    new = SimpleNamespace(req_id="r1", block_ids=([1, 2], [5, 6]), sampling_params=None)
     cached = SimpleNamespace(req_ids=["r0"], new_block_ids=[([3], [9])])
     output = SimpleNamespace(
         scheduled_new_reqs=[new],

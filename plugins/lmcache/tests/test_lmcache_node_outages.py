@@ -99,9 +99,13 @@ class FakeServer:
 
 class FakeConnector:
     """Stands in for LMCache's MP connector: no adapters (no degraded mode to enter),
-    every lookup a miss."""
+    every lookup a miss (the requests it was shown kept)."""
+
+    def __init__(self) -> None:
+        self.shown: list[Any] = []
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        self.shown.append(request)
         return 0, False
 
 
@@ -469,3 +473,19 @@ def test_a_restarted_servers_counters_start_again() -> None:
     assert health.observe(counts(stored=1, errors=2), now=8.0) == L2Change(
         serving=False, failures=2
     )
+
+
+@pytest.mark.parametrize("salt", ["tenant-a", "a/b@c", None])
+def test_lmcache_is_shown_a_requests_salt_hashed(
+    make: Callable[..., Rig], salt: str | None
+) -> None:
+    # LMCache's server writes a salt into its store keys in the clear and refuses
+    # some (kvc_lmcache.tenants): it sees the salt's hash, whatever the salt.
+    from kvc_lmcache.tenants import salt_tag
+
+    rig = make({})
+    raw = SimpleNamespace(request_id="r1", cache_salt=salt, all_token_ids=[1, 2])
+    rig.node.get_num_new_matched_tokens(SimpleNamespace(raw=raw), 0)
+    (shown,) = rig.node.connector.shown
+    assert shown.cache_salt == (salt_tag(salt) if salt else None)
+    assert shown.request_id == "r1" and shown.all_token_ids is raw.all_token_ids
