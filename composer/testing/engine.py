@@ -315,10 +315,14 @@ def generate(llm: Any, prompts: Sequence[Prompt], max_tokens: int) -> list[dict[
     def engine_input(prompt: Prompt) -> Any:
         if isinstance(prompt, str):
             return prompt
-        salt = {"cache_salt": prompt["cache_salt"]} if "cache_salt" in prompt else {}
-        if "prompt_token_ids" in prompt:
-            return TokensPrompt(prompt_token_ids=prompt["prompt_token_ids"], **salt)
-        return TextPrompt(prompt=prompt["prompt"], **salt)
+        one: TextPrompt | TokensPrompt = (
+            TokensPrompt(prompt_token_ids=prompt["prompt_token_ids"])
+            if "prompt_token_ids" in prompt
+            else TextPrompt(prompt=prompt["prompt"])
+        )
+        if "cache_salt" in prompt:
+            one["cache_salt"] = prompt["cache_salt"]
+        return one
 
     inputs = [engine_input(p) for p in prompts]
     outputs = llm.generate(inputs, [sampling(p) for p in prompts], use_tqdm=False)
