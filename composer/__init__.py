@@ -27,19 +27,25 @@ from composer.pipeline import (
 )
 from composer.plugin import NodeContext, Plugin, Unavailable
 from composer.plugin_types import Capabilities, EmptyConfig, NodeRole, PluginType
+from composer.policy import KINDS as POLICY_KINDS
 from composer.policy import (
     AdmissionPolicy,
+    Block,
     CachePolicy,
     EvictionPolicy,
     PolicyName,
+    PolicyOptions,
     RetentionPolicy,
+    policy_options,
 )
+from composer.policy import Kind as PolicyKind
 from composer.simulate import SimKVGroup, SimRequest, TierModel
 from composer.validation import load_pipeline, validate_text
 from composer.views import RequestView, StepView
 
 __all__ = [
     "AdmissionPolicy",
+    "Block",
     "CachePolicy",
     "CanonicalKVCaches",
     "Capabilities",
@@ -56,19 +62,22 @@ __all__ = [
     "NodeContext",
     "NodeRole",
     "Number",
+    "POLICY_KINDS",
     "Pipeline",
     "PipelineInvalid",
     "Plugin",
     "PluginType",
+    "PolicyKind",
     "PolicyName",
+    "PolicyOptions",
     "PositiveByteSize",
     "Problem",
     "Registry",
     "RequestView",
-    "Retention",
-    "RetentionPolicy",
     "ResolvedNode",
     "ResolvedPipeline",
+    "Retention",
+    "RetentionPolicy",
     "SimKVGroup",
     "SimRequest",
     "StepView",
@@ -76,9 +85,9 @@ __all__ = [
     "Unavailable",
     "VllmConnectorConfig",
     "available_memory",
+    "cache_salt_problem",
     "did_you_mean",
     "discover",
-    "cache_salt_problem",
     "find_policy",
     "hookimpl",
     "hookspec",
@@ -86,5 +95,6 @@ __all__ = [
     "load_pipeline",
     "no_kv_blocks",
     "one_of",
+    "policy_options",
     "validate_text",
 ]

@@ -1,6 +1,13 @@
 """The built-in cache policies, on the specs of :mod:`composer.policy`: ``lru`` and ``arc``
 (eviction), ``threshold`` (admission) and ``request`` (retention).
-:mod:`composer.builtin` registers them."""
+:mod:`composer.builtin` registers them.
+
+What each costs does not grow with the pool: every method is O(1) (``threshold``:
+O(1) per key, amortized), and ``victims()`` is a lazy walk of the policy's own
+ordered dicts, which the tier stops at the first block it may evict
+(``tests/test_policy_scale.py`` counts the work at two pool sizes). The one
+exception is ``request``'s ``yields``, O(blocks kept): the tier asks it only when
+every block it could evict is kept."""
 
 from __future__ import annotations
 
@@ -13,7 +20,8 @@ from composer.policy import AdmissionPolicy, Block, CachePolicy, EvictionPolicy,
 
 
 class Lru(EvictionPolicy):
-    """The least recently used block goes first."""
+    """The least recently used block goes first. Every method is O(1): one ordered dict,
+    walked in place by ``victims()`` (the tier stops at the first block it may evict)."""
 
     def __init__(self, slots: int, config: Any = None) -> None:
         super().__init__(slots, config)
@@ -24,6 +32,10 @@ class Lru(EvictionPolicy):
         self.order.move_to_end(block.key)
 
     def touched(self, block: Block) -> None:
+        self.order.move_to_end(block.key)
+
+    def passed_over(self, block: Block) -> None:
+        # A kept block ages from its last pass, so the next eviction starts past it.
         self.order.move_to_end(block.key)
 
     def victims(self) -> Iterator[Block]:
@@ -84,12 +96,27 @@ class Arc(EvictionPolicy):
         elif key in self.t2:
             self.t2.move_to_end(key)
 
+    def passed_over(self, block: Block) -> None:
+        # To the back of its own list: being kept is no second use (no move to t2).
+        key = block.key
+        for lst in (self.t1, self.t2):
+            if key in lst:
+                lst.move_to_end(key)
+                return
+
     def victims(self) -> Iterator[Block]:
+        """The list over its target first, then the other, each oldest first.
+
+        Lazy, and O(1) to start: the tier takes the first block it may evict and
+        drops the iterator before it tells the policy anything (``removed``: the
+        contract of ``offload-cpu``'s ``BlockIndex._victim``), so the lists are
+        walked in place, never copied (a copy costs the pool's size at every
+        eviction)."""
         first, then = (
             (self.t1, self.t2) if self.n1 > self.p or not self.t2 else (self.t2, self.t1)
         )
-        yield from list(first.values())
-        yield from list(then.values())
+        yield from first.values()
+        yield from then.values()
 
     def removed(self, block: Block, evicted: bool) -> None:
         key, size = block.key, block.size
@@ -181,6 +208,7 @@ class RequestRetention(RetentionPolicy):
         return True
 
     def yields(self, kept: Sequence[Block], now: float) -> Block | None:
+        # O(len(kept)): asked only when every block the tier could evict is kept.
         soft = [b for b in kept if b.key not in self.pinned]
         return min(
             soft,

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import pluggy
 from pydantic import BaseModel, ValidationError
@@ -18,7 +18,7 @@ from composer import builtin
 from composer.errors import did_you_mean
 from composer.hookspecs import PROJECT, DiscoverySpec
 from composer.plugin_types import PluginType
-from composer.policy import CachePolicy
+from composer.policy import KINDS, CachePolicy
 
 ENTRY_POINT_GROUP = "kv_composer"
 ALLOW_ENV = "KV_COMPOSER_PLUGINS"
@@ -37,7 +37,32 @@ class PluginLoadError(RuntimeError):
 
 
 class UnknownPolicy(LookupError):
-    """A node config names a cache policy no installed package provides."""
+    """A node config names a cache policy no installed package provides, or one that
+    cannot be used (:class:`BrokenPolicy`)."""
+
+
+@dataclass(frozen=True)
+class BrokenPolicy:
+    """A cache policy registration that cannot be used, and why. Discovery keeps going:
+    every command, and every pipeline that does not name it, runs; a pipeline that
+    names it is refused, located, with :attr:`way_out`."""
+
+    #: The name it was registered under ("": none, e.g. its package's hook raised).
+    name: str
+    kind: str
+    problem: str
+    #: Who registered it: ``kvc-lfu 0.1.0``, ``module "lfu" (KV_COMPOSER_PLUGIN_MODULES)``.
+    origin: str
+    #: The distribution ("" for a module or a Python object), for ``kvc plugins --json``.
+    package: str
+    #: What the user can do about it without editing the package ("" when nothing).
+    way_out: str
+
+    def message(self) -> str:
+        what = f"{self.kind} policy" if self.kind in KINDS else "cache policy"
+        named = f'{what} "{self.name}"' if self.name else "a cache policy"
+        text = f"{named} from {self.origin} cannot be used: {self.problem}"
+        return text + (f"; {self.way_out}" if self.way_out else "")
 
 
 class PluginFailed(PluginLoadError):
@@ -79,6 +104,8 @@ class Registry:
     switched_off: Mapping[str, str] = field(default_factory=dict)
     #: The cache policies node configs may name (``eviction: lru``), by name.
     policies: Mapping[str, CachePolicy] = field(default_factory=dict)
+    #: Cache policy registrations that cannot be used (a pipeline naming one is refused).
+    broken_policies: tuple[BrokenPolicy, ...] = ()
 
     def __getitem__(self, name: str) -> PluginType:
         return self.types[name]
@@ -96,16 +123,24 @@ class Registry:
         return sorted(self.types)
 
     def policy(self, kind: str, name: str) -> CachePolicy:
-        """The ``kind`` policy called ``name``; :class:`UnknownPolicy` says what exists."""
+        """The ``kind`` policy called ``name``; :class:`UnknownPolicy` says what exists (and,
+        for a registration that cannot be used, why, who made it and the way out)."""
         found = self.policies.get(name)
         if found is not None and found.kind == kind:
             return found
         names = sorted(p.name for p in self.policies.values() if p.kind == kind)
-        what = f'"{name}" is an {found.kind} policy' if found else f'unknown {kind} policy "{name}"'
-        raise UnknownPolicy(
-            f"{what}{did_you_mean(name, names)}; {kind} policies: "
-            + ", ".join(f'"{n}"' for n in names)
+        listed = f"{kind} policies: " + (", ".join(f'"{n}"' for n in names) or "(none)")
+        broken = next((b for b in self.broken_policies if b.name == name), None)
+        if broken is not None:
+            raise UnknownPolicy(f"{broken.message()}; {listed}")
+        what = (
+            f'"{name}" is {_a(found.kind)} policy' if found else f'unknown {kind} policy "{name}"'
         )
+        text = f"{what}{did_you_mean(name, names)}; {listed}"
+        nameless = [b for b in self.broken_policies if not b.name]
+        if nameless and not found:  # what the name may have been meant to find
+            text += "; and " + "; ".join(b.message() for b in nameless)
+        raise UnknownPolicy(text)
 
     def why_unknown(self, name: str) -> str:
         """What to tell a user who names plugin ``name``, which is not here."""
@@ -119,6 +154,20 @@ class Registry:
             off = ", ".join(f'"{ep}" ({why})' for ep, why in sorted(self.switched_off.items()))
             text += f"; plugin packages switched off, whose types are not known: {off}"
         return text
+
+
+class _Source(NamedTuple):
+    """Where a registered plugin module came from."""
+
+    package: str
+    version: str
+    #: "builtin", "entry point", MODULES_ENV (a module it names) or "extra" (Python).
+    via: str
+
+
+def _a(word: str) -> str:
+    """``word`` with its indefinite article: "an eviction", "a retention"."""
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
 
 
 def _split(value: str | None) -> set[str] | None:
@@ -147,21 +196,24 @@ def discover(
 
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(DiscoverySpec)
-    sources: dict[str, tuple[str, str]] = {}
+    sources: dict[str, _Source] = {}
     pm.register(builtin, name="builtin")
-    sources["builtin"] = ("kv-composer", _version("kv-composer"))
+    sources["builtin"] = _Source("kv-composer", _version("kv-composer"), "builtin")
     switched_off: dict[str, str] = {}
     if entry_points:
         switched_off = _register_entry_points(pm, sources, allowed, denied)
-    for i, obj in enumerate([*_env_modules(), *extra]):
+    from_env = _env_modules()
+    for i, obj in enumerate([*from_env, *extra]):
         name = getattr(obj, "__name__", f"extra-{i}")
         pm.register(obj, name=name)
-        sources[name] = ("", "")
+        sources[name] = _Source("", "", MODULES_ENV if i < len(from_env) else "extra")
     pm.check_pending()
+    policies, broken = _collect_policies(pm, sources)
     return replace(
         _collect_types(pm, sources),
         switched_off=switched_off,
-        policies=_collect_policies(pm, sources),
+        policies=policies,
+        broken_policies=broken,
     )
 
 
@@ -180,7 +232,7 @@ def _installed(env: tuple[str | None, ...]) -> Registry:
 
 def _register_entry_points(
     pm: pluggy.PluginManager,
-    sources: dict[str, tuple[str, str]],
+    sources: dict[str, _Source],
     allowed: set[str] | None,
     denied: set[str],
 ) -> dict[str, str]:
@@ -211,7 +263,7 @@ def _register_entry_points(
                 f"{DENY_ENV}={ep.name}"
             ) from exc
         pm.register(module, name=ep.name)
-        sources[ep.name] = (dist, ep.dist.version if ep.dist else "")
+        sources[ep.name] = _Source(dist, ep.dist.version if ep.dist else "", "entry point")
     return skipped
 
 
@@ -229,11 +281,11 @@ def _env_modules() -> list[ModuleType]:
     return modules
 
 
-def _collect_types(pm: pluggy.PluginManager, sources: dict[str, tuple[str, str]]) -> Registry:
+def _collect_types(pm: pluggy.PluginManager, sources: dict[str, _Source]) -> Registry:
     """Every plugin's ``register_plugin_types``, each type checked and named once."""
     types: dict[str, PluginType] = {}
     for impl in pm.hook.register_plugin_types.get_hookimpls():
-        package, version = sources.get(impl.plugin_name, ("", ""))
+        package, version, _ = sources.get(impl.plugin_name, _Source("", "", "extra"))
 
         def register(
             ptype: PluginType, _pkg: str = package, _ver: str = version, _by: str = impl.plugin_name
@@ -263,32 +315,92 @@ def _run_register(impl: Any, hook: str, register: Callable[[Any], None]) -> None
 
 
 def _collect_policies(
-    pm: pluggy.PluginManager, sources: dict[str, tuple[str, str]]
-) -> dict[str, CachePolicy]:
-    """Every plugin's ``register_cache_policies``, each policy checked and named once."""
-    policies: dict[str, CachePolicy] = {}
+    pm: pluggy.PluginManager, sources: dict[str, _Source]
+) -> tuple[dict[str, CachePolicy], tuple[BrokenPolicy, ...]]:
+    """Every plugin's ``register_cache_policies``: the usable policies by name, and the
+    registrations that are not. A broken one (not a CachePolicy, a class that fails its
+    spec, a name registered twice, a hook that raised) is kept aside, not raised: a
+    policy runs only in the tiers whose pipeline names it, so only those are refused."""
+    registered: list[tuple[object, str]] = []  # (what was registered, by which plugin)
+    broken: list[BrokenPolicy] = []
     for impl in pm.hook.register_cache_policies.get_hookimpls():
-        package = sources.get(impl.plugin_name, ("", ""))[0]
+        by = impl.plugin_name
 
-        def register(policy: CachePolicy, _pkg: str = package, _by: str = impl.plugin_name) -> None:
+        def register(policy: object, _by: str = by) -> None:
+            registered.append((policy, _by))
+
+        try:
+            impl.function(register=register)
+        except PLUGIN_FAILURES as exc:
+            problem = f"register_cache_policies raised {_describe(exc)}"
+            broken.append(_broken("", "", problem, [by], sources))
+
+    by_name: dict[str, list[tuple[object, str]]] = {}
+    for policy, by in registered:
+        named = isinstance(policy, CachePolicy) and isinstance(policy.name, str)
+        name = policy.name if isinstance(policy, CachePolicy) and named else ""
+        by_name.setdefault(name, []).append((policy, by))
+    policies: dict[str, CachePolicy] = {}
+    for name, regs in sorted(by_name.items()):
+        if name and len(regs) > 1:
+            # Nobody's: which one a tier ran would depend on the order packages load in.
+            kind = str(getattr(regs[0][0], "kind", ""))
+            problem = f"registered {len(regs)} times"  # (by whom: the origin says)
+            broken.append(_broken(name, kind, problem, [by for _, by in regs], sources))
+            continue
+        for policy, by in regs:
             problems = (
                 policy.problems()
                 if isinstance(policy, CachePolicy)
                 else [f"registered {type(policy).__name__}, not a CachePolicy"]
             )
             if problems:
-                raise PluginLoadError(
-                    f'plugin "{_by}" failed in register_cache_policies: ' + "; ".join(problems)
-                )
-            if policy.name in policies:
-                raise PluginConflict(
-                    f'cache policy "{policy.name}" is registered twice '
-                    f"({policies[policy.name].package or 'unknown'} and {_pkg or 'unknown'})"
-                )
-            policies[policy.name] = replace(policy, package=_pkg)
+                kind = str(getattr(policy, "kind", ""))
+                broken.append(_broken(name, kind, "; ".join(problems), [by], sources))
+            else:
+                assert isinstance(policy, CachePolicy)
+                source = sources.get(by, _Source("", "", "extra"))
+                policies[name] = replace(policy, package=source.package, version=source.version)
+    return policies, tuple(broken)
 
-        _run_register(impl, "register_cache_policies", register)
-    return dict(sorted(policies.items()))
+
+def _origin(by: str, sources: dict[str, _Source]) -> str:
+    """Who registered something: ``kvc-lfu 0.1.0``, or the module's name and how it came."""
+    source = sources.get(by, _Source("", "", "extra"))
+    if source.package:
+        return f"{source.package} {source.version}".strip()
+    if source.via == MODULES_ENV:
+        return f'module "{by}" ({MODULES_ENV})'
+    return f'"{by}"'
+
+
+def _broken(
+    name: str, kind: str, problem: str, by: list[str], sources: dict[str, _Source]
+) -> BrokenPolicy:
+    """A registration that cannot be used (made by the plugins ``by``: two for a name
+    registered twice), with what the user can do about it without editing a package."""
+    outs = []
+    for plugin in by:
+        source = sources.get(plugin, _Source("", "", "extra"))
+        # (The built-ins cannot be switched off; a Python object is its caller's to drop.)
+        if source.via == "entry point":
+            target = source.package or plugin
+            off = f"switch {target} off with {DENY_ENV}={target}"
+            outs.append((f"fix or upgrade {target}", off))
+        elif source.via == MODULES_ENV:
+            outs.append((f'fix module "{plugin}"', f'take "{plugin}" out of {MODULES_ENV}'))
+    if len(by) == 1 and outs:
+        way_out = f"{outs[0][0]}, or {outs[0][1]}"
+    else:  # a name two registered: one of them has to go
+        way_out = " or ".join(off for _, off in outs)
+    return BrokenPolicy(
+        name=name,
+        kind=kind,
+        problem=problem,
+        origin=" and ".join(_origin(plugin, sources) for plugin in by),
+        package=", ".join(sorted({sources[b].package for b in by if b in sources} - {""})),
+        way_out=way_out,
+    )
 
 
 def _check_type(ptype: object, by: str) -> None:

@@ -227,15 +227,21 @@ class PluginType:
         return out
 
     def config_fields(self) -> dict[str, Any]:
-        return {
-            name: {
-                "type": _type_name(f.annotation),
-                "default": None if f.is_required() else f.get_default(call_default_factory=True),
-                "required": f.is_required(),
-                "description": f.description or "",
-            }
-            for name, f in self.config.model_fields.items()
+        return model_fields(self.config)
+
+
+def model_fields(model: type[BaseModel]) -> dict[str, Any]:
+    """Each field of ``model`` as ``kvc plugins`` lists it: type, default, whether
+    required, description (a plugin type's config, a cache policy's options)."""
+    return {
+        name: {
+            "type": _type_name(f.annotation),
+            "default": None if f.is_required() else f.get_default(call_default_factory=True),
+            "required": f.is_required(),
+            "description": f.description or "",
         }
+        for name, f in model.model_fields.items()
+    }
 
 
 def resolve_ref(ref: ClassRef | ModelSupport) -> object:

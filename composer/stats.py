@@ -60,6 +60,28 @@ class Gauges(Counters):
             self.changed = self.changes.seen = True
 
 
+class Labels(UserDict[str, str]):
+    """Text a node reports about itself (``stats.policies["eviction"] = "arc"``): kept across
+    reports, the latest winning, as :class:`Gauges`; writing the text a key already has
+    is not a change."""
+
+    #: Some label changed since the node's last report.
+    changed = False
+
+    def __init__(self, changes: Changes) -> None:
+        self.changes = changes
+        super().__init__()
+
+    def __setitem__(self, key: str, value: str) -> None:
+        if self.data.get(key) != value:
+            self.data[key] = value
+            self.changed = self.changes.seen = True
+
+    def __delitem__(self, key: str) -> None:
+        del self.data[key]
+        self.changed = self.changes.seen = True
+
+
 @dataclass(eq=False)
 class NodeStats:
     """A node's counters since the last report (``self.stats`` of a plugin).
@@ -104,12 +126,17 @@ class NodeStats:
     tenants: Counters = field(init=False)
     #: Per-tenant current values, keyed ``"<gauge>:<tenant>"``, kept as ``gauges``.
     tenant_gauges: Gauges = field(init=False)
+    #: The cache policy in force of each kind (``eviction``: ``arc``, or
+    #: ``lfu → lru after 1,203 evictions`` once it raised and was switched off), for a
+    #: node that has cache policies; kept as ``gauges``.
+    policies: Labels = field(init=False)
 
     def __post_init__(self) -> None:
         self.extra = Counters(self.changes)
         self.gauges = Gauges(self.changes)
         self.tenants = Counters(self.changes)
         self.tenant_gauges = Gauges(self.changes)
+        self.policies = Labels(self.changes)
 
     def tenant_add(self, key: str, tenant: str, amount: float = 1) -> None:
         """Add ``amount`` to ``tenant``'s counter ``key`` (``blocks_evicted``, ...)."""
@@ -151,7 +178,7 @@ class NodeStats:
                 object.__setattr__(self, f.name, {} if mapping else 0)
         object.__setattr__(self, "extra", Counters(self.changes))
         object.__setattr__(self, "tenants", Counters(self.changes))
-        self.gauges.changed = self.tenant_gauges.changed = False
+        self.gauges.changed = self.tenant_gauges.changed = self.policies.changed = False
         return snapshot
 
     def is_empty(self) -> bool:
@@ -168,12 +195,13 @@ class NodeStats:
                 self.gauges.changed,
                 self.tenants,
                 self.tenant_gauges.changed,
+                self.policies.changed,
             )
         )
 
 
 #: The snapshot keys that hold current values (the latest wins), not counts.
-KEPT = ("gauges", "tenant_gauges")
+KEPT = ("gauges", "tenant_gauges", "policies")
 
 
 def split_tenant(key: str) -> tuple[str, str]:
@@ -228,13 +256,13 @@ def counters_empty(counters: dict[str, object]) -> bool:
     return True
 
 
-def flatten(node_id: str, counters: dict[str, object]) -> dict[str, float]:
+def flatten(node_id: str, counters: dict[str, object]) -> dict[str, float | str]:
     """A snapshot as ``{"node.key": n, "node.key.sub": n}``, as the stat logger prints it.
 
     Zero counts and states are left out; mapping entries (hook seconds, extra,
-    gauges) are all kept.
+    gauges, and the text of ``policies``) are all kept.
     """
-    out: dict[str, float] = {}
+    out: dict[str, float | str] = {}
     for key, value in counters.items():
         if isinstance(value, bool):
             continue

@@ -340,6 +340,7 @@ def test_graph_json(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "needs": [],
         "on_error": "fail",
         "tiers": [],
+        "policies": [],  # (a vllm node's config names no cache policy)
         "sides": {
             "producer": "ships nothing (not in save_to)",
             "consumer": "receives the prompt's KV from the prefill engine",
@@ -367,8 +368,12 @@ def test_plugins(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert "    kv_port           int | None, default null  TCP port, 1 to 65535.\n" in out
 
+    assert "\ncache policies (" in out
+    assert re.search(r"^  lru +eviction +\(kv-composer[^)]*\)  the least recently used", out, re.M)
+
     code, out, _ = run(capsys, "plugins", "--json")
-    (vllm,) = json.loads(out)
+    (vllm,) = json.loads(out)["plugin_types"]
+    assert {p["name"] for p in json.loads(out)["cache_policies"]} >= {"lru", "arc", "threshold"}
     assert vllm["name"] == "vllm"
     assert vllm["package"] == "kv-composer"
     native = "composer.vllm.native:NativeConnectorNode"

@@ -54,6 +54,20 @@ class NotAPlugin:
     pass
 
 
+class NeedsALibrary(Plugin):
+    """What only this machine's libraries tell (``launch_problems``)."""
+
+    @classmethod
+    def launch_problems(cls, config: Any) -> list[str]:
+        return ["the installed somelib 2.0 lacks somelib.internal (tested: 1.0)"]
+
+
+class CheckRaises(Plugin):
+    @classmethod
+    def launch_problems(cls, config: Any) -> list[str]:
+        raise ImportError("somelib")
+
+
 class ChooseConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     broken: bool = False
@@ -75,6 +89,8 @@ TYPES = {
     "not-a-plugin": dict(node="deep_plugins:NotAPlugin"),
     "raises": dict(node="deep_raising:Node"),
     "chooser": dict(node="deep_plugins:choose", config=ChooseConfig),
+    "needs-a-library": dict(node=NeedsALibrary),
+    "check-raises": dict(node=CheckRaises),
 }
 
 
@@ -263,3 +279,22 @@ def test_the_installed_plugins_pass_deep(
     )
     code, out = _validate(capsys, "--deep", "p.yaml")
     assert code == 0, out
+
+
+def test_a_node_class_says_what_keeps_it_from_running_here(
+    plugins: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _file(plugins / "p.yaml", "good", "needs-a-library", "check-raises")
+    code, out = _validate(capsys, "p.yaml")
+    assert code == 0, out  # only --deep asks the classes
+    code, out = _validate(capsys, "--deep", "p.yaml")
+    assert code == 2
+    assert (
+        "p.yaml:6:13: nodes.n1.plugin: the installed somelib 2.0 lacks somelib.internal "
+        "(tested: 1.0)" in out
+    ), out
+    assert (
+        'p.yaml:8:13: nodes.n2.plugin: plugin type "check-raises": class '
+        "deep_plugins.CheckRaises failed checking what it needs: ImportError: somelib" in out
+    ), out
+    assert "nodes.n0" not in out and "Traceback" not in out

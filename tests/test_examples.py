@@ -177,7 +177,13 @@ def _block_starting(lang: str, first_line: str) -> str:
 
 
 def test_the_docs_pipelines_validate(tmp_path: Path) -> None:
-    pipelines = [b for b in _blocks("yaml") if not b.startswith("# broken.yaml")]
+    # A pipeline that needs a package the page writes first ("# p.yaml (needs kvc-lfu
+    # installed)") is validated by that page's own test (tests/test_policy_plugins.py).
+    pipelines = [
+        b
+        for b in _blocks("yaml")
+        if not b.startswith("# broken.yaml") and "(needs " not in b.partition("\n")[0]
+    ]
     assert pipelines
     for text in pipelines:
         validate_text(text, file="README.md", env={})

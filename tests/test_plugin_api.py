@@ -242,7 +242,7 @@ def test_installed_plugin_is_listed_and_validates_without_torch(
 ) -> None:
     proc = _run(installed, str(VENV_BIN / "kvc"), "plugins", "--json")
     assert proc.returncode == 0, proc.stderr
-    types = {t["name"]: t for t in json.loads(proc.stdout)}
+    types = {t["name"]: t for t in json.loads(proc.stdout)["plugin_types"]}
     stats = types["prompt-stats"]
     assert (stats["package"], stats["version"]) == ("kv-prompt-stats", "0.1.0")
     assert stats["classes"] == {"scheduler": "prompt_stats:PromptStats"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -24,6 +25,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from composer.stats import NodeStats
 from composer.testing.multiconnector import pipeline_for
 from composer.vllm.connector import ComposedConnector, ComposedStats
+from composer.vllm.metrics import ComposedPromMetrics
 
 
 def snapshot(**counters: int) -> dict:
@@ -370,3 +372,36 @@ def test_every_node_gets_prometheus_series_with_node_and_plugin_labels() -> None
     assert value("vllm:kv_composer_tenant_total", ex, tenant="*", counter="blocks_evicted") == 3
     assert value("vllm:kv_composer_tenant_gauge", ex, **tenant, gauge="blocks_held") == 7
     assert value("vllm:kv_composer_lookups_total", "NixlConnector") == 0  # untouched
+
+
+def test_metrics_show_the_policy_in_force_and_the_one_it_replaced() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    types = {cls: partial(cls, registry=registry) for cls in (Gauge, Counter, Histogram)}
+
+    prom = ComposedPromMetrics(
+        SimpleNamespace(kv_transfer_config=None),  # type: ignore[arg-type]
+        types,
+        ["model_name", "engine"],
+        {0: ["m", "0"]},
+        {},
+        nodes={"cpu": "offload-cpu"},
+    )
+
+    def policies() -> dict[tuple[str, str], float]:
+        return {
+            (s.labels["kind"], s.labels["policy"]): s.value
+            for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in family.samples
+            if s.name == "vllm:kv_composer_policy" and s.labels["node"] == "cpu"
+        }
+
+    prom.observe({"cpu": {"counters": {"policies": {"eviction": "arc", "admission": "threshold"}}}})
+    assert policies() == {("eviction", "arc"): 1.0, ("admission", "threshold"): 1.0}
+    switched = "arc → lru after 1,203 evictions"
+    prom.observe({"cpu": {"counters": {"policies": {"eviction": switched}}}})
+    assert policies() == {
+        ("eviction", "arc"): 0.0, ("eviction", switched): 1.0, ("admission", "threshold"): 1.0
+    }

@@ -8,9 +8,11 @@ nor vLLM (matplotlib only inside the plots), so they are imported here at the to
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from composer.cli.common import (
     load,
     stop_servers_on_sigterm,
 )
+from composer.cli.logs import configure
 from composer.discovery import discover
 from composer.errors import escape
 from composer.pipeline import ResolvedPipeline
@@ -49,8 +52,16 @@ from composer.simulate.shape import model_shape
 from composer.simulate.sweep import fleet_runs, parse_sweep, simulate_many, sweep
 from composer.trace import TraceRequest, write_trace
 
+#: ``kvc simulate --strict``'s exit status when a cache policy raised and was switched off.
+EXIT_POLICY_FAILED = 1
+
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    with _logs_on_stderr():
+        return _simulate_command(args)
+
+
+def _simulate_command(args: argparse.Namespace) -> int:
     pipeline = load(args.file, discover())
     try:
         kwargs: dict[str, Any] = _sizes(args, pipeline)
@@ -62,14 +73,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             "exact": args.exact,
         }
         if args.fleet is not None:
-            text = _simulate_fleet(args, pipeline, trace, kwargs)
+            text, failures = _simulate_fleet(args, pipeline, trace, kwargs)
         elif given := [k for k, v in FLEET_ONLY.items() if getattr(args, k) != v]:
             flag = "--" + given[0].replace("_", "-")
             raise SimulateError(f"{flag} is a fleet's: give --fleet N too")
         elif args.sweep is None:
-            text = _simulate_once(args, pipeline, trace, kwargs)
+            text, failures = _simulate_once(args, pipeline, trace, kwargs)
         else:
-            text = _simulate_sweep(args, pipeline, trace, kwargs)
+            text, failures = _simulate_sweep(args, pipeline, trace, kwargs)
     except traces.TraceError as exc:
         print(escape(str(exc)), file=sys.stderr)
         return EXIT_INVALID
@@ -82,7 +93,36 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise CommandError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     else:
         print(text)
+    if failures and args.strict:
+        print(
+            "kvc: error: --strict: a cache policy raised and was switched off "
+            f"({len(failures)} in all); the figures after the switch are its fallback's:",
+            file=sys.stderr,
+        )
+        for line in failures:
+            print(f"  {escape(line)}", file=sys.stderr)
+        return EXIT_POLICY_FAILED
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _logs_on_stderr() -> Iterator[None]:
+    """Every log line of a simulation (a cache policy switched off, a node's warning) on
+    stderr: stdout is the report, and ``--json``'s must parse. structlog's default
+    writes to stdout; ``kvc -v`` has configured it already (on stderr). structlog's
+    defaults come back afterwards, and no logger keeps this set-up (a command run
+    inside another program, a test, leaves its logging as it was)."""
+    import structlog  # lazily: only a simulation's models log
+
+    if structlog.is_configured():
+        yield
+        return
+    configure(level=logging.WARNING)
+    structlog.configure(cache_logger_on_first_use=False)
+    try:
+        yield
+    finally:
+        structlog.reset_defaults()
 
 
 def _sizes(args: argparse.Namespace, pipeline: ResolvedPipeline) -> dict[str, Any]:
@@ -111,9 +151,11 @@ def _simulate_once(
     pipeline: ResolvedPipeline,
     trace: Sequence[TraceRequest],
     kwargs: dict[str, Any],
-) -> str:
+) -> tuple[str, list[str]]:
+    """The report, and each cache policy switched off (as every ``_simulate_*``)."""
     result = simulate(pipeline, trace, **kwargs)
-    return dump(result.as_dict()) if args.json else format_result(result)
+    text = dump(result.as_dict()) if args.json else format_result(result)
+    return text, result.policy_failures
 
 
 def _simulate_fleet(
@@ -121,7 +163,7 @@ def _simulate_fleet(
     pipeline: ResolvedPipeline,
     trace: Sequence[TraceRequest],
     kwargs: dict[str, Any],
-) -> str:
+) -> tuple[str, list[str]]:
     routers = args.router or list(ROUTERS)
     for router in routers:
         check_router(router)
@@ -138,17 +180,24 @@ def _simulate_fleet(
     }
     if args.sweep is None:
         results = simulate_many(pipeline, trace, [{"router": r} for r in routers], **common)
-        return dump([r.as_dict() for r in results]) if args.json else format_fleet(results)
+        failures = [f"{r.router}, {line}" for r in results for line in r.policy_failures]
+        text = dump([r.as_dict() for r in results]) if args.json else format_fleet(results)
+        return text, failures
     name, values = parse_sweep(args.sweep)
     runs = fleet_runs(pipeline, name, values, routers)
     results = simulate_many(pipeline, trace, runs, **common)
     png = _plot_path(args)
     plot_fleet_sweep(png, name, values, routers, results, kwargs["trace_name"])
     print(f"wrote {png}", file=sys.stderr)
+    failures = [  # (runs go value by value, each once per router)
+        f"{name}={values[i // len(routers)]}, {r.router}, {line}"
+        for i, r in enumerate(results)
+        for line in r.policy_failures
+    ]
     if args.json:
         return dump({"sweep": name, "values": values, "plot": str(png),
-                     "results": [r.as_dict() for r in results]})
-    return format_fleet_sweep(name, values, routers, results)
+                     "results": [r.as_dict() for r in results]}), failures
+    return format_fleet_sweep(name, values, routers, results), failures
 
 
 def _plot_path(args: argparse.Namespace) -> Path:
@@ -167,16 +216,21 @@ def _simulate_sweep(
     pipeline: ResolvedPipeline,
     trace: Sequence[TraceRequest],
     kwargs: dict[str, Any],
-) -> str:
+) -> tuple[str, list[str]]:
     name, values = parse_sweep(args.sweep)
     results = sweep(pipeline, trace, name, values, **kwargs)
     png = _plot_path(args)
     plot_sweep(png, name, values, results)
     print(f"wrote {png}", file=sys.stderr)
+    failures = [
+        f"{name}={v}: {line}"
+        for v, r in zip(values, results, strict=True)
+        for line in r.policy_failures
+    ]
     if args.json:
         return dump({"sweep": name, "values": values, "plot": str(png),
-                     "results": [r.as_dict() for r in results]})
-    return format_sweep(name, values, results)
+                     "results": [r.as_dict() for r in results]}), failures
+    return format_sweep(name, values, results), failures
 
 
 def cmd_trace_generate(args: argparse.Namespace) -> int:

@@ -211,6 +211,8 @@ def add_simulate(sub: Subparsers) -> None:
         help="write the report to FILE; a sweep's plot goes to FILE with suffix .png "
         "(default kvc-simulate-sweep.png)",
     )
+    p.add_argument("--strict", action="store_true", help="exit 1 if a cache policy raised "
+                   "and was switched off (the report says so, and is written all the same)")
     _add_json(p)
 
 

@@ -1,5 +1,6 @@
 """``kvc graph`` and ``kvc plugins``: draw a pipeline (text, Mermaid or JSON) and
-list the installed plugin types with their config options."""
+list the installed plugin types with their config options, and the cache policies
+with theirs."""
 
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ from composer.cli.common import (
     print_problems,
     runs_as,
 )
-from composer.discovery import discover
+from composer.discovery import BrokenPolicy, Registry, discover
 from composer.errors import escape
 from composer.loader import file_marks
 from composer.model.kv_groups import group_rows
 from composer.pipeline import ResolvedNode, ResolvedPipeline
-from composer.plugin_types import Capabilities, PluginType
+from composer.plugin_types import Capabilities, PluginType, model_fields
+from composer.policy import KINDS, CachePolicy
 from composer.validation.model_check import ModelCheck, check_model
 from composer.validation.pd import is_pd, sides_table
+from composer.validation.policies import node_policies, policies_label
 
 
 def node_tiers(node: ResolvedNode) -> list[str]:
@@ -41,20 +44,21 @@ def node_tiers(node: ResolvedNode) -> list[str]:
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
-    pipeline = load(args.file, discover(), args.kv_role)
+    registry = discover()
+    pipeline = load(args.file, registry, args.kv_role)
     model = predict_model(args)
     check = (
         check_model(pipeline, model, marks=file_marks(args.file)) if model is not None else None
     )
     if args.json:
-        data = _graph_data(pipeline)
+        data = _graph_data(pipeline, registry)
         if check is not None:
             data["model"] = _model_data(check)
         print(dump(data))
     elif args.format == "mermaid":
-        print(_mermaid(pipeline))
+        print(_mermaid(pipeline, registry))
     else:
-        text = _graph_text(pipeline, check)
+        text = _graph_text(pipeline, registry, check)
         print("\n".join([*model_lines(model), "", text]) if model is not None else text)
     if check is not None and check.problems:
         print_problems(check.problems, sys.stderr)
@@ -75,7 +79,7 @@ def _model_data(check: ModelCheck) -> dict[str, Any]:
     }
 
 
-def _graph_data(p: ResolvedPipeline) -> dict[str, Any]:
+def _graph_data(p: ResolvedPipeline, registry: Registry) -> dict[str, Any]:
     return {
         "file": p.file,
         "kv_role": p.kv_role,
@@ -92,6 +96,8 @@ def _graph_data(p: ResolvedPipeline) -> dict[str, Any]:
                 "needs": list(n.needs),
                 "on_error": n.on_error,
                 "tiers": node_tiers(n),
+                # The cache policies it runs: kind, config key, name, package, options.
+                "policies": [asdict(policy) for policy in node_policies(n.config, registry)],
                 # What it does on each P/D side ("" where it does not run).
                 "sides": sides_table(p)[n.id],
             }
@@ -104,7 +110,9 @@ def _graph_data(p: ResolvedPipeline) -> dict[str, Any]:
     }
 
 
-def _graph_text(p: ResolvedPipeline, check: ModelCheck | None = None) -> str:
+def _graph_text(
+    p: ResolvedPipeline, registry: Registry, check: ModelCheck | None = None
+) -> str:
     labels = {n.id: escape(plugin_label(n)) for n in p.nodes}
     id_width = max((len(n.id) for n in p.nodes), default=0)
     plugin_width = max((len(label) for label in labels.values()), default=0)
@@ -124,6 +132,9 @@ def _graph_text(p: ResolvedPipeline, check: ModelCheck | None = None) -> str:
         tiers = node_tiers(n)
         if tiers:
             lines.append(f"  {'':<{id_width}}  tiers: {' -> '.join(escape(t) for t in tiers)}")
+        policies = policies_label(n.config, registry)
+        if policies:
+            lines.append(escape(f"  {'':<{id_width}}  policies: {policies}"))
         if check is not None:
             served = check.serves.get(n.id, "cannot serve this model (see below)")
             lines.append(escape(f"  {'':<{id_width}}  model: {served}"))
@@ -160,14 +171,14 @@ def mermaid_text(text: str) -> str:
     return "".join(c if c in _MERMAID_SAFE else f"#{ord(c)};" for c in text)
 
 
-def _mermaid(p: ResolvedPipeline) -> str:
+def _mermaid(p: ResolvedPipeline, registry: Registry) -> str:
     # Mermaid ids are positional: node ids may contain '-', which Mermaid reads as an edge.
     ids = {n.id: f"n{i}" for i, n in enumerate(p.nodes)}
     lines = ["flowchart LR"]
     for n in p.nodes:
-        label = "<br/>".join(
-            mermaid_text(part) for part in (n.id, plugin_label(n), f"role: {n.role}")
-        )
+        parts = [n.id, plugin_label(n), f"role: {n.role}"]
+        parts += [f"{x.kind}: {x.name}" for x in node_policies(n.config, registry)]
+        label = "<br/>".join(mermaid_text(part) for part in parts)
         lines.append(f'  {ids[n.id]}["{label}"]')
     for n in p.nodes:
         for dep in n.needs:
@@ -187,8 +198,17 @@ def _mermaid(p: ResolvedPipeline) -> str:
 def cmd_plugins(args: argparse.Namespace) -> int:
     registry = discover()
     data = [_plugin_data(t) for t in registry.types.values()]
+    policies = _policies_in_order(registry)
     if args.json:
-        print(dump(data))
+        print(
+            dump(
+                {
+                    "plugin_types": data,
+                    "cache_policies": [_policy_data(p) for p in policies],
+                    "broken_cache_policies": [asdict(b) for b in registry.broken_policies],
+                }
+            )
+        )
         return EXIT_OK
     for i, (ptype, info) in enumerate(zip(registry.types.values(), data, strict=True)):
         if i:
@@ -215,12 +235,46 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             print("  config: (no options)")
             continue
         print("  config:")
-        width = max(len(name) for name in fields)
-        for name, f in fields.items():
-            default = "required" if f["required"] else f"default {_show(f['default'])}"
-            desc = f"  {f['description']}" if f["description"] else ""
-            print(escape(f"    {name:<{width}}  {f['type']}, {default}{desc}"))
+        _print_fields(fields, "    ")
+    _print_policies(policies, registry.broken_policies)
     return EXIT_OK
+
+
+def _print_fields(fields: dict[str, Any], indent: str) -> None:
+    width = max(len(name) for name in fields)
+    for name, f in fields.items():
+        default = "required" if f["required"] else f"default {_show(f['default'])}"
+        desc = f"  {f['description']}" if f["description"] else ""
+        print(escape(f"{indent}{name:<{width}}  {f['type']}, {default}{desc}"))
+
+
+def _policies_in_order(registry: Registry) -> list[CachePolicy]:
+    """The installed cache policies, by kind (eviction, admission, retention), then name."""
+    return sorted(registry.policies.values(), key=lambda p: (KINDS.index(p.kind), p.name))
+
+
+def _print_policies(policies: list[CachePolicy], broken: tuple[BrokenPolicy, ...]) -> None:
+    """The cache policies a tier's config may name (``eviction: lru``), each with its
+    options (set in ``eviction_options``), then the registrations that cannot be used."""
+    print()
+    print(
+        "cache policies (a tier's config names one of each kind, eviction: lru, "
+        "and gives its options in eviction_options):"
+    )
+    name_width = max((len(p.name) for p in policies), default=0)
+    kind_width = max(len(kind) for kind in KINDS)
+    for p in policies:
+        origin = " ".join(x for x in (p.package, p.version) if x) or "unknown package"
+        row = f"  {p.name:<{name_width}}  {p.kind:<{kind_width}}  ({origin})"
+        print(escape(row + (f"  {p.description}" if p.description else "")))
+        if p.options is not None and p.options.model_fields:
+            print(f"  {'':<{name_width}}  options:")
+            _print_fields(model_fields(p.options), " " * (name_width + 6))
+    if broken:
+        print()
+        print("cache policies that cannot be used (a pipeline naming one is refused):")
+        for b in broken:
+            print(escape(f"  {b.message()}"))
 
 
 def _show(value: Any) -> str:
@@ -253,4 +307,18 @@ def _plugin_data(t: PluginType) -> dict[str, Any]:
         "processes": sorted(t.processes),
         "capabilities": capabilities,
         "config": to_jsonable_python(t.config_fields(), fallback=str),
+    }
+
+
+def _policy_data(p: CachePolicy) -> dict[str, Any]:
+    return {
+        "name": p.name,
+        "kind": p.kind,
+        "package": p.package,
+        "version": p.version,
+        "description": p.description,
+        "class": f"{p.cls.__module__}:{p.cls.__qualname__}",
+        "options": to_jsonable_python(
+            model_fields(p.options) if p.options is not None else {}, fallback=str
+        ),
     }

@@ -32,14 +32,17 @@ from composer.model.kv_groups import group_rows
 from composer.pipeline import SCHEMA_ID, ResolvedPipeline, typed_pipeline_model
 from composer.validation.deep_check import deep_check, sleep_mode_problems
 from composer.validation.model_check import ModelCheck, check_model
+from composer.validation.policies import add_policies_to_schema
 
 SCHEMA_FILE = "pipeline.schema.json"
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
 def schema_json(registry: Registry) -> str:
-    """The pipeline JSON Schema (every installed plugin's config included), as written to disk."""
+    """The pipeline JSON Schema (every installed plugin's config included, and the cache
+    policies their configs may name, with their options), as written to disk."""
     schema = typed_pipeline_model(dict(registry.types)).model_json_schema()
+    add_policies_to_schema(schema, registry)
     schema["$id"] = SCHEMA_ID
     schema["$schema"] = JSON_SCHEMA_DIALECT
     return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
@@ -78,7 +81,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for file in args.files:
         try:
             pipeline = load(file, registry, args.kv_role)
-            deep = _deep_problems(pipeline, file) if args.deep else []
+            deep = _deep_problems(pipeline, file, registry) if args.deep else []
             if args.enable_sleep_mode:
                 deep += _sleep_mode_problems(pipeline, file)
             checked = _Checked(file, pipeline, deep)
@@ -138,10 +141,10 @@ def _sleep_mode_problems(pipeline: ResolvedPipeline, file: str) -> list[Problem]
         raise MissingRuntime(f"--enable-sleep-mode needs vLLM importable ({exc})") from None
 
 
-def _deep_problems(pipeline: ResolvedPipeline, file: str) -> list[Problem]:
+def _deep_problems(pipeline: ResolvedPipeline, file: str, registry: Registry) -> list[Problem]:
     marks = file_marks(file)
     try:
-        return deep_check(pipeline, marks=marks)
+        return deep_check(pipeline, marks=marks, registry=registry)
     except ImportError as exc:
         raise MissingRuntime(f"--deep needs vLLM importable ({exc})") from None
 

@@ -27,13 +27,15 @@ A plugin type brings its own model through ``PluginType.simulator``
 prediction cannot drift from the product. Nodes whose type has none are shown
 as not modelled and never hit.
 
-Traces and their block keys are :mod:`composer.trace`'s; a sweep's runs
+Traces and their block keys are :mod:`composer.trace`'s; a run's figures
+:mod:`composer.simulate.results`'s; a sweep's runs
 :mod:`composer.simulate.sweep`'s; the tables and the sweep's plot
 :mod:`composer.simulate.report`'s; bytes per block and KV cache groups from a model's
 ``config.json`` :mod:`composer.simulate.shape`'s.
 """
 
-from composer.simulate.replay import NodeResult, Result, TenantResult, simulate
+from composer.simulate.replay import simulate
+from composer.simulate.results import NodeResult, Result, TenantResult
 from composer.simulate.tiers import (
     DEFAULT_BLOCK_SIZE,
     VLLM_CACHE_ID,

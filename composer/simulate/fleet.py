@@ -30,13 +30,13 @@ from composer.pipeline import ResolvedPipeline
 from composer.simulate.cost import CALIBRATED, CostModel
 from composer.simulate.replay import (
     Started,
-    TenantResult,
     _check_options,
     _Replay,
     _unit,
     collector_paused,
     retentions,
 )
+from composer.simulate.results import TenantResult, fallback_line
 from composer.simulate.routers import ROUTERS, FleetView, check_router, make_router
 from composer.simulate.tiers import SimKVGroup, SimulateError
 from composer.trace import MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
@@ -83,6 +83,18 @@ class FleetResult:
     cost: CostModel = CALIBRATED
     #: Per tenant (the trace's ``tenant``), all engines together, when the trace names any.
     tenants: dict[str, TenantResult] = field(default_factory=dict)
+    #: Each cache policy switched off because it raised, on any engine: the node's
+    #: ``policy_fallbacks`` (:class:`~composer.simulate.replay.NodeResult`), with
+    #: ``engine`` and ``node``.
+    policy_fallbacks: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def policy_failures(self) -> list[str]:
+        """Each cache policy switched off, engine by engine (:func:`fallback_line`)."""
+        return [
+            f"engine {f.get('engine')}, " + fallback_line(str(f.get("node")), f)
+            for f in self.policy_fallbacks
+        ]
 
     @property
     def fraction_served(self) -> float:
@@ -117,6 +129,7 @@ class FleetResult:
             "tenants": {
                 name: t.as_dict() for name, t in self.tenants.items()
             },
+            "policy_fallbacks": self.policy_fallbacks,
         }
 
 
@@ -353,11 +366,15 @@ class _Run:
     ) -> FleetResult:
         served: dict[str, int] = {}
         per_engine: list[EngineStats] = []
+        fallbacks: list[dict[str, Any]] = []
         span = self.end - self.first
-        for replay, engine, count in zip(self.replays, self.engines, self.counts, strict=True):
+        for e, (replay, engine, count) in enumerate(
+            zip(self.replays, self.engines, self.counts, strict=True)
+        ):
             for row in replay.rows(count):
                 if row.lookup:
                     served[row.id] = served.get(row.id, 0) + row.tokens_served
+                fallbacks += [{"engine": e, "node": row.id, **f} for f in row.policy_fallbacks]
             per_engine.append(
                 EngineStats(
                     requests=count,
@@ -393,6 +410,7 @@ class _Run:
             arrivals,
             self.cost,
             tenants if any(tenants) else {},
+            fallbacks,
         )
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from pydantic import BaseModel, ValidationError
 
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.plugin_types import resolve_ref
+from composer.simulate.results import NodeResult, Result, TenantResult
 from composer.simulate.tiers import (
     DEFAULT_BLOCK_SIZE,
     VLLM_CACHE_ID,
@@ -23,93 +24,6 @@ from composer.simulate.tiers import (
     TierModel,
 )
 from composer.trace import MAX_TRACE_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
-
-
-@dataclass
-class NodeResult:
-    id: str
-    plugin: str
-    modelled: bool
-    lookup: bool = False
-    save: bool = False
-    capacity_blocks: int | None = None
-    capacity_bytes: int | None = None
-    lookups: int = 0
-    hits: int = 0
-    served_requests: int = 0
-    tokens_served: int = 0
-    blocks_loaded: int = 0
-    blocks_saved: int = 0
-    evictions: int = 0
-    fraction_served: float = 0.0
-    bytes_loaded: int = 0
-    bytes_saved: int = 0
-    bytes_saved_per_request: float = 0.0
-    #: Bytes kept ÷ bytes a full-attention model of the same shape would keep (window groups).
-    window_saving: float | None = None
-    #: Why the node serves nothing (a mamba hybrid), or "".
-    note: str = ""
-
-
-@dataclass
-class TenantResult:
-    """Some requests' prompt tokens and what was served of them: one tenant's (vLLM's
-    ``cache_salt``, the trace's ``tenant``; "": none), or one engine's of a fleet."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    #: Prompt tokens served, by vLLM's prefix cache and every node.
-    tokens_served: int = 0
-
-    @property
-    def fraction_served(self) -> float:
-        return self.tokens_served / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**vars(self), "fraction_served": self.fraction_served}
-
-
-@dataclass
-class Result:
-    trace: str
-    requests: int
-    prompt_tokens: int
-    block_size: int
-    unit_blocks: int
-    trace_block_tokens: int
-    bytes_per_block: int
-    load_policy: str
-    nodes: list[NodeResult] = field(default_factory=list)
-    groups: list[SimKVGroup] = field(default_factory=list)
-    #: What the sizes had to assume, and why the replay moved the units it did.
-    notes: list[str] = field(default_factory=list)
-    tokens_served: int = 0
-    prefill_tokens_computed: int = 0
-    fraction_served: float = 0.0
-    #: Per tenant (the trace's ``tenant``), when the trace names any.
-    tenants: dict[str, TenantResult] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "trace": self.trace,
-            "requests": self.requests,
-            "prompt_tokens": self.prompt_tokens,
-            "block_size": self.block_size,
-            "unit_blocks": self.unit_blocks,
-            "trace_block_tokens": self.trace_block_tokens,
-            "bytes_per_block": self.bytes_per_block,
-            "load_policy": self.load_policy,
-            "groups": [g.as_dict() for g in self.groups],
-            "notes": self.notes,
-            "nodes": [vars(n) for n in self.nodes],
-            "total": {
-                "tokens_served": self.tokens_served,
-                "fraction_served": self.fraction_served,
-                "prefill_tokens_saved": self.tokens_served,
-                "prefill_tokens_computed": self.prefill_tokens_computed,
-            },
-            "tenants": {name: t.as_dict() for name, t in self.tenants.items()},
-        }
 
 
 @dataclass
@@ -423,6 +337,9 @@ class _Replay:
             res.bytes_saved_per_request = res.bytes_saved / requests if requests else 0.0
             res.window_saving = model.window_saving
             res.note = model.disabled_reason or ""
+            # (Optional in a model: one without cache policies has neither.)
+            res.policies = dict(getattr(model, "policies", None) or {})
+            res.policy_fallbacks = list(getattr(model, "policy_fallbacks", None) or [])
         self.vllm_res.evictions = self.vllm.evictions * self.group
         nodes = [self.vllm_res] if self.vllm_blocks else []
         nodes += [self.results[n.id] for n in self.pipeline.nodes]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from composer.simulate.fleet import PERCENTILES, FleetResult
-from composer.simulate.replay import NodeResult, Result, TenantResult
+from composer.simulate.results import NodeResult, Result, TenantResult
 from composer.simulate.tiers import VLLM_CACHE_ID, SimulateError
 
 
@@ -45,6 +45,7 @@ def format_result(result: Result) -> str:
     lines += [f"note: {n}" for n in result.notes]
     lines.append("")
     lines += _node_table(result)
+    lines += _failures(result.policy_failures)
     lines += [
         "",
         f"prefill tokens saved {result.tokens_served:,} of {result.prompt_tokens:,}; "
@@ -67,6 +68,18 @@ def format_result(result: Result) -> str:
             f"{', '.join(unmodelled)}"
         )
     return "\n".join(lines)
+
+
+def _failures(failures: Sequence[str]) -> list[str]:
+    """Each cache policy switched off in the run, right under the figures it changed:
+    from that eviction on they are its fallback's, not the configured policy's."""
+    if not failures:
+        return []
+    return [
+        "cache policies switched off (they raised; the figures after that are the "
+        "fallback's, not theirs):",
+        *(f"  {line}" for line in failures),
+    ]
 
 
 def _tenant_table(tenants: dict[str, TenantResult]) -> list[str]:
@@ -126,6 +139,11 @@ def format_sweep(field_name: str, values: Sequence[str], results: Sequence[Resul
     lines = ["fraction of prompt tokens served"]
     for r in [header, *rows]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    lines += _failures([
+        f"{field_name}={v}: {line}"
+        for v, r in zip(values, results, strict=True)
+        for line in r.policy_failures
+    ])
     return "\n".join(lines)
 
 
@@ -207,6 +225,12 @@ def format_fleet_sweep(
     lines = [f"fleet sweep: {first.requests:,} requests, arrivals: {first.arrivals}"]
     for cells in [header, *rows]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+    lines += _failures([
+        f"{field_name}={value}, {r.router}, {line}"
+        for value, row in zip(values, _grid(field_name, values, routers, results), strict=True)
+        for r in row
+        for line in r.policy_failures
+    ])
     return "\n".join(lines)
 
 
@@ -277,6 +301,7 @@ def format_fleet(results: Sequence[FleetResult]) -> str:
     ]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
               for row in rows]
+    lines += _failures([f"{r.router}, {line}" for r in results for line in r.policy_failures])
     for r in results:
         if 0 < len(r.tenants) <= 8:  # more: --json has them
             lines += ["", f"{r.router}, per tenant:", *_tenant_table(r.tenants)]

@@ -60,6 +60,12 @@ class TierModel(Protocol):
     Built as ``Model(config, block_size=..., bytes_per_block=..., groups=...)``:
     tokens and bytes of one slot (one replay unit; with several groups, one
     group's block), and the model's KV cache groups (block bytes per unit).
+
+    A model with cache policies may also give ``policies`` (each kind's policy in
+    force, by kind) and ``policy_fallbacks`` (a dict per policy switched off because
+    it raised: ``kind``, ``policy``, ``cls``, ``hook``, ``error``, ``fallback``,
+    ``evictions``, ``in_force``): ``kvc simulate`` reports them, and fails under
+    ``--strict`` when any policy was switched off.
     """
 
     @property

@@ -13,6 +13,12 @@ light as ``import composer``:
   a hook argument the spec lacks is reported before vLLM starts;
 * hookimpl options the chain does not honour (:data:`UNHONOURED_OPTIONS`) are
   errors: the chain calls nodes in pipeline order, one call per node;
+* each node class's own :meth:`~composer.plugin.Plugin.launch_problems` for
+  the node's config (what the installed libraries keep it from doing);
+* each cache policy a node config names (``eviction: lfu``) is checked against its
+  kind's spec: every method it defines takes the call the tier makes, and none is
+  named like a spec method it leaves to the spec's default (``touch`` beside
+  ``touched``, which the tier would never call);
 * ``vllm`` nodes' connector names are checked against vLLM's real registry.
 """
 
@@ -27,12 +33,14 @@ from collections.abc import Iterable
 import pluggy
 
 from composer.builtin import nixl_poll_problem
+from composer.discovery import Registry, UnknownPolicy, discover
 from composer.errors import Problem, did_you_mean, one_of
 from composer.hookspecs import HOOKS, PROJECT, NodeSpec
 from composer.loader import Marks
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.plugin import Plugin
 from composer.plugin_types import ClassRef, choose_class, resolve_ref
+from composer.policy import misnamed_methods, policy_fields
 
 #: Hookimpl options the chain does not honour: a wrapper never wraps (the chain
 #: is no pluggy hook call) and order is pipeline order, not tryfirst/trylast.
@@ -53,14 +61,17 @@ def deep_check(
     marks: Marks | None = None,
     registered: Iterable[str] | None = None,
     classes: bool = True,
+    registry: Registry | None = None,
 ) -> list[Problem]:
     """Problems only the runtime can reveal; an empty list when there are none.
 
     ``marks`` (from :func:`composer.loader.load_yaml`) locates problems in the
     pipeline file; without them problems carry the file name only.
     ``registered`` overrides the connector names read from vLLM; ``classes``
-    False skips the node-class checks. vLLM is imported only when the pipeline
-    has ``vllm`` nodes (an ImportError then means vLLM is missing).
+    False skips the node-class and cache policy checks (``registry``: where the
+    policies are found; default :func:`~composer.discovery.discover`'s). vLLM is
+    imported only when the pipeline has ``vllm`` nodes (an ImportError then means
+    vLLM is missing).
     """
     marks = marks or Marks()
     problems = _connector_problems(pipeline, marks, registered)
@@ -70,6 +81,28 @@ def deep_check(
                 _located(pipeline, marks, node, message)
                 for message in node_class_problems(node)
             ]
+        problems += _policy_problems(pipeline, marks, registry or discover())
+    return problems
+
+
+def _policy_problems(
+    pipeline: ResolvedPipeline, marks: Marks, registry: Registry
+) -> list[Problem]:
+    """Each cache policy a node runs, against its kind's spec (its methods' names and
+    signatures), located at the config field that names it."""
+    problems = []
+    for node in pipeline.nodes:
+        for field, kind in policy_fields(type(node.config)).items():
+            try:
+                policy = registry.policy(kind, str(getattr(node.config, field)))
+            except UnknownPolicy as exc:  # (validation refused it; a registry of its own may not)
+                messages = [str(exc)]
+            else:
+                # Registration has checked the signatures (a policy that fails them is
+                # not usable); asked again here for a registry built otherwise.
+                messages = [*policy.problems(), *misnamed_methods(policy.cls, policy.kind)]
+            path = ("nodes", node.id, "config", field)
+            problems += [_located_at(pipeline, marks, path, m) for m in messages]
     return problems
 
 
@@ -181,7 +214,19 @@ def node_class_problems(node: ResolvedNode) -> list[str]:
                 continue
             what += f" (chose {_show(obj)})"
         out += [f"{what}: {m}" for m in class_problems(obj)]
+        out += _launch_problems(obj, node.config, what)
     return out
+
+
+def _launch_problems(cls: type, config: object, what: str) -> list[str]:
+    """The class's own :meth:`~composer.plugin.Plugin.launch_problems` for ``config``."""
+    check = getattr(cls, "launch_problems", None)
+    if not callable(check):
+        return []
+    try:
+        return [str(m) for m in check(config)]
+    except Exception as exc:  # the plugin's own check raised: its bug, said as such
+        return [f"{what} failed checking what it needs: {type(exc).__name__}: {exc}"]
 
 
 #: What a node that holds vLLM's KV caches implements to follow vLLM's sleep mode.

@@ -8,11 +8,10 @@ from typing import Any, get_args
 
 from pydantic import BaseModel
 
-from composer.discovery import Registry, UnknownPolicy, call_plugin
+from composer.discovery import Registry, call_plugin
 from composer.errors import Reporter, did_you_mean, one_of
 from composer.pipeline import LOADING_ROLES, SAVING_ROLES
 from composer.plugin_types import Capabilities, NodeRole
-from composer.policy import PolicyName
 
 
 def dependency_order(needs: Mapping[str, Sequence[str]]) -> list[str]:
@@ -211,7 +210,6 @@ def _check_capabilities(
     for check in _CAPABILITY_CHECKS:
         check(view)
     _plugin_checks(view, registry)
-    _policy_names(view, registry)
 
 
 def _one_provider(view: _Nodes) -> None:
@@ -317,20 +315,6 @@ def _plugin_checks(view: _Nodes, registry: Registry) -> None:
             )
             for path, message in found:
                 view.reporter.add(("nodes", node_id, *path), message)
-
-
-def _policy_names(view: _Nodes, registry: Registry) -> None:
-    """A config field marked ``PolicyName(kind)`` names an installed ``kind`` policy."""
-    for node_id, config in view.configs.items():
-        for field, info in type(config).model_fields.items():
-            marks = [m for m in info.metadata if isinstance(m, PolicyName)]
-            value = getattr(config, field)
-            if not marks or not isinstance(value, str):
-                continue
-            try:
-                registry.policy(marks[0].kind, value)
-            except UnknownPolicy as exc:
-                view.reporter.add(("nodes", node_id, "config", field), str(exc))
 
 
 def _run_check(

@@ -33,6 +33,7 @@ from composer.pipeline import (
 from composer.validation.data import check_data
 from composer.validation.graph import check_graph, dependency_order
 from composer.validation.pd import check_pd, node_sides
+from composer.validation.policies import check_policies
 from composer.validation.pydantic_problems import kind, report_pydantic
 
 Path = tuple[str | int, ...]
@@ -126,6 +127,7 @@ def validate_data(
 
     configs = _plugin_configs(data, registry, reporter)
     check_graph(data, registry, configs, reporter)
+    check_policies(configs, registry, reporter)
     _check_sides(data, registry, side, reporter)
     reporter.raise_if_any()
     assert pipeline is not None

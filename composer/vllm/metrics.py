@@ -229,7 +229,9 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
     current values: pool_use, load_gib_s, ...), ``vllm:kv_composer_tenant_total{tenant,
     counter}`` and ``vllm:kv_composer_tenant_gauge{tenant, gauge}`` (per tenant: blocks
     held, tokens served, blocks evicted), ``vllm:kv_composer_disabled`` (1 once the
-    node is switched off).
+    node is switched off), ``vllm:kv_composer_policy{kind, policy}`` (a tier's cache
+    policy of each kind in force: 1; the one it replaced, 0; ``policy`` is its name,
+    or how it was switched off: ``lfu → lru after 1,203 evictions``).
     """
 
     def __init__(
@@ -283,6 +285,7 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
             labelnames=names,
             multiprocess_mode="mostrecent",
         )
+        self.policy = self._policy_metric(names)
         # Every node's series exist from the start (at 0), so that a scrape
         # before the first request already lists the pipeline's nodes.
         for engine in per_engine_labelvalues:
@@ -307,6 +310,20 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
             multiprocess_mode="mostrecent",
         )
         return counts, gauges
+
+    def _policy_metric(self, names: list[str]) -> Any:
+        """``policy{kind, policy}``: a tier's cache policy in force of each kind at 1."""
+        #: The policy shown in force, by (engine, node, kind): set to 0 when replaced.
+        self._policy_shown: dict[tuple[int, str, str], str] = {}
+        gauge_cls: Any = self._gauge_cls
+        return gauge_cls(
+            name=f"{PREFIX}policy",
+            documentation="A tier's cache policy of each kind: 1 the one in force (its name, "
+            "or how the configured one was switched off: 'lfu → lru after 1,203 evictions'), "
+            "0 one it replaced.",
+            labelnames=[*names, "kind", "policy"],
+            multiprocess_mode="mostrecent",
+        )
 
     def _labels(self, engine_idx: int, node_id: str) -> list[object]:
         plugin = self.nodes.get(node_id, "")
@@ -356,6 +373,23 @@ class ComposedPromMetrics(KVConnectorPromMetrics):
             self.tenant_gauges.labels(*labels, tenant, name).set(value)
         if "disabled" in counters:
             self.disabled.labels(*labels).set(1 if counters["disabled"] else 0)
+        self._observe_policies(engine_idx, node_id, labels, counters.get("policies"))
+
+    def _observe_policies(
+        self, engine_idx: int, node_id: str, labels: list[object], policies: object
+    ) -> None:
+        """Each kind's policy in force at 1, and the one it replaced at 0."""
+        if not isinstance(policies, dict):
+            return
+        for kind, policy in policies.items():
+            kind, policy = str(kind), str(policy)
+            shown = self._policy_shown.get((engine_idx, node_id, kind))
+            if shown == policy:
+                continue
+            if shown is not None:
+                self.policy.labels(*labels, kind, shown).set(0)
+            self.policy.labels(*labels, kind, policy).set(1)
+            self._policy_shown[engine_idx, node_id, kind] = policy
 
 
 def _numbers(mapping: object) -> list[tuple[str, float]]:

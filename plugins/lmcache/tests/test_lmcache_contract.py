@@ -11,15 +11,16 @@ Each answer is driven through KV Composer's chain, as vLLM's scheduler calls it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 import pytest
 import torch
 from kvc_lmcache import lmcache_internals, memory
-from kvc_lmcache.inprocess import LMCacheContractError, LMCacheDegraded
+from kvc_lmcache.config import LMCacheConfig
+from kvc_lmcache.inprocess import LMCacheContractError, LMCacheDegraded, LMCacheInProcessNode
 from kvc_lmcache.lmcache_internals import LMCacheIncompatible, Reach, check_reach
+from kvc_lmcache.server_node import LMCacheServerNode
 from kvc_lmcache.tenants import SALT_TAG, HashedSalt, salt_tag
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.token_database import ChunkedTokenDatabase
@@ -30,7 +31,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import RequestStatus
 
 from composer import load_pipeline
-from composer.testing.cli import kvc
 from composer.testing.chains import chain_for
 
 #: LMCache's reason when its engine cannot be built (what its GPU connector raises here).
@@ -347,24 +347,17 @@ def test_a_node_whose_internals_changed_refuses_to_start_by_name(
     )
 
 
-def test_kvc_validate_deep_locates_a_changed_internal(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_launch_problems_name_a_changed_internal(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What `kvc validate --deep` reports, located at the node (tests/test_deep_check.py).
     monkeypatch.setattr(lmcache_internals, "REACHES", (*lmcache_internals.REACHES, CHANGED))
-    for mode in ("in_process", "server"):
-        path = tmp_path / f"{mode}.yaml"
-        path.write_text(
-            f"version: 1\nnodes:\n  lm:\n    plugin: lmcache\n    config: {{mode: {mode}}}\n"
-        )
-        assert kvc("validate", "--deep", str(path)) == 2
-        out = capsys.readouterr()
-        err = out.out + out.err
-        assert f"{path}:4:13: nodes.lm.plugin: the installed LMCache 0.5.6 (tested: 0.5.6) " in err
-        assert (
-            f"lacks what mode {mode} reaches: lmcache.v1.manager:LMCacheManager has no attribute "
-            "_renamed_in_the_next_release (whether LMCache runs degraded)\n" in err
-        ), err
-        assert "Traceback" not in err
+    for mode, cls in (("in_process", LMCacheInProcessNode), ("server", LMCacheServerNode)):
+        assert cls.launch_problems(LMCacheConfig(mode=mode)) == [
+            f"the installed LMCache 0.5.6 (tested: 0.5.6) lacks what mode {mode} reaches: "
+            "lmcache.v1.manager:LMCacheManager has no attribute _renamed_in_the_next_release "
+            "(whether LMCache runs degraded)"
+        ]
+    monkeypatch.setattr(lmcache_internals, "REACHES", ())
+    assert LMCacheServerNode.launch_problems(LMCacheConfig()) == []
 
 
 def test_an_untested_release_is_named_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -404,18 +397,17 @@ def test_any_salt_is_a_valid_lmcache_key_and_never_written_in_the_clear(salt: st
             ObjectKey(chunk_hash=b"\x01" * 8, model_name="m", kv_rank=0, cache_salt=salt)
 
 
-def test_kvc_validate_deep_locates_a_cpu_buffer_that_does_not_fit(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_launch_problems_name_a_cpu_buffer_that_does_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(memory, "available_memory", lambda: (4 * 2**30, 16 * 2**30))
-    path = tmp_path / "p.yaml"
-    path.write_text(
-        "version: 1\nnodes:\n  lm:\n    plugin: lmcache\n"
-        "    config: {mode: in_process, max_local_cpu_size: 8}\n"
-    )
-    assert kvc("validate", "--deep", str(path)) == 2
-    out = capsys.readouterr()
+    config = LMCacheConfig(mode="in_process", max_local_cpu_size=8)
+    assert LMCacheInProcessNode.launch_problems(config) == [
+        "max_local_cpu_size 8 (8.0GiB of CPU buffer in this vLLM worker process) is more than "
+        "the 4.0GiB of memory available on this machine (16.0GiB in all); lower "
+        "max_local_cpu_size (each vLLM worker process allocates one)"
+    ]
     assert (
-        f"{path}:4:13: nodes.lm.plugin: max_local_cpu_size 8 (8.0GiB of CPU buffer in this vLLM "
-        "worker process) is more than the 4.0GiB of memory available on this machine" in out.out
-    ), out
+        LMCacheInProcessNode.launch_problems(config.model_copy(update={"max_local_cpu_size": 2}))
+        == []
+    )

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from composer import Int, PolicyName, PositiveByteSize, cache_salt_problem
+from composer import Int, PolicyName, PolicyOptions, PositiveByteSize, cache_salt_problem
 
 
 def _tenant(name: str) -> str:
@@ -106,19 +106,32 @@ class OffloadCPUConfig(BaseModel):
     eviction: Annotated[str, PolicyName("eviction")] = Field(
         default="lru",
         description=(
-            "The eviction policy: a cache policy plugin by name. Built in: "
-            '"lru": the least recently used block goes first. "arc": adaptive replacement, '
-            "as vLLM's OffloadingConnector's arc: blocks seen once and blocks seen again in "
-            "two lists, whose shares adapt to which list's evicted blocks come back (a scan "
-            "of one-off prompts does not flush blocks that are reused)."
+            "The eviction policy, which orders the blocks that may go when the tier is full: "
+            "an installed cache policy by name (kvc plugins lists them)."
+        ),
+    )
+    eviction_options: PolicyOptions = Field(
+        default_factory=dict,
+        description=(
+            "The eviction policy's options, as the policy declares them (kvc plugins lists "
+            "each policy's); validated against the policy named in eviction. The built-ins "
+            "take none."
         ),
     )
     retention: Annotated[str, PolicyName("retention")] = Field(
         default="request",
         description=(
-            "The retention policy: a cache policy plugin by name, deciding which blocks must "
-            'stay. Built in: "request": what each request\'s kv_retention asks '
+            "The retention policy, deciding which blocks must stay: an installed cache "
+            'policy by name. Built in: "request": what each request\'s kv_retention asks '
             "({ttl_s, pin, priority} in its kv_transfer_params)."
+        ),
+    )
+    retention_options: PolicyOptions = Field(
+        default_factory=dict,
+        description=(
+            "The retention policy's options, as the policy declares them; validated against "
+            "the policy named in retention. The built-in request takes none (its setting is "
+            "max_pinned_share)."
         ),
     )
     max_pinned_share: float = Field(
@@ -147,8 +160,16 @@ class OffloadCPUConfig(BaseModel):
     admission: Annotated[str, PolicyName("admission")] = Field(
         default="threshold",
         description=(
-            "The admission policy: a cache policy plugin by name, asked once per request "
+            "The admission policy: an installed cache policy by name, asked once per request "
             'how many of its blocks take room. Built in: "threshold" (store_threshold).'
+        ),
+    )
+    admission_options: PolicyOptions = Field(
+        default_factory=dict,
+        description=(
+            "The admission policy's options, as the policy declares them; validated against "
+            "the policy named in admission. The built-in threshold takes none (its setting "
+            "is store_threshold)."
         ),
     )
     checksums: bool = Field(

@@ -10,9 +10,18 @@ planned against. Which ready block goes first when the pool
 is full is the eviction policy's, a cache policy plugin the node config names
 (``eviction: lru``; :mod:`composer.policy`): the index tells it each block that
 becomes ready, is served or leaves, and takes the first unpinned block of its
-``victims()``. A pinned block is never a victim. A policy that raises is
-replaced by ``lru`` over the blocks the index holds, said once in the log: no
-block and no request is lost to it.
+``victims()``. A pinned block is never a victim. The walk of ``victims()``
+stops at the first block that may go and drops the iterator before the policy
+hears of anything, so a policy may hand out a lazy view of its own lists: an
+eviction costs what the policy's walk to that block costs, not the pool's size
+(:meth:`BlockIndex._victim`).
+
+A policy that raises (eviction, admission or retention) is switched off and
+replaced by its fallback (``lru`` over the blocks the index holds; every block
+admitted; no block kept), said once on the log in one line naming the policy,
+the method and the error (:class:`~kvc_offload_cpu.policies.PolicyHealth`): no
+block and no request is lost to it, and the tier reports the policy in force
+from then on (``lfu → lru after 1,203 evictions``).
 
 With per-tenant quotas (:class:`Quotas`, the node's ``quotas``) each block
 belongs to its request's tenant (vLLM's ``cache_salt``), each tenant's blocks
@@ -29,15 +38,12 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import structlog
-
-from composer import AdmissionPolicy, EvictionPolicy, Retention, RetentionPolicy, find_policy
-
-log = structlog.get_logger("kv_composer")
-
+from composer import EvictionPolicy, Retention, RetentionPolicy, find_policy
+from kvc_offload_cpu.policies import Admission as Admission  # (re-exported: it lived here)
+from kvc_offload_cpu.policies import PolicyHealth
 
 #: The tenants a quota does not name, together (and a request without a ``cache_salt``).
 OTHERS = "*"
@@ -96,31 +102,6 @@ class Quotas:
         return self.limit[tenant] - self.held[tenant]
 
 
-class Admission:
-    """The admission policy the node config names (``admission``), asked once per request
-    the tier would save. One that raises is replaced by admitting every block (as
-    ``store_threshold: 1``), said once in the log."""
-
-    def __init__(self, name: str, num_slots: int, config: Any = None) -> None:
-        self.policy: AdmissionPolicy | None = find_policy("admission", name)(num_slots, config)
-        #: Why the configured policy was dropped ("": it was not).
-        self.failed = ""
-
-    def admit(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys`` (a request's blocks, in order) to save, from the first."""
-        if self.policy is None:
-            return len(keys)
-        try:
-            return max(0, min(len(keys), int(self.policy.admit(keys))))
-        except Exception as exc:
-            name = type(self.policy).__name__
-            self.failed = f"{name}.admit raised {type(exc).__name__}: {exc}"
-            log.error("cache policy failed; the tier admits every block", policy=name,
-                      hook="admit", error=repr(exc))
-            self.policy = None
-            return len(keys)
-
-
 class BlockIndex:
     """Maps block keys to slots of a pool of ``num_slots`` blocks."""
 
@@ -164,8 +145,15 @@ class BlockIndex:
         self.clock = clock
         #: Whether the retention policy is asked (one ``asked_only`` is, once a request asked).
         self.consulted = self.retention is not None and not self.retention.asked_only
-        #: Why a configured policy was replaced ("": none was).
-        self.policy_failed = ""
+        #: The policies as configured and as in force (the tier's admission policy too).
+        self.health = PolicyHealth(lambda: self.evictions)
+        self.health.configured["eviction"] = (
+            eviction if isinstance(eviction, str) else type(eviction).__name__
+        )
+        if self.retention is not None:
+            self.health.configured["retention"] = (
+                retention if isinstance(retention, str) else type(self.retention).__name__
+            )
         #: Free slots, lowest first (consecutive saves get consecutive slots).
         self._free: list[int] = list(range(num_slots))
         self._gen: list[int] = [0] * num_slots
@@ -183,6 +171,14 @@ class BlockIndex:
     def policy(self) -> EvictionPolicy:
         """The eviction policy of the tenants no quota names (of every block, without quotas)."""
         return self.policies[OTHERS]
+
+    @property
+    def policy_failed(self) -> str:
+        """Why configured policies were switched off ("": none was), e.g.
+        ``Lfu.removed raised RuntimeError: boom``."""
+        return "; ".join(
+            f.reason for kind, f in self.health.fallbacks.items() if kind != "admission"
+        )
 
     # -- queries ------------------------------------------------------------ #
 
@@ -356,31 +352,67 @@ class BlockIndex:
     def _victim(self, tenant: str) -> Entry | None:
         """``tenant``'s eviction policy's first block not in use and not kept by the
         retention policy; when every one is kept, the one retention yields (None:
-        none)."""
-        kept: list[Entry] = []
+        none).
+
+        The contract with the policy: its ``victims()`` is walked only up to the
+        block returned, and the iterator is dropped before the policy hears of
+        anything (``removed``, ``added``, ``passed_over`` come after), so a policy may
+        yield lazily from its own ordered dicts (``arc`` does; ``lru`` returns one's
+        iterator). What an eviction costs is then the blocks walked:
+
+        * blocks a load is reading: skipped where they are; a load touches its
+          blocks, so they are at the back of a recency order;
+        * blocks the retention policy keeps (pins, TTLs): passed over, then told to
+          the policy (``passed_over``): ``lru`` and ``arc`` move them to the back of
+          their order, so the next eviction does not walk them again. With K of the
+          N blocks kept, an eviction walks about K/(N-K) of them, not K. (A policy
+          that leaves ``passed_over`` to the spec's default walks them every time.)
+          A kept block so stays at least as long as asked; once its keep is over,
+          it goes in the policy's order as a block last used when last passed over;
+        * when every block is kept, all of them, and the retention policy chooses
+          (``yields``): O(blocks kept) an eviction, as long as that lasts.
+        """
+        passed: list[Entry] = []
         consulted = self.consulted
         now = self.clock() if consulted else 0.0
         entries = self._entries
+        victim: Entry | None = None
         try:
             for block in self.policies[tenant].victims():
                 entry = entries.get(block.key)
                 if entry is not block or not entry.ready or entry.pins:
                     continue
                 if consulted and self._kept(entry, now):
-                    kept.append(entry)
+                    passed.append(entry)
                     continue
-                return entry
+                victim = entry
+                break
         except Exception as exc:
             self._policy_failed("victims", exc)
             return self._victim(tenant)
-        if not kept or self.retention is None:
+        if victim is not None:
+            self._pass_over(tenant, passed)
+            return victim
+        if not passed or self.retention is None:
             return None
         try:
-            chosen = self.retention.yields(kept, now)
+            chosen = self.retention.yields(passed, now)
         except Exception as exc:
-            self._policy_failed("retention", exc)
-            return kept[0]
-        return next((e for e in kept if e is chosen), None)
+            self._retention_failed("yields", exc)
+            return passed[0]
+        return next((e for e in passed if e is chosen), None)
+
+    def _pass_over(self, tenant: str, kept: list[Entry]) -> None:
+        """The blocks of ``tenant`` an eviction passed over because they are kept, told to
+        its eviction policy (``passed_over``: out of the next eviction's way, see
+        :meth:`_victim`)."""
+        policy = self.policies[tenant]
+        for entry in kept:
+            try:
+                policy.passed_over(entry)
+            except Exception as exc:
+                self._policy_failed("passed_over", exc)
+                return
 
     def _kept(self, entry: Entry, now: float) -> bool:
         if self.retention is None:
@@ -388,7 +420,7 @@ class BlockIndex:
         try:
             return bool(self.retention.kept(entry, now))
         except Exception as exc:
-            self._policy_failed("retention", exc)
+            self._retention_failed("kept", exc)
             return False
 
     def retain(self, entry: Entry, retention: Retention) -> bool:
@@ -400,7 +432,7 @@ class BlockIndex:
         try:
             return bool(self.retention.requested(entry, retention, self.clock()))
         except Exception as exc:
-            self._policy_failed("retention", exc)
+            self._retention_failed("requested", exc)
             return False
 
     def _left_policy(self, entry: Entry, evicted: bool) -> None:
@@ -408,7 +440,7 @@ class BlockIndex:
             try:
                 self.retention.removed(entry)
             except Exception as exc:
-                self._policy_failed("retention", exc)
+                self._retention_failed("removed", exc)
         if not entry.ready:
             return  # never added: a save still in flight
         try:
@@ -416,28 +448,20 @@ class BlockIndex:
         except Exception as exc:
             self._policy_failed("removed", exc)
 
+    def _retention_failed(self, hook: str, exc: BaseException) -> None:
+        """The retention policy raised in ``hook``: none from now on (no block kept)."""
+        policy, self.retention = self.retention, None
+        self.consulted = False
+        self.health.failed("retention", policy, hook, exc)
+
     def _policy_failed(self, hook: str, exc: BaseException) -> None:
-        """A retention policy that raised: none from now on. An eviction policy: lru
-        from now on, over the ready blocks still indexed. Said once each."""
-        if hook == "retention":
-            name = type(self.retention).__name__
-            self.policy_failed = f"{name} raised {type(exc).__name__}: {exc}"
-            log.error("cache policy failed; the tier keeps no block for requests",
-                      policy=name, error=repr(exc))
-            self.retention = None
-            self.consulted = False
-            return
-        name = type(self.policy).__name__
-        self.policy_failed = f"{name}.{hook} raised {type(exc).__name__}: {exc}"
-        log.error(
-            "cache policy failed; the tier goes on with lru",
-            policy=name,
-            hook=hook,
-            error=repr(exc),
-        )
+        """An eviction policy raised in ``hook``: lru from now on, for every tenant, over
+        the ready blocks still indexed."""
+        failed = self.policy
         self.eviction = "lru"
         for tenant, old in self.policies.items():
             self.policies[tenant] = self._new_policy("lru", old.slots)
         for entry in self._entries.values():
             if entry.ready:
                 self.policies[entry.tenant].added(entry)
+        self.health.failed("eviction", failed, hook, exc)

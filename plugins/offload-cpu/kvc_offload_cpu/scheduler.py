@@ -25,10 +25,11 @@ from typing import Any
 from composer import NULL_BLOCK, NodeContext, Plugin, Retention, hookimpl
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.events import TierEvents, vllm_events_enabled
-from kvc_offload_cpu.index import Admission, BlockIndex, Entry
+from kvc_offload_cpu.index import BlockIndex, Entry
 from kvc_offload_cpu.keys import RequestKeys
 from kvc_offload_cpu.layout import GroupLayout, layout_from_kv_cache_config
 from kvc_offload_cpu.metadata import OffloadMetadata, OffloadWorkerMeta, SlotGen, Transfer
+from kvc_offload_cpu.policies import Admission, PolicyFallback
 
 
 class _Req:
@@ -100,7 +101,11 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         self.index = BlockIndex(
             self.num_slots, config.eviction, config, config.retention, quotas=config.quotas
         )
-        self.admission = Admission(config.admission, self.num_slots, config)
+        self.admission = Admission(config.admission, self.num_slots, config, self.index.health)
+        # The policies in force on the node's stats (and /metrics) from the start; a
+        # policy that raises is switched off and said there (_policy_switched).
+        self.index.health.on_fallback = self._policy_switched
+        stats.policies.update(self.index.health.in_force())
         self.bundles = layout.bundles
         largest = self.bundles.largest
         self.disabled_reason: str | None = None
@@ -142,7 +147,14 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
             groups=",".join(layout.group_kinds),
             vllm_hashes=self.hash_ratio is not None,
             kv_events=self.events is not None,
+            policies=", ".join(f"{k} {v}" for k, v in self.index.health.in_force().items()),
         )
+
+    def _policy_switched(self, fallback: PolicyFallback) -> None:
+        """A cache policy raised and was switched off (the index logged it): counted
+        (``policy_fallbacks``), and the policy in force reported on the node's stats."""
+        self.stats.extra.add("policy_fallbacks")
+        self.stats.policies[fallback.kind] = fallback.in_force
 
     def _make_events(self, ctx: NodeContext) -> TierEvents | None:
         """The tier's KV cache events, when asked for and vLLM publishes them."""

@@ -23,18 +23,24 @@ only the blocks :meth:`GroupLayout.needed
 <kvc_offload_cpu.layout.GroupLayout.needed>` gives for the retained hit
 points, and a hit is the longest prefix every group can serve.
 A mamba group turns the node off, as the real one turns itself off.
+
+A policy that raises is switched off as in the tier (:class:`PolicyHealth
+<kvc_offload_cpu.policies.PolicyHealth>`): ``policies`` and ``policy_fallbacks`` say
+so, and ``kvc simulate`` reports it beside the node's figures.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import BaseModel
 
 from composer import SimKVGroup, SimRequest
 from kvc_offload_cpu.config import OffloadCPUConfig
-from kvc_offload_cpu.index import Admission, BlockIndex, Entry
+from kvc_offload_cpu.index import BlockIndex, Entry
 from kvc_offload_cpu.layout import SERVED_KINDS, GroupLayout, bundles
+from kvc_offload_cpu.policies import Admission
 
 
 class OffloadCPUModel:
@@ -60,7 +66,9 @@ class OffloadCPUModel:
             clock=lambda: self.request.now,
             quotas=config.quotas,
         )
-        self.admission = Admission(config.admission, self.capacity_blocks, config)
+        self.admission = Admission(
+            config.admission, self.capacity_blocks, config, self.index.health
+        )
         groups = tuple(groups) or (SimKVGroup("attention", bytes_per_block),)
         self.layouts = tuple(GroupLayout(g.kind, block_size, g.window) for g in groups)
         self.group_bytes = tuple(g.block_bytes for g in groups)
@@ -89,6 +97,17 @@ class OffloadCPUModel:
     @property
     def evictions(self) -> int:
         return self.index.evictions
+
+    @property
+    def policies(self) -> dict[str, str]:
+        """Each kind's cache policy in force (``lfu → lru after 1,203 evictions`` once one
+        raised: the figures from then on are its fallback's)."""
+        return self.index.health.in_force()
+
+    @property
+    def policy_fallbacks(self) -> list[dict[str, Any]]:
+        """Each policy switched off because it raised (:class:`PolicyFallback`'s fields)."""
+        return [f.as_dict() for f in self.index.health.fallbacks.values()]
 
     @property
     def window_saving(self) -> float | None:
