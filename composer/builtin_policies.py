@@ -97,12 +97,10 @@ class Arc(EvictionPolicy):
             self.t2.move_to_end(key)
 
     def passed_over(self, block: Block) -> None:
-        # To the back of its own list: being kept is no second use (no move to t2).
-        key = block.key
-        for lst in (self.t1, self.t2):
-            if key in lst:
-                lst.move_to_end(key)
-                return
+        # As a use: to t2's back. Kept where it was, a block in the list walked first
+        # would be walked again at every eviction (t1 all kept: O(t1) each); and a
+        # block the requests ask the tier to keep is one they use again.
+        self.touched(block)
 
     def victims(self) -> Iterator[Block]:
         """The list over its target first, then the other, each oldest first.
