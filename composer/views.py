@@ -13,15 +13,18 @@ from composer.controls import Controls, controls_of
 
 
 class RequestView:
-    """A request as the scheduler sees it. Attributes read through to vLLM lazily."""
+    """A request as the scheduler sees it. Attributes read through to vLLM lazily; its
+    tier controls are parsed once. Inside the chain a request has one view, from
+    vLLM's first call about it to its end (:class:`RequestViews`)."""
 
-    __slots__ = ("raw", "loads")
+    __slots__ = ("raw", "loads", "_controls")
 
     def __init__(self, raw: Any, loads: tuple[tuple[str, int, int], ...] = ()) -> None:
         self.raw = raw
-        #: In ``update_state_after_alloc``: the request's load, as (node id, start
+        #: From ``update_state_after_alloc`` on: the request's load, as (node id, start
         #: token, tokens) per range, in order; empty when nothing is loaded.
         self.loads = loads
+        self._controls: Controls | None = None
 
     @property
     def request_id(self) -> str:
@@ -62,8 +65,10 @@ class RequestView:
     @property
     def controls(self) -> Controls:
         """The request's tier controls (``kv_load_tiers``, ``kv_store_tiers``,
-        ``max_offload_tokens``; see :mod:`composer.controls`)."""
-        return controls_of(self.kv_transfer_params)
+        ``max_offload_tokens``; see :mod:`composer.controls`), parsed at the first read."""
+        if self._controls is None:
+            self._controls = controls_of(self.kv_transfer_params)
+        return self._controls
 
     def store_limit(self, node_id: str) -> int | None:
         """How many of the request's first tokens node ``node_id`` may save; None: all."""
@@ -71,6 +76,29 @@ class RequestView:
 
     def __repr__(self) -> str:
         return f"RequestView({self.request_id!r}, {self.num_tokens} tokens)"
+
+
+class RequestViews:
+    """One :class:`RequestView` per request: made when vLLM first shows the request to the
+    chain, dropped when it finishes (``drop``)."""
+
+    __slots__ = ("_views",)
+
+    def __init__(self) -> None:
+        self._views: dict[str, RequestView] = {}
+
+    def of(self, request: Any) -> RequestView:
+        """The request's view (a new one for a request object the chain has not seen)."""
+        view = self._views.get(request.request_id)
+        if view is None or view.raw is not request:
+            view = self._views[request.request_id] = RequestView(request)
+        return view
+
+    def drop(self, request_id: str) -> None:
+        self._views.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._views)
 
 
 class ScheduledRequest:

@@ -101,9 +101,30 @@ class Wrapping(Plugin):
         return (yield)
 
 
+class Viewer(Plugin):
+    """Keeps the request views it is handed, and reads their controls."""
+
+    seen: list[tuple[str, Any]] = []
+
+    @hookimpl
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        self.seen.append(("lookup", request))
+        return 8, False
+
+    @hookimpl
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        self.seen.append(("alloc", request))
+
+    @hookimpl
+    def request_finished(self, request: Any, block_ids: list[int]) -> Any:
+        self.seen.append(("finished", request))
+        return False, None
+
+
 @hookimpl
 def register_plugin_types(register: Any) -> None:
     register(PluginType(name="tier", node=Tier, config=FakeConfig))
+    register(PluginType(name="viewer", node=Viewer))
     register(PluginType(name="saver", node=Saver, config=FakeConfig))
     register(
         PluginType(
@@ -533,3 +554,31 @@ def test_with_hma_a_node_with_only_request_finished_still_holds_blocks(groups: A
     sched = SchedulerChain(resolved, kv_cache_config=HYBRID_KV_CACHE_CONFIG)
     hold, _ = sched.request_finished_all_groups(request(), groups)
     assert hold and ("a", "request_finished", None) in CALLS
+
+
+def test_a_request_has_one_view_from_its_first_call_to_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Made when vLLM first shows the request, its controls parsed once, dropped at its end."""
+    import composer.views
+
+    parsed: list[Any] = []
+    real = composer.views.controls_of
+    monkeypatch.setattr(composer.views, "controls_of", lambda p: parsed.append(p) or real(p))
+    Viewer.seen = []
+    c = chain({"a": {"plugin": "viewer"}, "b": {"plugin": "tier", "config": {"hit": 0}}})
+    r = request()
+    r.kv_transfer_params = {"kv_load_tiers": ["a"]}
+    assert c.get_num_new_matched_tokens(r, 0) == (8, False)
+    assert c.get_num_new_matched_tokens(r, 0) == (8, False)  # vLLM may ask again
+    c.update_state_after_alloc(r, Blocks(), 8)
+    r.status = "finished"
+    c.request_finished(r, [1, 2])
+    views = {id(view) for _, view in Viewer.seen}
+    assert [hook for hook, _ in Viewer.seen] == ["lookup", "lookup", "alloc", "finished"]
+    assert len(views) == 1 and Viewer.seen[0][1].raw is r
+    assert Viewer.seen[-1][1].loads == (("a", 0, 8),)
+    assert len(parsed) == 1  # the controls, once
+    assert len(c.views) == 0  # dropped at its end
+    c.get_num_new_matched_tokens(r, 0)  # (a request object seen again: a new view)
+    assert id(Viewer.seen[-1][1]) not in views

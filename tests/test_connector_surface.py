@@ -204,10 +204,6 @@ KWARGS = {"request_ids": ["r1"], "num_tokens": 7}
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_keyword_arguments_reach_every_native_node(registered: None, nodes: int) -> None:
     connector = composed([child(RecordingConnector) for _ in range(nodes)])
-    # One code path: the per-layer and per-step hooks vLLM calls are the chain's
-    # own methods (the class's methods, which an editor follows, call the same).
-    for name in ("save_kv_layer", "wait_for_layer_load", "start_load_kv"):
-        assert getattr(connector, name) == getattr(connector.chain, name)
 
     def call(name: str) -> Any:
         return getattr(connector, name)
@@ -246,7 +242,7 @@ def test_the_kwargs_column_is_vllms() -> None:
     assert takes == set(hooks_where(passes_kwargs=True))
 
 
-SHADOWED = [
+PER_LAYER_AND_STEP = [
     name
     for name in hooks_where(every=Every.LAYER) + hooks_where(every=Every.STEP)
     if name in ComposedConnector.__dict__ and name != "get_finished"
@@ -254,7 +250,7 @@ SHADOWED = [
 
 
 class _Recorder:
-    """A chain that records the one call it gets."""
+    """A chain that records the one call it gets (both halves' attributes at once)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
@@ -267,21 +263,29 @@ class _Recorder:
         return record
 
 
-@pytest.mark.parametrize("name", SHADOWED)
-def test_the_methods_an_editor_follows_are_the_chains(registered: None, name: str) -> None:
-    # vLLM calls the chain's method itself (bound over the class's); the class's
-    # method, which an editor follows, must do exactly the same.
-    # (Built in the process that calls the hook: its chain has the hook.)
+def _recording(connector: ComposedConnector) -> _Recorder:
+    """The connector's half of the chain (and the chain) replaced by a :class:`_Recorder`."""
+    recorder = _Recorder()
+    connector.chain = connector.scheduler = connector.worker = recorder  # type: ignore[assignment]
+    return recorder
+
+
+@pytest.mark.parametrize("name", PER_LAYER_AND_STEP)
+def test_the_methods_an_editor_follows_are_the_ones_vllm_calls(
+    registered: None, name: str
+) -> None:
+    # Per layer and per step, vLLM calls the class's method (nothing is bound over it
+    # at run time), which calls its half's method of the same name, kwargs included.
+    # (Built in the process that calls the hook: its half has the hook.)
     scheduler = HOOKS[name].process == "scheduler"
     role = KVConnectorRole.SCHEDULER if scheduler else KVConnectorRole.WORKER
     connector = composed([child(RecordingConnector)], role)
-    assert getattr(connector, name) == getattr(connector.chain, name)
+    assert name not in vars(connector)
     method = getattr(ComposedConnector, name)
     params = list(inspect.signature(method).parameters.values())[1:]
     args = tuple(f"arg-{p.name}" for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
     kwargs = KWARGS if HOOKS[name].passes_kwargs else {}
-    recorder = _Recorder()
-    connector.chain = recorder  # type: ignore[assignment]
+    recorder = _recording(connector)
     answer = method(connector, *args, **kwargs)
     assert recorder.calls == [(name, args, kwargs)]
     returns = inspect.signature(getattr(NodeSpec, name)).return_annotation not in (None, "None")
@@ -353,8 +357,7 @@ def test_each_hook_reaches_the_chains_method_of_its_name(registered: None, name:
     method = getattr(ComposedConnector, name)
     params = list(inspect.signature(method).parameters.values())[1:]
     args = tuple(f"arg-{p.name}" for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
-    recorder = _Recorder()
-    connector.chain = recorder  # type: ignore[assignment]
+    recorder = _recording(connector)
     method(connector, *args)
     assert [c[0] for c in recorder.calls] == [name]
     assert recorder.calls[0][1] == args

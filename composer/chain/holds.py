@@ -14,7 +14,7 @@ from composer.chain.core import ChainCore
 from composer.chain.loads import LoadPlanner, PlannedLoad
 from composer.chain.metadata import TransferParamsClash
 from composer.pipeline import ResolvedNode
-from composer.views import RequestView
+from composer.views import RequestViews
 
 #: What a request_finished call that raised stands for.
 FAULTED = object()
@@ -28,6 +28,7 @@ class BlockHolder:
 
     def __init__(self, core: ChainCore, planner: LoadPlanner) -> None:
         self.core, self.planner = core, planner
+        self.views = planner.views
         self.pipeline = core.pipeline
         #: Request -> the nodes holding its blocks: sent with the next step's metadata.
         self.new_holds: dict[str, tuple[str, ...]] = {}
@@ -35,7 +36,7 @@ class BlockHolder:
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        view = RequestView(request)
+        view = self.views.of(request)
         results = self.core.results("request_finished", view, block_ids, default=FAULTED)
         return self._finish(request, results)
 
@@ -47,7 +48,7 @@ class BlockHolder:
                 "HMA with several KV cache groups needs every node to support it"
             )
             return self.request_finished(request, block_ids[0])
-        view = RequestView(request)
+        view = self.views.of(request)
         results: list[tuple[str, Any]] = []
         all_groups = dict(self.core.calls["request_finished_all_groups"])
         one_group = dict(self.core.calls["request_finished"])
@@ -79,6 +80,7 @@ class BlockHolder:
         self, request: Any, results: Iterable[tuple[str, Any]]
     ) -> tuple[bool, dict[str, Any] | None]:
         holders, params = hold_and_params(results)
+        self.views.drop(request.request_id)
         if holders:
             self.new_holds[request.request_id] = tuple(holders)
         loads, refused = self.planner.finished(request.request_id)
@@ -125,7 +127,7 @@ class BlockHolder:
             stats.extra.add("tokens_load_failed", load.tokens - delivered)
 
     def register_finished_partial_tail(self, request: Any, block_ids: Any, offloads: Any) -> bool:
-        view = RequestView(request)
+        view = self.views.of(request)
         results = self.core.results(
             "register_finished_partial_tail", view, block_ids, offloads, default=False
         )

@@ -24,7 +24,7 @@ from typing import Any
 from composer.chain.core import ChainCore
 from composer.controls import unknown_names
 from composer.kv_caches import NULL_BLOCK
-from composer.views import RequestView
+from composer.views import RequestView, RequestViews
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,9 @@ class LoadPlanner:
     """The scheduler's lookups and loads (the hooks asked per request before it runs),
     calling the nodes through the chain's core."""
 
-    def __init__(self, core: ChainCore, block_size: int) -> None:
+    def __init__(self, core: ChainCore, block_size: int, views: RequestViews) -> None:
         self.core = core
+        self.views = views
         self.pipeline = core.pipeline
         self.block_size = block_size
         #: Request -> its load's ranges, in order (:class:`Range`: one per node serving it).
@@ -114,7 +115,7 @@ class LoadPlanner:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        view = RequestView(request)
+        view = self.views.of(request)
         if self.pipeline.load_policy == "ranges":
             plan = self._plan_ranges(view, num_computed_tokens)
         else:
@@ -213,10 +214,11 @@ class LoadPlanner:
         return plan[0].node if plan else None
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        view = RequestView(request)
+        view = self.views.of(request)
         rid = view.request_id
         block_ids = blocks.get_block_ids() if blocks is not None else ()
         tokens: dict[str, int] = {}
+        view.loads = ()  # (vLLM allocates again after a preemption: this load only)
         if num_external_tokens > 0 and rid in self.chosen:
             tokens = self._plan_loads(rid, block_ids, num_external_tokens)
             view.loads = tuple((x.node, x.computed, x.tokens) for x in self.served[rid])
@@ -297,7 +299,7 @@ class LoadPlanner:
                 continue
             own = (r.tokens, *args[1:]) if args and len(plan) > 1 else args
             try:
-                answer = fn(RequestView(request), *own)
+                answer = fn(self.views.of(request), *own)
             except Exception as exc:
                 self.core.fault(r.node, hook, exc)
                 continue

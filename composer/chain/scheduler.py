@@ -17,7 +17,7 @@ from composer.chain.metadata import ChainMetadata
 from composer.chain.reports import owned_events
 from composer.pipeline import ResolvedPipeline
 from composer.plugin_types import VllmProcess
-from composer.views import RequestView, StepView
+from composer.views import RequestViews, StepView
 
 
 class SchedulerChain(ChainCore):
@@ -50,7 +50,9 @@ class SchedulerChain(ChainCore):
             kv_cache_config=kv_cache_config,
             stats_type=stats_type,
         )
-        self.planner = LoadPlanner(self, block_size(kv_cache_config))
+        #: Each request's one view, from vLLM's first call about it to its end.
+        self.views = RequestViews()
+        self.planner = LoadPlanner(self, block_size(kv_cache_config), self.views)
         self.holder = BlockHolder(self, self.planner)
 
     def _bind(self) -> None:
@@ -237,7 +239,7 @@ class SchedulerChain(ChainCore):
     # -- per request: its load (the planner), its blocks once finished (the holder) -- #
 
     def on_new_request(self, request: Any) -> None:
-        self.call_each("on_new_request", RequestView(request))
+        self.call_each("on_new_request", self.views.of(request))
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

@@ -30,8 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from composer.chain import ChainMetadata, ChainWorkerMetadata, chain_for
-from composer.hookspecs import Every, hooks_where
+from composer.chain import (
+    ChainMetadata,
+    ChainWorkerMetadata,
+    SchedulerChain,
+    WorkerChain,
+    chain_for,
+)
 from composer.vllm.canonical import build, refuse_moves
 from composer.vllm.handoff import loaded_model
 from composer.vllm.metrics import (
@@ -79,7 +84,20 @@ class ComposedWorkerMetadata(ChainWorkerMetadata, KVConnectorWorkerMetadata):  #
 
 
 class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
-    """One vLLM KV connector running a KV Composer pipeline."""
+    """One vLLM KV connector running a KV Composer pipeline.
+
+    As vLLM's own connectors hold a ``connector_scheduler`` or a
+    ``connector_worker``, it holds its process's half of the chain, typed:
+    ``self.scheduler`` (a :class:`~composer.chain.SchedulerChain`) in the scheduler
+    process, ``self.worker`` (a :class:`~composer.chain.WorkerChain`) in a worker;
+    ``self.chain`` is whichever it is. Each method below calls the half's method of
+    the same name, which calls the nodes: vLLM -> this -> the half -> the node.
+    """
+
+    #: The scheduler process's half (never set in a worker).
+    scheduler: SchedulerChain
+    #: A worker process's half (never set in the scheduler).
+    worker: WorkerChain
 
     def __init__(
         self,
@@ -93,7 +111,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.pipeline = engine_pipeline(vllm_config, kv_cache_config)
         process = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         stats_type = _StatsType()
-        self.chain: Any = chain_for(
+        self.chain: SchedulerChain | WorkerChain = chain_for(
             self.pipeline,
             process,  # type: ignore[arg-type]
             vllm_config=vllm_config,
@@ -112,7 +130,10 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             for node_id, node in self.chain.nodes.items()
             if isinstance(node, NativeConnectorNode)
         }
-        self._call_the_chain_directly()
+        if isinstance(self.chain, SchedulerChain):
+            self.scheduler = self.chain
+        else:
+            self.worker = self.chain
         self._model_delivered = False
         #: vLLM's KV caches as registered (sleep mode restores the views from them).
         self._kv_caches: dict[str, torch.Tensor] | None = None
@@ -129,18 +150,6 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         )
         if process == "worker":
             self._deliver_model()
-
-    def _call_the_chain_directly(self) -> None:
-        """vLLM's per-layer and per-step calls go straight to the chain's methods.
-
-        The methods of the same name below, which an editor follows, call the
-        same; a call of ours in between would show on the hot path (``make bench``:
-        composed vs MultiConnector). The chain's methods read its current call
-        lists, so a node switched off is gone from the next call.
-        """
-        for name in hooks_where(every=Every.LAYER) + hooks_where(every=Every.STEP):
-            if hasattr(self.chain, name):  # (the other process's hooks: not in this chain)
-                setattr(self, name, getattr(self.chain, name))
 
     # ------------------------------------------------------------------ #
     # properties
@@ -190,7 +199,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         if model is None and args and hasattr(args[0], "model"):
             model = args[0].model
         self._model_delivered = True
-        self.chain.initialize_worker_connector(model, self._vllm_config, self._kv_cache_config)
+        self.worker.initialize_worker_connector(model, self._vllm_config, self._kv_cache_config)
 
     def _deliver_model(self) -> None:
         # vLLM 0.32.0 has no hook that hands connectors the model: our
@@ -203,10 +212,10 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         if model is None:
             log.warning("model hand-off: no model recorded in this worker process")
         self._model_delivered = True
-        self.chain.initialize_worker_connector(model, self._vllm_config, self._kv_cache_config)
+        self.worker.initialize_worker_connector(model, self._vllm_config, self._kv_cache_config)
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:
-        return cast("AbstractContextManager | None", self.chain.get_mem_pool_context())
+        return cast("AbstractContextManager | None", self.worker.get_mem_pool_context())
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
 
@@ -221,7 +230,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._kv_caches = kv_caches
         with refuse_moves(kv_caches):
-            self.chain.register_kv_caches(canonical, kv_caches)
+            self.worker.register_kv_caches(canonical, kv_caches)
 
     # ------------------------------------------------------------------ #
     # worker: sleep mode (vLLM 0.33 and later call these)
@@ -234,7 +243,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             return
         self._asleep = True
         self.canonical_kv_caches = None
-        self.chain.unregister_kv_caches()
+        self.worker.unregister_kv_caches()
 
     def restore_kv_caches(self) -> None:
         """After vLLM wakes up with its KV cache: the same tensors, remapped in place."""
@@ -242,69 +251,77 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
             return
 
         self.canonical_kv_caches = build(self._kv_caches, self._kv_cache_config)
-        self.chain.restore_kv_caches(self.canonical_kv_caches, self._kv_caches)
+        self.worker.restore_kv_caches(self.canonical_kv_caches, self._kv_caches)
         self._asleep = False
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
-        self.chain.set_host_xfer_buffer_ops(copy_operation)
+        self.worker.set_host_xfer_buffer_ops(copy_operation)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self.chain.get_handshake_metadata()
+        return self.worker.get_handshake_metadata()
 
     # ------------------------------------------------------------------ #
     # worker: per step
     # ------------------------------------------------------------------ #
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.chain.wait_for_layer_load(layer_name)
+        self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        self.chain.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        if kwargs:  # (a call with **{} costs on every layer: vLLM 0.32 passes none)
+            self.worker.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        else:
+            self.worker.save_kv_layer(layer_name, kv_layer, attn_metadata)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        self.chain.handle_preemptions(kv_connector_metadata)
+        metadata: Any = kv_connector_metadata  # (ours: ComposedMetadata; no cast call per step)
+        self.worker.handle_preemptions(metadata)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        self.chain.bind_connector_metadata(connector_metadata)
+        metadata: Any = connector_metadata  # (ours: ComposedMetadata; no cast call per step)
+        self.worker.bind_connector_metadata(metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.chain.start_load_kv(forward_context, **kwargs)
+        if kwargs:
+            self.worker.start_load_kv(forward_context, **kwargs)
+        else:
+            self.worker.start_load_kv(forward_context)
 
     def wait_for_save(self) -> None:
-        self.chain.wait_for_save()
+        self.worker.wait_for_save()
 
     def finish_forward(self) -> None:
-        self.chain.finish_forward()
+        self.worker.finish_forward()
 
     def clear_connector_metadata(self) -> None:
-        self.chain.clear_connector_metadata()
+        self.worker.clear_connector_metadata()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return cast(KVConnectorTransferResults, self.chain.get_transfer_results(finished_req_ids))
+        return cast(KVConnectorTransferResults, self.worker.get_transfer_results(finished_req_ids))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.chain.get_block_ids_with_load_errors()
+        return self.worker.get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return cast("KVConnectorWorkerMetadata | None", self.chain.build_connector_worker_meta())
+        return cast("KVConnectorWorkerMetadata | None", self.worker.build_connector_worker_meta())
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return cast("KVConnectorStats | None", self.chain.get_kv_connector_stats())
 
     def get_kv_connector_kv_cache_events(self) -> Any:
-        return self.chain.get_kv_connector_kv_cache_events()
+        return self.worker.get_kv_connector_kv_cache_events()
 
     def has_connector_metadata(self) -> bool:
         # vLLM asks this per layer; the chain holds the step's metadata.
-        return self.chain.metadata is not None
+        return self.worker.metadata is not None
 
     def reset_capture_state(self) -> None:
-        self.chain.reset_capture_state()
+        self.worker.reset_capture_state()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.chain.get_finished(finished_req_ids)
+        return self.worker.get_finished(finished_req_ids)
 
     def shutdown(self) -> None:
         self.chain.shutdown()
@@ -315,28 +332,28 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
-        self.chain.bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler.bind_kv_cache_manager(kv_cache_manager)
         self.bind_gpu_block_pool(kv_cache_manager.block_pool)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
-        self.chain.bind_gpu_block_pool(gpu_block_pool)
+        self.scheduler.bind_gpu_block_pool(gpu_block_pool)
 
     def on_new_request(self, request: Request) -> None:
-        self.chain.on_new_request(request)
+        self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.chain.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        groups = self.chain.get_loaded_kv_cache_group_ids(request)
+        groups = self.scheduler.get_loaded_kv_cache_group_ids(request)
         return groups if groups is not None else super().get_loaded_kv_cache_group_ids(request)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
-        sources = self.chain.get_external_cache_hit_sources(request, num_external_tokens)
+        sources = self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
         if sources is not None:
             return sources
         return super().get_external_cache_hit_sources(request, num_external_tokens)
@@ -344,32 +361,32 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.chain.update_state_after_alloc(request, blocks, num_external_tokens)
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return cast(KVConnectorMetadata, self.chain.build_connector_meta(scheduler_output))
+        return cast(KVConnectorMetadata, self.scheduler.build_connector_meta(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self.chain.update_connector_output(connector_output)
+        self.scheduler.update_connector_output(connector_output)
 
     def take_events(self) -> Iterable[Any]:
-        return self.chain.take_events()
+        return self.scheduler.take_events()
 
     def has_pending_block_frees(self) -> bool:
-        return self.chain.has_pending_block_frees()
+        return self.scheduler.has_pending_block_frees()
 
     def has_pending_push_work(self) -> bool:
-        return self.chain.has_pending_push_work()
+        return self.scheduler.has_pending_push_work()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.chain.request_finished(request, block_ids)
+        return self.scheduler.request_finished(request, block_ids)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.chain.request_finished_all_groups(request, block_ids)
+        return self.scheduler.request_finished_all_groups(request, block_ids)
 
     def register_finished_partial_tail(
         self,
@@ -377,20 +394,20 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         block_ids: tuple[list[int], ...],
         partial_tail_offloads: list[tuple[int, int, int]],
     ) -> bool:
-        return self.chain.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
+        return self.scheduler.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
 
     def get_finished_count(self) -> int | None:
-        return self.chain.get_finished_count()
+        return self.scheduler.get_finished_count()
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
-        self.chain.set_xfer_handshake_metadata(metadata)
+        self.scheduler.set_xfer_handshake_metadata(metadata)
 
     def set_xfer_handshake_metadata_pp_aware(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
-        self.chain.set_xfer_handshake_metadata_pp_aware(metadata)
+        self.scheduler.set_xfer_handshake_metadata_pp_aware(metadata)
 
     def reset_cache(self) -> bool | None:
         return self.chain.reset_cache()
