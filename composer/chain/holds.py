@@ -14,7 +14,6 @@ from composer.chain.core import ChainCore
 from composer.chain.loads import LoadPlanner, PlannedLoad
 from composer.chain.metadata import TransferParamsClash
 from composer.pipeline import ResolvedNode
-from composer.views import RequestViews
 
 #: What a request_finished call that raised stands for.
 FAULTED = object()

@@ -394,7 +394,9 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         block_ids: tuple[list[int], ...],
         partial_tail_offloads: list[tuple[int, int, int]],
     ) -> bool:
-        return self.scheduler.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
+        return self.scheduler.register_finished_partial_tail(
+            request, block_ids, partial_tail_offloads
+        )
 
     def get_finished_count(self) -> int | None:
         return self.scheduler.get_finished_count()
