@@ -688,16 +688,11 @@ def hooks_where(**row: Any) -> tuple[str, ...]:
 
 
 #: Each hook's combine rule (``tests/test_combine.py`` checks the chain against it).
-COMBINE: dict[str, Combine] = {name: h.combine for name, h in HOOKS.items()}
-LOAD_HOOKS = frozenset(hooks_where(recompute=Recompute.BLOCKS_RECOMPUTED))
-#: Under ``recompute`` a failure here costs only that call's effect: the node stays on.
-RECOVERABLE_HOOKS = frozenset(n for n, h in HOOKS.items() if h.recompute != Recompute.SWITCH_OFF)
-#: A node's ``Unavailable`` here is an outage, not a fault (its ``away`` says what it costs).
-AWAY_HOOKS = frozenset(n for n, h in HOOKS.items() if h.away != Away.FAULT)
 #: A node's lookup, load and save of a step (``request_finished`` and the
-#: per-layer hooks need not touch the store, so they end no outage).
+#: per-layer hooks need not touch the store, so they end no outage). Each is a hook
+#: whose ``Unavailable`` is an outage, not a fault.
 STORE_CALLS = frozenset(hooks_where(store_call=True))
-assert AWAY_HOOKS.issuperset(STORE_CALLS)
+assert all(HOOKS[n].away != Away.FAULT for n in STORE_CALLS)
 
 
 def markdown_table() -> str:

@@ -256,7 +256,13 @@ def test_longest_hit_policy_and_load_order() -> None:
     )
     assert c.get_num_new_matched_tokens(request(), 0) == (12, False)
     assert [n for n, h, _ in CALLS if h == "get_num_new_matched_tokens"] == ["c", "b", "a"]
-    assert c.planner.chosen_node("r1") == "c"  # ties go to the earlier node in load order
+    c.update_state_after_alloc(request(), Blocks(), 12)
+    # Ties go to the earlier node in load order: c loads the 12 tokens.
+    assert [(n, a) for n, h, a in CALLS if h == "update_state_after_alloc"] == [
+        ("a", 0),
+        ("b", 0),
+        ("c", 12),
+    ]
 
 
 def test_none_means_still_looking_up_and_stops_the_round() -> None:

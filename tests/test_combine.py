@@ -1,4 +1,5 @@
-"""The chain follows the combine table (``composer.hookspecs.COMBINE``), hook by hook.
+"""The chain follows the combine table (each hook's ``combine`` in
+``composer.hookspecs.HOOKS``), hook by hook.
 
 Each rule has a case: three scripted nodes answer the hook, and what the chain
 hands vLLM is checked against the rule. A hook added to the spec without a rule,
@@ -14,8 +15,11 @@ from typing import Any
 import pytest
 
 from composer.chain import TransferParamsClash
-from composer.hookspecs import COMBINE, HOOKS, Combine, Every, Nodes, Process
+from composer.hookspecs import HOOKS, Combine, Every, Nodes, Process
 from composer.testing.chains import CALLS, chain, drive, metadata, spec_hooks
+
+#: Each hook's combine rule, from the hook table.
+COMBINE: dict[str, Combine] = {name: h.combine for name, h in HOOKS.items()}
 
 NODES = ("a", "b", "c")
 

@@ -19,14 +19,7 @@ from structlog.testing import capture_logs
 from composer import Capabilities, PluginType, Unavailable, hookimpl
 from composer.chain import ChainCore
 from composer.chain.faults import NodeFailed, WorkerLedger
-from composer.hookspecs import (
-    AWAY_HOOKS,
-    HOOKS,
-    LOAD_HOOKS,
-    RECOVERABLE_HOOKS,
-    STORE_CALLS,
-    Away,
-)
+from composer.hookspecs import HOOKS, STORE_CALLS, Away, Recompute, hooks_where
 from composer.testing.chains import (
     NOTHING,
     Scripted,
@@ -38,6 +31,13 @@ from composer.testing.chains import (
 )
 from composer.testing.chains import Blocks as _Blocks
 from composer.testing.chains import request as _request
+
+#: The hooks whose failure under recompute turns the step's loads into load errors.
+LOAD_HOOKS = frozenset(hooks_where(recompute=Recompute.BLOCKS_RECOMPUTED))
+#: Under ``recompute`` a failure here costs only that call's effect: the node stays on.
+RECOVERABLE_HOOKS = frozenset(n for n, h in HOOKS.items() if h.recompute != Recompute.SWITCH_OFF)
+#: A node's ``Unavailable`` here is an outage, not a fault.
+AWAY_HOOKS = frozenset(n for n, h in HOOKS.items() if h.away != Away.FAULT)
 
 SHUTDOWNS: list[str] = []
 

@@ -44,6 +44,13 @@ from composer.validation.deep_check import unsupported_hookimpl_options
 log = structlog.get_logger("kv_composer")
 
 
+def is_outage(hook: str, exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a node's ``hook``, is its store away (:class:`Unavailable`
+    where the hook table says what an outage there costs), not a fault: the caller
+    drops the node's result and holds nothing for it."""
+    return isinstance(exc, Unavailable) and HOOKS[hook].away is not Away.FAULT
+
+
 class ChainCore:
     """The nodes of one pipeline in one vLLM process, and what both processes do with them.
 
@@ -212,8 +219,9 @@ class ChainCore:
             try:
                 result = fn(*args)
             except Exception as exc:
+                self.fault(node_id, hook, exc)
                 # The node's store away: no result, nothing held for it.
-                result = None if self.fault(node_id, hook, exc) else default
+                result = None if is_outage(hook, exc) else default
             out.append((node_id, result))
         return out
 
@@ -286,13 +294,14 @@ class ChainCore:
 
     # -- a node's fault (the policies: composer.chain.faults) --------------------- #
 
-    def fault(self, node_id: str, hook: str, exc: BaseException) -> bool:
-        """Apply the node's error policy; returns only if the engine goes on, with
-        nothing the node failed to load served. True: it was no fault but the
-        node's store away (the caller drops the node's result, holds nothing for it)."""
-        if isinstance(exc, Unavailable) and HOOKS[hook].away is not Away.FAULT:
+    def fault(self, node_id: str, hook: str, exc: BaseException) -> None:
+        """Apply the node's error policy to ``exc``, raised by its ``hook``; returns only
+        if the engine goes on, with nothing the node failed to load served. An
+        outage (:func:`is_outage`: the node's store away) is no fault: counted as
+        such, the node stays on."""
+        if is_outage(hook, exc):
             self.store_away(node_id, hook, exc)
-            return True
+            return
         policy = self.policy.get(node_id, "fail")
         recompute = HOOKS[hook].recompute
         stats = self.stats[node_id]
@@ -305,9 +314,9 @@ class ChainCore:
             self.log.error("node failed; on_error: fail stops the engine", **where)
             raise NodeFailed(node_id, self.plugin_names.get(node_id, "?"), hook, exc) from exc
         if policy == "recompute" and self._recovered(recompute, where):
-            return False
+            return
         if node_id in self.disabled:
-            return False
+            return
         if policy == "disable":
             reason = "on_error: disable"
         else:
@@ -317,7 +326,7 @@ class ChainCore:
                 "the node is switched off instead"
             )
         self.switch_off(node_id, reason, **where)
-        return False
+        return
 
     def store_away(self, node_id: str, hook: str, exc: BaseException) -> None:
         """The node's store is away: count the call, recompute what it was loading."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from composer.chain.core import ChainCore
+from composer.chain.core import ChainCore, is_outage
 from composer.chain.loads import LoadPlanner, PlannedLoad
 from composer.chain.metadata import TransferParamsClash
 from composer.pipeline import ResolvedNode
@@ -64,8 +64,8 @@ class BlockHolder:
             try:
                 results.append((node_id, fn(view, arg)))
             except Exception as exc:
-                away = self.core.fault(node_id, hook, exc)
-                results.append((node_id, None if away else FAULTED))
+                self.core.fault(node_id, hook, exc)
+                results.append((node_id, None if is_outage(hook, exc) else FAULTED))
         return self._finish(request, results)
 
     def _groups_for(self, node_id: str, block_ids: tuple[list[int], ...]) -> tuple[list[int], ...]:

@@ -208,11 +208,6 @@ class LoadPlanner:
             return 0, False
         return tokens, load_async
 
-    def chosen_node(self, request_id: str) -> str | None:
-        """The node serving the request's first range."""
-        plan = self.chosen.get(request_id)
-        return plan[0].node if plan else None
-
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         view = self.views.of(request)
         rid = view.request_id
