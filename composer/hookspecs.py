@@ -182,8 +182,8 @@ class Nodes(StrEnum):
 
     ALL = "every node"
     """Every node, in pipeline order."""
-    LOOKUP = "load order"
-    """The nodes of ``load_order``, in that order."""
+    LOADERS_IN_LOAD_ORDER = "load order"
+    """The nodes of ``load_order``, in that order (a lookup asks them so)."""
     LOADERS = "loaders"
     """The nodes of ``load_order``, in pipeline order."""
     SAVERS = "savers"
@@ -374,7 +374,7 @@ class NodeSpec:
         Combine.LOAD_POLICY,
         recompute=Recompute.RESULT_LOST,
         away=Away.MISS,
-        nodes=Nodes.LOOKUP,
+        nodes=Nodes.LOADERS_IN_LOAD_ORDER,
         native=Native.ADAPTED,
         store_call=True,
     )

@@ -212,7 +212,7 @@ def test_each_hook_goes_to_the_nodes_its_row_names(hook: str) -> None:
     drive(c, hook)
     expected = {
         Nodes.ALL: ["a", "b", "c"],
-        Nodes.LOOKUP: ["c", "a"],
+        Nodes.LOADERS_IN_LOAD_ORDER: ["c", "a"],
         Nodes.LOADERS: ["a", "c"],
         Nodes.SAVERS: ["b", "c"],
     }[HOOKS[hook].nodes]

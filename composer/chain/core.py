@@ -147,7 +147,7 @@ class ChainCore:
     def order_for(self, hook: str) -> list[str]:
         """The nodes ``hook`` is dispatched to, in order (its row's ``nodes``)."""
         nodes, order = HOOKS[hook].nodes, [n.id for n in self.pipeline.nodes]
-        if nodes is Nodes.LOOKUP:
+        if nodes is Nodes.LOADERS_IN_LOAD_ORDER:
             order = list(self.pipeline.load_order)
         elif nodes is Nodes.LOADERS:
             order = [n for n in order if n in self.pipeline.load_order]

@@ -32,7 +32,7 @@ from kvc_offload_cpu.metadata import OffloadMetadata, OffloadWorkerMeta, SlotGen
 from kvc_offload_cpu.policies import Admission, PolicyFallback
 
 
-class _Req:
+class TrackedRequest:
     __slots__ = (
         "view",
         "keys",
@@ -68,7 +68,7 @@ class _Req:
 class _PendingSave:
     __slots__ = ("entry", "req", "confirmations", "order")
 
-    def __init__(self, entry: Entry, req: _Req, order: int) -> None:
+    def __init__(self, entry: Entry, req: TrackedRequest, order: int) -> None:
         self.entry = entry
         self.req = req
         self.confirmations = 0
@@ -128,9 +128,11 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         if self.disabled_reason:
             log.warning("offload-cpu disabled", reason=self.disabled_reason)
             stats.disabled = True
-        hbs = getattr(ctx.kv_cache_config, "hash_block_size", None) or self.block_size
-        self.hash_ratio = self.block_size // hbs if self.block_size % hbs == 0 else None
-        self._reqs: dict[str, _Req] = {}
+        hash_block_size = getattr(ctx.kv_cache_config, "hash_block_size", None) or self.block_size
+        self.hash_ratio = (
+            self.block_size // hash_block_size if self.block_size % hash_block_size == 0 else None
+        )
+        self._reqs: dict[str, TrackedRequest] = {}
         self._saving: dict[SlotGen, _PendingSave] = {}
         self._planned = itertools.count()
         self._loading: dict[str, deque[_PendingLoad]] = {}
@@ -188,29 +190,29 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
 
     # -- keys and groups ------------------------------------------------------ #
 
-    def _key(self, st: _Req, bundle: int, k: int) -> bytes:
+    def _key(self, tracked: TrackedRequest, bundle: int, k: int) -> bytes:
         """Index key of block ``k`` of ``bundle`` (the block key alone with one bundle)."""
-        key = st.keys.keys[k]
+        key = tracked.keys.keys[k]
         return key if len(self.bundles.members) == 1 else key + bytes((bundle,))
 
-    def _ready(self, st: _Req, bundle: int, positions: range) -> bool:
-        return all(self.index.ready(self._key(st, bundle, k)) is not None for k in positions)
+    def _ready(self, tracked: TrackedRequest, bundle: int, positions: range) -> bool:
+        return all(self.index.ready(self._key(tracked, bundle, k)) is not None for k in positions)
 
-    def _kept(self, st: _Req, bundle: int, k: int) -> bool:
+    def _kept(self, tracked: TrackedRequest, bundle: int, k: int) -> bool:
         """Whether block ``k`` of a windowed bundle is saved (:meth:`GroupLayout.kept`)."""
         spec: GroupLayout = self.bundles.layouts[bundle]
-        return spec.kept(k, st.view.num_prompt_tokens, self.config.window_retention)
+        return spec.kept(k, tracked.view.num_prompt_tokens, self.config.window_retention)
 
     # -- requests ------------------------------------------------------------ #
 
-    def _req(self, request: Any) -> _Req:
-        st = self._reqs.get(request.request_id)
-        if st is None or st.finished:
-            st = _Req(request, self.hash_ratio)
-            self._reqs[request.request_id] = st
+    def _req(self, request: Any) -> TrackedRequest:
+        tracked = self._reqs.get(request.request_id)
+        if tracked is None or tracked.finished:
+            tracked = TrackedRequest(request, self.hash_ratio)
+            self._reqs[request.request_id] = tracked
         else:
-            st.view = request
-        return st
+            tracked.view = request
+        return tracked
 
     @hookimpl
     def on_new_request(self, request: Any) -> None:
@@ -227,7 +229,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
     ) -> tuple[int | None, bool]:
         if not self.serves or self.disabled_reason:
             return 0, False
-        st = self._req(request)
+        tracked = self._req(request)
         bs = self.block_size
         # Leave at least one token to compute; only whole blocks are served.
         max_blocks = max(0, request.num_tokens - 1) // bs
@@ -235,45 +237,47 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         hit = 0
         if num_computed_tokens % bs == 0 and start < max_blocks:
             end = start
-            available = st.keys.ensure(request, max_blocks, bs)
+            available = tracked.keys.ensure(request, max_blocks, bs)
             # Full attention: the longest run of stored blocks.
             while end < available and all(
-                self.index.ready(self._key(st, b, end)) is not None for b in self.bundles.full
+                self.index.ready(self._key(tracked, b, end)) is not None for b in self.bundles.full
             ):
                 end += 1
             # Windowed layouts: the longest of those ends whose window they hold.
             while end > start and not all(
-                self._ready(st, b, self.bundles.layouts[b].needed(start, end))
+                self._ready(tracked, b, self.bundles.layouts[b].needed(start, end))
                 for b in self.bundles.window
             ):
                 end -= 1
             hit = end - start
         if hit < self.config.min_blocks:
             hit = 0
-        st.lookup = (num_computed_tokens, hit)
+        tracked.lookup = (num_computed_tokens, hit)
         return hit * bs, hit > 0 and self.config.load_mode == "async"
 
     @hookimpl
     def update_state_after_alloc(
         self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int
     ) -> None:
-        st = self._req(request)
-        st.block_ids = [list(ids) for ids in block_ids]
+        tracked = self._req(request)
+        tracked.block_ids = [list(ids) for ids in block_ids]
         loads = getattr(request, "loads", ())
         if loads:
             # (vLLM allocates an async-loaded request again, with nothing to load:
             # what other nodes loaded into it stays known.)
-            st.foreign = [(start, start + n) for node, start, n in loads if node != self.node_id]
+            tracked.foreign = [
+                (start, start + n) for node, start, n in loads if node != self.node_id
+            ]
         if num_external_tokens == 0:
-            if st.lookup is not None:  # first allocation of a request we looked up
+            if tracked.lookup is not None:  # first allocation of a request we looked up
                 self.stats.extra.add("misses")
-                st.lookup = None
+                tracked.lookup = None
             return
         bs = self.block_size
-        computed = st.lookup[0] if st.lookup is not None else 0
-        st.lookup = None
+        computed = tracked.lookup[0] if tracked.lookup is not None else 0
+        tracked.lookup = None
         if self.index.quotas is not None:
-            tenant = self.index.quotas.of(st.view.tenant)
+            tenant = self.index.quotas.of(tracked.view.tenant)
             self.stats.tenant_add("tokens_hit", tenant, num_external_tokens)
         start, n = computed // bs, num_external_tokens // bs
         # (lookups, hits and what was served are the chain's counts, for every node)
@@ -286,7 +290,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
             for k in range(start, min(start + n, len(ids))):
                 if ids[k] == NULL_BLOCK:
                     continue
-                key = self._key(st, b, k) if k < len(st.keys.keys) else None
+                key = self._key(tracked, b, k) if k < len(tracked.keys.keys) else None
                 entry = self.index.ready(key) if key is not None else None
                 if entry is None:  # cannot happen between lookup and alloc; fail it safely
                     transfer.add(-1, -1, ids[k], g, k)
@@ -303,19 +307,19 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        st = self._reqs.get(request.request_id)
-        if st is None:
+        tracked = self._reqs.get(request.request_id)
+        if tracked is None:
             return False, None
-        st.finished = True
-        retention = st.view.controls.retention
+        tracked.finished = True
+        retention = tracked.view.controls.retention
         params = None
-        if retention is not None and self._involved(st.view):
-            params = self._retain(st, retention)
-        hold = bool(st.inflight) and self.config.save_mode == "async"
+        if retention is not None and self._involved(tracked.view):
+            params = self._retain(tracked, retention)
+        hold = bool(tracked.inflight) and self.config.save_mode == "async"
         if hold:
             self._pending_hold.append(request.request_id)
         else:
-            self._forget(st)
+            self._forget(tracked)
         return hold, params
 
     def _involved(self, request: Any) -> bool:
@@ -326,14 +330,14 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         loads = controls.load is None or self.node_id in controls.load
         return loads or controls.store_limit(self.node_id) != 0
 
-    def _retain(self, st: _Req, retention: Retention) -> dict[str, Any] | None:
+    def _retain(self, tracked: TrackedRequest, retention: Retention) -> dict[str, Any] | None:
         """The request's ``kv_retention`` for each of its blocks this tier holds (its last
         use is now); a pin not granted is counted, logged and said in the request's
         ``kv_transfer_params`` (``kv_composer.retention.<node>``)."""
         refused = asked = 0
-        for b in range(len(self.bundles.members) if st.block_ids else 0):
-            for k in range(len(st.keys.keys)):
-                entry = self.index.get(self._key(st, b, k))
+        for b in range(len(self.bundles.members) if tracked.block_ids else 0):
+            for k in range(len(tracked.keys.keys)):
+                entry = self.index.get(self._key(tracked, b, k))
                 if entry is not None:  # (counted in blocks: an entry's slots)
                     asked += entry.size
                     refused += 0 if self.index.retain(entry, retention) else entry.size
@@ -344,12 +348,12 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
             f"pin not granted for {refused} of {asked} blocks: max_pinned_share "
             f"{self.config.max_pinned_share} of the tier is pinned"
         )
-        self.log.warning("kv_retention " + reason, request=st.view.request_id)
+        self.log.warning("kv_retention " + reason, request=tracked.view.request_id)
         return {"kv_composer": {"retention": {self.node_id: reason}}}
 
-    def _forget(self, st: _Req) -> None:
-        rid = st.view.request_id
-        if self._reqs.get(rid) is st:
+    def _forget(self, tracked: TrackedRequest) -> None:
+        rid = tracked.view.request_id
+        if self._reqs.get(rid) is tracked:
             del self._reqs[rid]
 
     # -- steps --------------------------------------------------------------- #
@@ -365,50 +369,50 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         self._pending_loads = []
         self._pending_hold = []
         for sched in step.requests:
-            st = self._reqs.get(sched.request_id)
-            if st is None:
+            tracked = self._reqs.get(sched.request_id)
+            if tracked is None:
                 continue
             if sched.block_ids is not None:
-                if sched.is_new or sched.resumed or not st.block_ids:
-                    st.block_ids = [list(ids) for ids in sched.block_ids]
+                if sched.is_new or sched.resumed or not tracked.block_ids:
+                    tracked.block_ids = [list(ids) for ids in sched.block_ids]
                 else:
                     for g, ids in enumerate(sched.block_ids):
-                        st.block_ids[g].extend(ids)
+                        tracked.block_ids[g].extend(ids)
             if self.saves and not self.disabled_reason:
-                self._plan_saves(st, sched, meta)
+                self._plan_saves(tracked, sched, meta)
         self._update_gauges()
         return meta
 
-    def _plan_saves(self, st: _Req, sched: Any, meta: OffloadMetadata) -> None:
-        view = st.view
-        if not st.save_end_known:
-            st.save_end, st.save_end_known = self._save_end(st), True
+    def _plan_saves(self, tracked: TrackedRequest, sched: Any, meta: OffloadMetadata) -> None:
+        view = tracked.view
+        if not tracked.save_end_known:
+            tracked.save_end, tracked.save_end_known = self._save_end(tracked), True
         done = min(sched.num_computed_tokens + sched.num_scheduled_tokens, view.num_tokens)
         if self.config.save == "prompt":
             done = min(done, view.num_prompt_tokens)
-        if st.save_end is not None:
-            done = min(done, st.save_end)
-        full = min(done // self.block_size, min((len(ids) for ids in st.block_ids), default=0))
-        if full <= st.next_save:
+        if tracked.save_end is not None:
+            done = min(done, tracked.save_end)
+        full = min(done // self.block_size, min((len(ids) for ids in tracked.block_ids), default=0))
+        if full <= tracked.next_save:
             return
-        available = st.keys.ensure(view, full, self.block_size)
+        available = tracked.keys.ensure(view, full, self.block_size)
         transfer: Transfer | None = None
         # A windowed group frees blocks that leave its window while the request
         # runs: only blocks computed in this step are surely still its own.
         fresh = sched.num_computed_tokens // self.block_size
-        k = st.next_save
+        k = tracked.next_save
         bs, never = self.block_size, self.config.promote == "never"
         while k < available:
-            foreign = any(a <= k * bs and (k + 1) * bs <= b for a, b in st.foreign)
+            foreign = any(a <= k * bs and (k + 1) * bs <= b for a, b in tracked.foreign)
             if foreign and never:
                 k += 1  # loaded by another node: not promoted here
                 continue
             for b, members in enumerate(self.bundles.members):
-                if any(st.block_ids[g][k] == NULL_BLOCK for g in members) or (
-                    b in self.bundles.window and (k < fresh or not self._kept(st, b, k))
+                if any(tracked.block_ids[g][k] == NULL_BLOCK for g in members) or (
+                    b in self.bundles.window and (k < fresh or not self._kept(tracked, b, k))
                 ):
                     continue
-                key = self._key(st, b, k)
+                key = self._key(tracked, b, k)
                 known = self.index.get(key)
                 if known is not None:  # stored or being stored (maybe by another request)
                     self.index.touch(known)
@@ -416,43 +420,48 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
                 entry = self.index.allocate(key, view.tenant, len(members))
                 if entry is None:  # every slot pinned or in flight: try again next step
                     self.stats.extra.add("save_skipped_full")
-                    st.next_save = k
+                    tracked.next_save = k
                     return
                 if transfer is None:
                     transfer = Transfer(view.request_id)
                     meta.saves.append(transfer)
-                self._plan_save(st, entry, members, k, transfer)
+                self._plan_save(tracked, entry, members, k, transfer)
                 if foreign:
                     self.stats.extra.add("blocks_promoted", len(members))
             k += 1
-        st.next_save = k
+        tracked.next_save = k
 
     def _plan_save(
-        self, st: _Req, entry: Entry, members: tuple[int, ...], k: int, transfer: Transfer
+        self,
+        tracked: TrackedRequest,
+        entry: Entry,
+        members: tuple[int, ...],
+        k: int,
+        transfer: Transfer,
     ) -> None:
         """Block ``k`` of each group of a bundle into its slot of ``entry``: ready once
         every worker confirmed every slot."""
-        pending = _PendingSave(entry, st, next(self._planned))
+        pending = _PendingSave(entry, tracked, next(self._planned))
         for i, g in enumerate(members):
-            transfer.add(entry.slots[i], entry.gen, st.block_ids[g][k], g, k)
+            transfer.add(entry.slots[i], entry.gen, tracked.block_ids[g][k], g, k)
             sg = (entry.slots[i], entry.gen)
             self._saving[sg] = pending
-            st.inflight.add(sg)
+            tracked.inflight.add(sg)
         if self.events is not None:  # vLLM's payloads, while the request is here
-            entry.event = [self.events.block_stored(st.view, g, k) for g in members]
+            entry.event = [self.events.block_stored(tracked.view, g, k) for g in members]
 
-    def _save_end(self, st: _Req) -> int | None:
+    def _save_end(self, tracked: TrackedRequest) -> int | None:
         """Tokens of the request this tier may save: its tier controls
         (``kv_store_tiers``, ``max_offload_tokens``), and the leading blocks of its
         prompt the admission policy admits (``threshold``: those enough requests
         contained, this one counted)."""
-        view = st.view
+        view = tracked.view
         end = view.store_limit(self.node_id)
         if end == 0:
             return end
         bs = self.block_size
-        blocks = st.keys.ensure(view, view.num_prompt_tokens // bs, bs)
-        admitted = self.admission.admit(st.keys.keys[:blocks])
+        blocks = tracked.keys.ensure(view, view.num_prompt_tokens // bs, bs)
+        admitted = self.admission.admit(tracked.keys.keys[:blocks])
         if admitted < blocks:
             self.stats.extra.add("blocks_not_admitted", blocks - admitted)
             end = admitted * bs if end is None else min(end, admitted * bs)
@@ -499,20 +508,20 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
                 self.index.drop(bad)
                 self.stats.extra.add("dropped_bad_blocks")
         for rid, position in worker_meta.req_load_failed.items():
-            st = self._reqs.get(rid)
-            if st is not None:  # vLLM recomputes from there: save those blocks again
-                st.next_save = min(st.next_save, position)
+            tracked = self._reqs.get(rid)
+            if tracked is not None:  # vLLM recomputes from there: save those blocks again
+                tracked.next_save = min(tracked.next_save, position)
         self._update_gauges()
 
     def _save_resolved(self, pending: _PendingSave) -> None:
         """The entry's save is over (every slot saved, or one failed)."""
-        st = pending.req
+        tracked = pending.req
         for slot in pending.entry.slots:
             sg = (slot, pending.entry.gen)
             self._saving.pop(sg, None)
-            st.inflight.discard(sg)
-        if st.finished and not st.inflight:
-            self._forget(st)
+            tracked.inflight.discard(sg)
+        if tracked.finished and not tracked.inflight:
+            self._forget(tracked)
 
     @hookimpl
     def reset_cache(self) -> bool:
