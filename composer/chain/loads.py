@@ -97,20 +97,20 @@ class LoadPlanner:
         self.pipeline = core.pipeline
         self.block_size = block_size
         #: Request -> its load's ranges, in order (:class:`Range`: one per node serving it).
-        self.chosen: dict[str, list[Range]] = {}
+        self.plans: dict[str, list[Range]] = {}
         #: Request -> its ranges' loads as planned and settled.
-        self.served: dict[str, list[PlannedLoad]] = {}
+        self.planned_loads: dict[str, list[PlannedLoad]] = {}
         #: Node -> the blocks it loads this step (sent with the step's metadata).
-        self.pending_loads: dict[str, set[int]] = {}
+        self.step_load_blocks: dict[str, set[int]] = {}
         #: Request -> why its tier controls were refused (told in its kv_transfer_params).
         self.refused: dict[str, str] = {}
         #: Request -> its ranges' (node, blocks it loads, a sync load the chain reports
         #: done): loads that are async for vLLM (see ``ChainMetadata.async_loads``),
         #: sent with the next step's metadata.
-        self.new_async_loads: dict[str, tuple[tuple[str, frozenset[int], bool], ...]] = {}
+        self.async_loads_to_send: dict[str, tuple[tuple[str, frozenset[int], bool], ...]] = {}
         #: Requests with a sync range the chain made async for vLLM (several groups,
         #: or ranges of both kinds).
-        self.converted: set[str] = set()
+        self.made_async: set[str] = set()
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -124,11 +124,11 @@ class LoadPlanner:
             # Still looking up: vLLM asks again later (MultiConnector's rule).
             return None, False
         rid = view.request_id
-        self.converted.discard(rid)  # (vLLM may ask again: the last answer counts)
+        self.made_async.discard(rid)  # (vLLM may ask again: the last answer counts)
         if not plan:
-            self.chosen.pop(rid, None)
+            self.plans.pop(rid, None)
             return 0, False
-        self.chosen[rid] = plan
+        self.plans[rid] = plan
         load_async = any(r.load_async for r in plan)
         if self.core.num_groups > 1 and not load_async:
             # vLLM takes failed loads of several groups only per request, from
@@ -136,7 +136,7 @@ class LoadPlanner:
             load_async = True
         if load_async and not all(r.load_async for r in plan):
             # Sync ranges of an async load: the chain reports them done.
-            self.converted.add(rid)
+            self.made_async.add(rid)
         return sum(r.tokens for r in plan), load_async
 
     def _plan_one(self, view: RequestView, num_computed_tokens: int) -> list[Range] | None:
@@ -214,9 +214,9 @@ class LoadPlanner:
         block_ids = blocks.get_block_ids() if blocks is not None else ()
         tokens: dict[str, int] = {}
         view.loads = ()  # (vLLM allocates again after a preemption: this load only)
-        if num_external_tokens > 0 and rid in self.chosen:
+        if num_external_tokens > 0 and rid in self.plans:
             tokens = self._plan_loads(rid, block_ids, num_external_tokens)
-            view.loads = tuple((x.node, x.computed, x.tokens) for x in self.served[rid])
+            view.loads = tuple((x.node, x.computed, x.tokens) for x in self.planned_loads[rid])
         if not getattr(request, "num_preemptions", 0):
             # Once per request, at its admission (as vLLM counts its external prefix
             # cache hits): vLLM asks again about a request it could not schedule yet.
@@ -234,10 +234,10 @@ class LoadPlanner:
     ) -> dict[str, int]:
         """Record which blocks each range's node loads (for the workers' load
         errors and for settling what it served); returns each node's tokens."""
-        plan = self.chosen[request_id]
+        plan = self.plans[request_id]
         size, left = self.block_size, num_external_tokens
-        converted = request_id in self.converted
-        self.converted.discard(request_id)
+        made_async = request_id in self.made_async
+        self.made_async.discard(request_id)
         loads: list[PlannedLoad] = []
         ranges: list[tuple[str, frozenset[int], bool]] = []
         for r in plan:
@@ -250,18 +250,18 @@ class LoadPlanner:
             ordered = tuple(tuple(group[first:last]) for group in block_ids)
             loads.append(PlannedLoad(r.node, r.start, tokens, ordered))
             blocks = frozenset(b for group in ordered for b in group if b != NULL_BLOCK)
-            self.pending_loads.setdefault(r.node, set()).update(blocks)
-            ranges.append((r.node, blocks, converted and not r.load_async))
-        self.served[request_id] = loads
-        if self.core.num_groups > 1 or converted or any(r.load_async for r in plan):
+            self.step_load_blocks.setdefault(r.node, set()).update(blocks)
+            ranges.append((r.node, blocks, made_async and not r.load_async))
+        self.planned_loads[request_id] = loads
+        if self.core.num_groups > 1 or made_async or any(r.load_async for r in plan):
             # Async for vLLM: the workers track it, so that it is reported done when
             # every range is, and failed when one is (or its node is switched off).
-            self.new_async_loads[request_id] = tuple(ranges)
+            self.async_loads_to_send[request_id] = tuple(ranges)
         return {load.node: load.tokens for load in loads}
 
     def settle_loads(self, invalid_block_ids: set[int], failed_recving: set[str]) -> None:
         """Loads vLLM reported failed (from ``update_connector_output``)."""
-        for request_id, loads in self.served.items():
+        for request_id, loads in self.planned_loads.items():
             for load in loads:
                 if request_id in failed_recving:
                     load.delivered = 0
@@ -285,7 +285,7 @@ class LoadPlanner:
 
         Several ranges: each node is asked about its own tokens (the hit sources'
         counts are summed, the KV cache groups united)."""
-        plan = self.chosen.get(request.request_id) or []
+        plan = self.plans.get(request.request_id) or []
         fns = dict(self.core.calls[hook])
         answers = []
         for r in plan:
@@ -313,5 +313,5 @@ class LoadPlanner:
     def finished(self, request_id: str) -> tuple[list[PlannedLoad], str | None]:
         """The request finished: what it was served, and why its tier controls were
         refused (if they were); the planner forgets it."""
-        self.chosen.pop(request_id, None)
-        return self.served.pop(request_id, []), self.refused.pop(request_id, None)
+        self.plans.pop(request_id, None)
+        return self.planned_loads.pop(request_id, []), self.refused.pop(request_id, None)

@@ -102,9 +102,9 @@ class SchedulerChain(ChainCore):
                     self.fault(node_id, "build_connector_meta", exc)
                     per_node[node_id] = None
         planner = self.planner
-        meta = self.metadata_type(per_node, None, planner.pending_loads)
-        planner.pending_loads = {}
-        if self.holder.new_holds or planner.new_async_loads or self.disabled:
+        meta = self.metadata_type(per_node, None, planner.step_load_blocks)
+        planner.step_load_blocks = {}
+        if self.holder.new_holds or planner.async_loads_to_send or self.disabled:
             self._step_decisions(meta)
         return meta
 
@@ -112,8 +112,9 @@ class SchedulerChain(ChainCore):
         """What the workers must follow this step: holds, async loads, switch-offs."""
         if self.holder.new_holds:
             meta.holds, self.holder.new_holds = self.holder.new_holds, {}
-        if self.planner.new_async_loads:
-            meta.async_loads, self.planner.new_async_loads = self.planner.new_async_loads, {}
+        planner = self.planner
+        if planner.async_loads_to_send:
+            meta.async_loads, planner.async_loads_to_send = planner.async_loads_to_send, {}
         if self.disabled:
             meta.disabled = frozenset(self.disabled)
 
@@ -125,7 +126,7 @@ class SchedulerChain(ChainCore):
         off here first."""
         invalid = getattr(connector_output, "invalid_block_ids", None)
         failed = getattr(connector_output, "failed_recving", None)
-        if (invalid or failed) and self.planner.served:
+        if (invalid or failed) and self.planner.planned_loads:
             self.planner.settle_loads(set(invalid or ()), set(failed or ()))
         native = self.output_native_only
         # (Inside vLLM, whose output always has the field, for native nodes only.)

@@ -52,7 +52,7 @@ class WorkerChain(ChainCore):
         #: Switched off here, not yet told to the scheduler.
         self.unreported_disabled: set[str] = set()
         #: Sync ranges the chain reports done once ``start_load_kv`` ran: (node, request).
-        self.converted_loads: list[tuple[str, str]] = []
+        self.made_async_loads: list[tuple[str, str]] = []
         super().__init__(
             pipeline,
             vllm_config=vllm_config,
@@ -186,7 +186,7 @@ class WorkerChain(ChainCore):
                 blocks = frozenset().union(*(b for _, b, _ in ranges))
                 sync = [n for n, _, conv in ranges if conv and n in alive]
                 ledger.loading(req_id, alive, blocks, sync=sync, failed=len(alive) < len(ranges))
-                self.converted_loads += [(n, req_id) for n in sync]
+                self.made_async_loads += [(n, req_id) for n in sync]
         loads = metadata.loads
         for node_id in off:
             # A switched-off node loads nothing: vLLM recomputes what it was to load.
@@ -243,11 +243,11 @@ class WorkerChain(ChainCore):
             self._fail_lost_blocks()
         if self.released or self.failed_recving:
             self._chain_own_results(results)
-        if self.converted_loads:
+        if self.made_async_loads:
             # Sync ranges the chain made async for vLLM: done once start_load_kv ran.
-            for node_id, req_id in self.converted_loads:
+            for node_id, req_id in self.made_async_loads:
                 _received(results, *ledger.received(node_id, (req_id,)))
-            self.converted_loads = []
+            self.made_async_loads = []
         for node_id, fn, is_direct in self.transfer_calls:
             try:
                 if is_direct:

@@ -132,7 +132,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         }
         if isinstance(self.chain, SchedulerChain):
             self.scheduler = self.chain
-        else:
+        if isinstance(self.chain, WorkerChain):  # (vLLM's own tests: a chain of both)
             self.worker = self.chain
         self._model_delivered = False
         #: vLLM's KV caches as registered (sleep mode restores the views from them).
