@@ -48,7 +48,8 @@ def _spec(model: str, prompt: str, kv: dict[str, Any] | None) -> dict[str, Any]:
 
 def run_child(spec: dict[str, Any], timeout_s: float = 900) -> dict[str, Any]:
     """One engine in its own process group (always stopped), as in ``composer.testing.engine``."""
-    from composer.testing.engine import EngineFailed, _kill_group
+    from composer.servers import spawn
+    from composer.testing.engine import EngineFailed, stop_engine
 
     with tempfile.TemporaryDirectory(prefix="kvc-first-hit-") as tmp:
         spec_file, out_file, log_file = (Path(tmp) / n for n in ("s.json", "r.json", "e.log"))
@@ -60,18 +61,18 @@ def run_child(spec: dict[str, Any], timeout_s: float = 900) -> dict[str, Any]:
             "PYTHONHASHSEED": "0",
             "TOKENIZERS_PARALLELISM": "false",
         }
-        with log_file.open("w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.first_hit", str(spec_file), str(out_file)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, cwd=ROOT, start_new_session=True,
-            )
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
-                _kill_group(proc)
+        proc = spawn(
+            [sys.executable, "-m", "benchmarks.first_hit", str(spec_file), str(out_file)],
+            log_file,
+            env=env,
+            cwd=ROOT,
+        )
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            stop_engine(proc)
         text = log_file.read_text(errors="replace")
         if proc.returncode != 0 or not out_file.exists():
             raise EngineFailed(f"engine exited with {proc.returncode}:\n{text[-4000:]}")

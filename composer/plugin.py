@@ -22,7 +22,7 @@ class Unavailable(Exception):
     ends the outage), and anything it had already started, it still reports
     finished (``get_finished``) or failed (``get_block_ids_with_load_errors``),
     so no request waits and no block stays held. A subclass (the ``lmcache``
-    node's ``ServerGone``) says which store is away.
+    node's ``ServerDown``) says which store is away.
     """
 
 

@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from composer.testing.engine import _group_alive, _kill_group
+from composer.servers import group_alive
+from composer.testing.engine import stop_engine
 
 
 def leader_leaving(child_code: str) -> subprocess.Popen[bytes]:
@@ -23,10 +24,10 @@ def test_a_child_still_tearing_down_is_left_to_finish(tmp_path: Path) -> None:
     proc = leader_leaving(
         f"import time, pathlib; time.sleep(2); pathlib.Path({str(done)!r}).touch()"
     )
-    assert _group_alive(proc.pid)
-    _kill_group(proc, grace_s=60)
+    assert group_alive(proc.pid)
+    stop_engine(proc, grace_s=60)
     assert done.exists()  # it finished on its own instead of being killed
-    assert not _group_alive(proc.pid)
+    assert not group_alive(proc.pid)
 
 
 def test_a_stuck_child_is_killed_after_the_grace(tmp_path: Path) -> None:
@@ -34,6 +35,6 @@ def test_a_stuck_child_is_killed_after_the_grace(tmp_path: Path) -> None:
         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
     )
     start = time.monotonic()
-    _kill_group(proc, grace_s=1, signal_wait_s=1)  # (engines get 10 s after SIGTERM)
-    assert not _group_alive(proc.pid)
+    stop_engine(proc, grace_s=1, signal_wait_s=1)  # (engines get 10 s after SIGTERM)
+    assert not group_alive(proc.pid)
     assert time.monotonic() - start < 10

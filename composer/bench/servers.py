@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from composer.bench.replay import BenchError
+from composer.servers import process
 from composer.servers.loopback import LOOPBACK, free_port
-from composer.servers.process import stop_group
 from composer.servers.vllm_serve import vllm_command
 
 
@@ -122,9 +121,7 @@ class Server:
 
     def kill(self) -> None:
         """Killed now, with everything it started (SIGKILL: no goodbye to its peers)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        process.kill_group(self.proc)
 
 
 @contextlib.contextmanager
@@ -143,17 +140,8 @@ def servers(wanted: Sequence[tuple[Config, ServerSpec, Path]]) -> Iterator[list[
                 "TOKENIZERS_PARALLELISM": "false",
                 **spec.env,
             }
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = stack.enter_context(log_path.open("w"))
-            proc = subprocess.Popen(
-                server_command(config, spec, port),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
-            stack.callback(stop_group, proc)
+            proc = process.spawn(server_command(config, spec, port), log_path, env=env)
+            stack.callback(process.stop_group, proc)
             running = Server(f"http://{LOOPBACK}:{port}", proc, log_path)
             started.append((running, spec.startup_timeout_s))
         for running, timeout in started:
@@ -170,9 +158,11 @@ def wait_healthy(base: str, proc: subprocess.Popen[Any], log_path: Path, timeout
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            text = log_path.read_text(errors="replace")
-            error = PortTaken if "Address already in use" in text else BenchError
-            raise error(f"server exited with {proc.returncode}; log tail:\n{text[-3000:]}")
+            taken = "Address already in use" in log_path.read_text(errors="replace")
+            error = PortTaken if taken else BenchError
+            raise error(
+                f"server exited with {proc.returncode}; log tail:\n{process.tail(log_path)}"
+            )
         try:
             with urllib.request.urlopen(f"{base}/health", timeout=2):
                 return

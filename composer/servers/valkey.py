@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -23,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from composer.servers import process
 from composer.servers.loopback import LOOPBACK, free_port
 
 
@@ -152,21 +152,17 @@ class ValkeyServer:
         """Start on ``port`` (again, after a stop or kill); return once it answers PING."""
         if self.alive():
             return self
-        self.proc = subprocess.Popen(
-            self.argv(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # a ^C in the test run is not its signal; we stop it
-            preexec_fn=_parent_death_sigterm if self.die_with_parent else None,  # noqa: PLW1509
+        # Its own group: a ^C in the test run is not its signal; we stop it. What it
+        # says before it opens its log file (a bad flag) goes to the same file.
+        self.proc = process.spawn(
+            self.argv(), self.log_file, append=True, die_with_parent=self.die_with_parent
         )
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
                 raise ValkeyError(
                     f"valkey-server exited with {self.proc.returncode} while starting "
-                    f"on {self.host}:{self.port}:\n{err}{self._tail()}"
+                    f"on {self.host}:{self.port}:\n{process.tail(self.log_file, 20)}"
                 )
             # Answered by this process, not by another server already on the port.
             if (
@@ -178,50 +174,26 @@ class ValkeyServer:
                 self.stop()
                 raise ValkeyError(
                     f"valkey-server on {self.host}:{self.port} did not answer PING within "
-                    f"{self.startup_timeout:.0f} s:\n{self._tail()}"
+                    f"{self.startup_timeout:.0f} s:\n{process.tail(self.log_file, 20)}"
                 )
             time.sleep(0.05)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return process.alive(self.proc)
 
     def kill(self) -> None:
         """SIGKILL, as a crashed or unreachable store (no goodbye to clients)."""
-        self._signal(signal.SIGKILL, 5.0)
+        if self.proc is not None:
+            process.kill_process(self.proc)
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``grace`` seconds. Safe to call twice."""
-        self._signal(signal.SIGTERM, grace)
-        self._signal(signal.SIGKILL, 5.0)
+        if self.proc is not None:
+            process.stop_process(self.proc, grace)
 
     def restart(self) -> ValkeyServer:
         self.stop()
         return self.start()
-
-    def _signal(self, sig: signal.Signals, wait: float) -> None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=wait)
-        if proc.poll() is not None and proc.stderr is not None:
-            proc.stderr.close()
-
-    def _tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-def _parent_death_sigterm() -> None:
-    """In the child before exec: SIGTERM when the parent ends (Linux prctl)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
 @contextlib.contextmanager

@@ -36,8 +36,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from composer.servers import process
 from composer.servers.loopback import LOOPBACK, free_port
-from composer.servers.process import stop_group
 
 
 class RouterError(RuntimeError):
@@ -134,28 +134,20 @@ def vllm_router(
     while metrics_port == port:
         metrics_port = free_port()
     argv = router_argv(workers, policy_args, port, metrics_port, kv_event_sources, block_size)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
+    proc = process.spawn(argv, log_path)
+    router = Router(
+        f"http://{LOOPBACK}:{port}", f"http://{LOOPBACK}:{metrics_port}/metrics", proc.pid
+    )
+    try:
+        count = (
+            len(workers.prefill) + len(workers.decode)
+            if isinstance(workers, Disaggregated)
+            else len(workers)
         )
-        router = Router(
-            f"http://{LOOPBACK}:{port}", f"http://{LOOPBACK}:{metrics_port}/metrics", proc.pid
-        )
-        try:
-            count = (
-                len(workers.prefill) + len(workers.decode)
-                if isinstance(workers, Disaggregated)
-                else len(workers)
-            )
-            _wait_ready(router, proc, count, log_path, startup_timeout)
-            yield router
-        finally:
-            stop_group(proc, grace=10.0)
+        _wait_ready(router, proc, count, log_path, startup_timeout)
+        yield router
+    finally:
+        process.stop_group(proc, grace=10.0)
 
 
 def readiness(url: str, timeout: float = 2.0) -> dict[str, object] | None:
@@ -189,13 +181,14 @@ def _wait_ready(
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise RouterError(f"vllm-router exited with {proc.returncode}; log tail:\n{tail}")
+            raise RouterError(
+                f"vllm-router exited with {proc.returncode}; log tail:\n{process.tail(log_path)}"
+            )
         answer = readiness(router.url)
         if answer is not None and healthy_workers(answer) == workers:
             return
         if time.monotonic() > deadline:
-            stop_group(proc, grace=10.0)
+            process.stop_group(proc, grace=10.0)
             raise RouterError(
                 f"vllm-router not ready with {workers} healthy workers after {timeout:.0f} s "
                 f"(last /readiness: {answer}); see {log_path}"

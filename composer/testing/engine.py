@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from composer.servers import group_alive, spawn, stop_group
 
 #: A prompt: text, or a dict: token ids as ``{"prompt_token_ids": [...]}`` (vLLM's
 #: TokensPrompt) or text as ``{"prompt": "..."}``; a dict may add the request's
@@ -126,22 +127,15 @@ def run_engine(spec: EngineSpec) -> EngineResult:
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if spec.in_process else "1",
             **spec.env,
         }
-        with log_file.open("w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "composer.testing.engine", str(spec_file), str(out_file)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
-            try:
-                proc.wait(timeout=spec.timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
-                signalled = _kill_group(proc)
-                _wait_reaped(proc.pid)
+        argv = [sys.executable, "-m", "composer.testing.engine", str(spec_file), str(out_file)]
+        proc = spawn(argv, log_file, env=env)
+        try:
+            proc.wait(timeout=spec.timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            signalled = stop_engine(proc)
+            _wait_reaped(proc.pid)
         text = log_file.read_text(errors="replace")
         tail = text[-6000:]
         if proc.returncode != 0 or not out_file.exists():
@@ -211,21 +205,6 @@ class SharedRuns:
         return self._done[-len(batch)][1]
 
 
-def _group_alive(pgid: int, zombies: bool = False) -> bool:
-    """Whether a process of group ``pgid`` still runs (a zombie only waits to be
-    reaped; counted only with ``zombies``)."""
-    import psutil
-
-    for p in psutil.process_iter(["status"]):
-        try:
-            counted = zombies or p.info["status"] != psutil.STATUS_ZOMBIE
-            if counted and os.getpgid(p.pid) == pgid:
-                return True
-        except (OSError, psutil.Error):
-            continue
-    return False
-
-
 #: Seconds to wait for the engine's exited processes to be reaped.
 REAP_WAIT_S = 5.0
 
@@ -235,42 +214,17 @@ def _wait_reaped(pgid: int) -> None:
     gone: until then their pids still answer ``kill(pid, 0)``, so a caller checking
     that a process the engine started (e.g. a server) is gone would see it alive."""
     deadline = time.monotonic() + REAP_WAIT_S
-    while _group_alive(pgid, zombies=True) and time.monotonic() < deadline:
+    while group_alive(pgid, zombies=True) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
-def _kill_group(
+def stop_engine(
     proc: subprocess.Popen[Any], grace_s: float = SHUTDOWN_GRACE_S, signal_wait_s: float = 10
 ) -> bool:
     """Stop the engine and every process it spawned (EngineCore, workers); True
-    if a signal was needed.
-
-    When the engine exited on its own, its children get time to finish their
-    teardown first: one killed half-way leaves vLLM's shared memory behind.
-    After SIGTERM each process gets ``signal_wait_s`` before SIGKILL.
-    """
-    if proc.poll() is not None:
-        deadline = time.monotonic() + grace_s
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not _group_alive(proc.pid):
-            return False
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return sig != signal.SIGTERM
-        try:
-            proc.wait(timeout=signal_wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        # The leader is gone; give the rest the same time before the next signal.
-        deadline = time.monotonic() + signal_wait_s
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not _group_alive(proc.pid):
-            return True
-    return True
+    if a signal was needed. An engine still running here is hung (past its
+    timeout): its whole group gets the signals, not the leader first."""
+    return stop_group(proc, grace_s, signal_wait=signal_wait_s, ask_leader=False)
 
 
 def build_llm(spec: EngineSpec) -> Any:

@@ -1,9 +1,9 @@
 """``ComposedConnector``: a pipeline running inside vLLM as one KV connector.
 
 vLLM creates it twice, once in the scheduler process (EngineCore) and once per
-worker; each builds the chain of its role (:func:`~composer.chain.chain_for`: one
-without the other process's methods). Every public method of vLLM's
-``KVConnectorBase_V1`` is overridden (a test checks this), so no node is ever silently skipped.
+worker; each builds its process's half of the chain (:func:`~composer.chain.chain_for`)
+and calls it. Every public method of vLLM's ``KVConnectorBase_V1`` is overridden
+(a test checks this), so no node is ever silently skipped.
 """
 
 from __future__ import annotations
@@ -84,15 +84,10 @@ class ComposedWorkerMetadata(ChainWorkerMetadata, KVConnectorWorkerMetadata):  #
 
 
 class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
-    """One vLLM KV connector running a KV Composer pipeline.
-
-    As vLLM's own connectors hold a ``connector_scheduler`` or a
-    ``connector_worker``, it holds its process's half of the chain, typed:
-    ``self.scheduler`` (a :class:`~composer.chain.SchedulerChain`) in the scheduler
-    process, ``self.worker`` (a :class:`~composer.chain.WorkerChain`) in a worker;
-    ``self.chain`` is whichever it is. Each method below calls the half's method of
-    the same name, which calls the nodes: vLLM -> this -> the half -> the node.
-    """
+    """One vLLM KV connector running a KV Composer pipeline. As vLLM's own connectors
+    hold a ``connector_scheduler`` or ``connector_worker``, it holds its process's half
+    of the chain, typed: ``self.scheduler`` or ``self.worker`` (``self.chain``: either).
+    Each method calls the half's method of its name, which calls the nodes."""
 
     #: The scheduler process's half (never set in a worker).
     scheduler: SchedulerChain
@@ -151,21 +146,16 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         if process == "worker":
             self._deliver_model()
 
-    # ------------------------------------------------------------------ #
-    # properties
-    # ------------------------------------------------------------------ #
+    # -- properties -------------------------------------------------------------- #
 
     @property
     def role(self) -> KVConnectorRole:
         return self._role
 
-    def _native_connectors(self) -> list[KVConnectorBase_V1]:
-        return [n.connector for n in self.chain.nodes.values() if hasattr(n, "connector")]
-
     @property
     def sub_connectors(self) -> list[KVConnectorBase_V1]:
         """The native nodes' connectors, in node order (as MultiConnector's)."""
-        return self._native_connectors()
+        return [n.connector for n in self.chain.nodes.values() if hasattr(n, "connector")]
 
     @classmethod
     def all_nodes_support_hma(cls, kv_transfer_config: Any) -> bool:
@@ -178,7 +168,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
-        native = self._native_connectors()
+        native = self.sub_connectors
         return (
             bool(native)
             and len(native) == len(self.chain.nodes)
@@ -187,11 +177,9 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return any(c.requires_kv_delivery for c in self._native_connectors())
+        return any(c.requires_kv_delivery for c in self.sub_connectors)
 
-    # ------------------------------------------------------------------ #
-    # worker: initialize
-    # ------------------------------------------------------------------ #
+    # -- worker: initialize ------------------------------------------------------ #
 
     def initialize_worker_connector(self, *args: Any, **kwargs: Any) -> None:
         """vLLM's own model hand-off, on versions that have it (not 0.32.0)."""
@@ -232,9 +220,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         with refuse_moves(kv_caches):
             self.worker.register_kv_caches(canonical, kv_caches)
 
-    # ------------------------------------------------------------------ #
-    # worker: sleep mode (vLLM 0.33 and later call these)
-    # ------------------------------------------------------------------ #
+    # -- worker: sleep mode (vLLM 0.33 and later call these) --------------------- #
 
     def unregister_kv_caches(self) -> None:
         """Before vLLM sleeps or discards its KV cache. vLLM may call it again while
@@ -260,9 +246,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self.worker.get_handshake_metadata()
 
-    # ------------------------------------------------------------------ #
-    # worker: per step
-    # ------------------------------------------------------------------ #
+    # -- worker: per step -------------------------------------------------------- #
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(layer_name)
@@ -299,7 +283,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.clear_connector_metadata()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return cast(KVConnectorTransferResults, self.worker.get_transfer_results(finished_req_ids))
+        return self.worker.get_transfer_results(finished_req_ids)  # (no cast call per step)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
@@ -308,7 +292,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         return cast("KVConnectorWorkerMetadata | None", self.worker.build_connector_worker_meta())
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return cast("KVConnectorStats | None", self.chain.get_kv_connector_stats())
+        return self.chain.get_kv_connector_stats()
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         return self.worker.get_kv_connector_kv_cache_events()
@@ -326,9 +310,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         self.chain.shutdown()
 
-    # ------------------------------------------------------------------ #
-    # scheduler
-    # ------------------------------------------------------------------ #
+    # -- scheduler --------------------------------------------------------------- #
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -414,9 +396,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         return self.chain.reset_cache()
 
-    # ------------------------------------------------------------------ #
-    # classmethods: asked before any instance exists
-    # ------------------------------------------------------------------ #
+    # -- classmethods: asked before any instance exists -------------------------- #
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

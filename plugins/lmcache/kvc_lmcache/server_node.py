@@ -6,7 +6,7 @@ when LMCache is installed) through vLLM's factory, by reusing the built-in
 connector exists the node finds its server (:mod:`kvc_lmcache.server_setup`);
 afterwards a :class:`~kvc_lmcache.supervision.ServerSupervisor` watches it. The
 hooks here read the supervisor's liveness flag: while the server is away they
-let LMCache drop the work and raise :class:`~kvc_lmcache.server.ServerGone`.
+let LMCache drop the work and raise :class:`~kvc_lmcache.server_errors.ServerDown`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvc_lmcache.lmcache_internals import (
     step_metadata,
 )
 from kvc_lmcache.loads import LoadCounter
-from kvc_lmcache.server import ServerGone
+from kvc_lmcache.server_errors import ServerDown
 from kvc_lmcache.server_setup import FoundServer, find_server, native_config
 from kvc_lmcache.supervision import ServerSupervisor
 from kvc_lmcache.tenants import HashedSalt
@@ -82,12 +82,12 @@ class LMCacheServerNode(NativeConnectorNode):
             seconds=round(seconds, 2),
         )
 
-    def _gone(self, hook: str) -> ServerGone:
+    def _gone(self, hook: str) -> ServerDown:
         server = self.supervisor.server
         where = server.url
         if server.pid is not None:
             where += f" (pid {server.pid}, started by this engine)"
-        return ServerGone(f"lmcache: the LMCache server at {where} is down; {hook} skipped it")
+        return ServerDown(f"lmcache: the LMCache server at {where} is down; {hook} skipped it")
 
     def direct_hooks(self) -> dict[str, Any]:
         hooks = super().direct_hooks()

@@ -2,7 +2,7 @@
 that points LMCache's connector at it.
 
 The node starts a server (shared by the engine's processes, see
-:mod:`kvc_lmcache.server`) or checks the given one over its HTTP frontend, so
+:mod:`kvc_lmcache.server_sharing`) or checks the given one over its HTTP frontend, so
 a mismatch is a clear error at start-up instead of a worker waiting out
 ``mq_timeout``; then vLLM's ``LMCacheMPConnector`` is made through the
 built-in ``vllm`` node, with a computed ``kv_connector_extra_config``.
@@ -17,7 +17,10 @@ from typing import Any
 from composer import NodeContext, VllmConnectorConfig
 from kvc_lmcache.config import TCP_URL, LMCacheConfig
 from kvc_lmcache.l2 import adapter_args
-from kvc_lmcache.server import ServerError, ServerInfo, ServerSettings, SharedServer, check_server
+from kvc_lmcache.server_errors import ServerDoesNotFit
+from kvc_lmcache.server_health import check_server
+from kvc_lmcache.server_process import ServerInfo, ServerSettings
+from kvc_lmcache.server_sharing import SharedServer
 
 CONNECTOR = "LMCacheMPConnector"
 
@@ -29,7 +32,7 @@ def block_size_of(vllm_config: Any) -> int | None:
 
 def check_chunk_size(chunk_size: int, block_size: int | None) -> None:
     if block_size and chunk_size % block_size:
-        raise ServerError(
+        raise ServerDoesNotFit(
             f"lmcache: chunk size {chunk_size} is not a multiple of vLLM's block size "
             f"{block_size}; use a multiple of {block_size} (server.chunk_size or chunk_size)"
         )
@@ -124,7 +127,8 @@ class FoundServer:
 
 def find_server(ctx: NodeContext, config: LMCacheConfig) -> FoundServer:
     """The given server (checked over its HTTP frontend when it has one), or the
-    engine's started one (started here, or attached to). Raises :class:`ServerError`."""
+    engine's started one (started here, or attached to). Raises a
+    :class:`~kvc_lmcache.server_errors.LMCacheServerError`."""
     block_size = block_size_of(ctx.vllm_config)
     if config.server.url is not None:
         match = TCP_URL.match(config.server.url)

@@ -1,7 +1,7 @@
 """The server node's supervision of its LMCache server: watch, restart, L2 health, resume.
 
 One :class:`ServerSupervisor` per server node (in each of the engine's
-processes) probes the server on a :class:`~kvc_lmcache.server.ServerWatcher`
+processes) probes the server on a :class:`~kvc_lmcache.server_health.ServerWatcher`
 thread. When the server dies it puts LMCache in its degraded mode at once and
 ends the waits on it (:mod:`kvc_lmcache.lmcache_internals`), lowers
 :attr:`ServerSupervisor.alive` (the flag the node's hooks read), and restarts a
@@ -22,6 +22,7 @@ from collections.abc import MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from composer.servers import alive
 from kvc_lmcache import l2_stats
 from kvc_lmcache.config import ServerConfig
 from kvc_lmcache.lmcache_internals import (
@@ -30,18 +31,10 @@ from kvc_lmcache.lmcache_internals import (
     lmcache_healthy,
     wake_heartbeats,
 )
-from kvc_lmcache.server import (
-    PROBE_TIMEOUT,
-    ServerError,
-    ServerInfo,
-    ServerLeft,
-    ServerWatcher,
-    SharedServer,
-    get_json,
-    http_probe,
-    running,
-    tcp_probe,
-)
+from kvc_lmcache.server_errors import LMCacheServerError, ServerReleased
+from kvc_lmcache.server_health import PROBE_TIMEOUT, ServerWatcher, get_json, http_probe, tcp_probe
+from kvc_lmcache.server_process import ServerInfo
+from kvc_lmcache.server_sharing import SharedServer
 
 #: Seconds before the second try to restart a started server that died; doubled
 #: for each later try (the first is at once).
@@ -152,7 +145,7 @@ class ServerSupervisor:
             # Started by this engine: its pid is exact (read each time: a restart
             # by the engine's other process changes it).
             return ServerWatcher(
-                lambda: running(shared.pid()),
+                lambda: alive(shared.pid()),
                 on_change=self._changed,
                 on_tick=self._tick,
                 name=name,
@@ -288,11 +281,11 @@ class ServerSupervisor:
         seconds = round(time.perf_counter() - self._restart_t0, 2)
         try:
             info, restarted = future.result()
-        except ServerLeft as exc:
+        except ServerReleased as exc:
             self._restart_tries = limit  # for good: the engine is stopping
             self.log.info("LMCache server not restarted", reason=str(exc))
             return
-        except ServerError as exc:
+        except LMCacheServerError as exc:
             self._restart_failed(exc)
             return
         self.server = info
@@ -307,7 +300,7 @@ class ServerSupervisor:
             process=self.process,
         )
 
-    def _restart_failed(self, exc: ServerError) -> None:
+    def _restart_failed(self, exc: LMCacheServerError) -> None:
         limit = self.config.restarts
         last = self._restart_tries >= limit
         backoff = RESTART_BACKOFF_S * 2 ** (self._restart_tries - 1)

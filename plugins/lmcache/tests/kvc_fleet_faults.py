@@ -86,7 +86,7 @@ FS_FAULTS = {"fs_gone": "fs_back", "fs_readonly": "fs_writable", "fs_full": "fs_
 #: the server's argv), as root of its own user and mount namespace: what
 #: ``mount`` directory holds on disk is copied onto a tmpfs of that size laid
 #: over it, seen by this process only. ``exec`` keeps the pid: the node's
-#: watcher, ``stop_pid`` and PR_SET_PDEATHSIG (kept across ``unshare``) see
+#: watcher, ``stop_process`` and PR_SET_PDEATHSIG (kept across ``unshare``) see
 #: the server itself; the tmpfs goes with the namespace when it exits.
 SERVER_TMPFS_SCRIPT = """set -e
 mount --bind "$1" "$2"

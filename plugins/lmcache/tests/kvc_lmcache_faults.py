@@ -84,7 +84,7 @@ class Killer(LatencyProbe):
         return 0, False
 
     def _restart(self) -> None:
-        from kvc_lmcache.server import ServerSettings, start_server
+        from kvc_lmcache.server_process import ServerSettings, start_server
 
         server = self.target.supervisor.server
         http_port = server.http_port or urlparse(self.target.config.server.http_url).port

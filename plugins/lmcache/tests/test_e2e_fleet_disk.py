@@ -42,9 +42,10 @@ import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 from fleet_checks import blocks_not_back, recomputed, served, stalled
 from kvc_fleet_faults import FS_FAULTS, server_on_own_tmpfs
-from kvc_lmcache.server import _alive, _is_server, stop_pid
+from kvc_lmcache.server_process import is_lmcache_server
 
 from composer import discover, kv_transfer_config, load_pipeline
+from composer.servers import alive, stop_process
 from composer.testing.engine import (
     EngineResult,
     EngineSpec,
@@ -186,8 +187,8 @@ def runs(
         # and its tmpfs goes with its mount namespace.
         for path in state.glob("*.json"):
             info = json.loads(path.read_text())
-            if _is_server(info.get("pid"), info.get("port")):
-                stop_pid(info["pid"])
+            if is_lmcache_server(info.get("pid"), info.get("port")):
+                stop_process(info["pid"])
 
 
 def test_tokens_equal_a_plain_engine(runs: dict[str, Any]) -> None:
@@ -200,7 +201,7 @@ def test_the_writer_leaves_its_chunks_on_disk_and_no_server(runs: dict[str, Any]
     whole_chunks = sum(r.prompt_tokens // BLOCK for r in runs["writer"].rounds[0])
     assert len(runs["files_after_writer"]) >= whole_chunks
     for path in Path(runs["state"]).glob("*.json"):
-        assert not _alive(json.loads(path.read_text()).get("pid")), "a server outlived its engine"
+        assert not alive(json.loads(path.read_text()).get("pid")), "a server outlived its engine"
 
 
 def test_a_fresh_engine_and_server_are_served_from_disk(runs: dict[str, Any]) -> None:

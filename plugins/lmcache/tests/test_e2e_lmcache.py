@@ -30,9 +30,10 @@ from typing import Any
 import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
-from kvc_lmcache.server import ServerInfo, ServerSettings, _alive, start_server, stop_pid  # noqa: E402
+from kvc_lmcache.server_process import ServerInfo, ServerSettings, start_server  # noqa: E402
 
 from composer import kv_transfer_config, load_pipeline  # noqa: E402
+from composer.servers import alive, stop_process  # noqa: E402
 from composer.testing.engine import EngineResult, EngineSpec, SharedRuns, run_engine  # noqa: E402
 from composer.testing.kv_events import Subscriber  # noqa: E402
 from composer.testing.tiny_model import build_tiny_model, make_prompts  # noqa: E402
@@ -89,7 +90,7 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerIn
         yield info
     finally:
         assert info.pid is not None
-        stop_pid(info.pid)
+        stop_process(info.pid)
 
 
 @pytest.fixture(scope="module")
@@ -237,11 +238,11 @@ def test_the_owned_server_is_gone_with_its_engine(runs: dict[str, Any]) -> None:
     assert logs, "the owned engine started no server"
     for path in state.glob("*.json"):
         data = json.loads(path.read_text())
-        assert not _alive(data.get("pid")), f"server {data} outlived its engine"
+        assert not alive(data.get("pid")), f"server {data} outlived its engine"
 
 
 def test_the_given_server_outlives_its_engines(
     shared_server: ServerInfo, runs: dict[str, Any]
 ) -> None:
-    assert shared_server.pid is not None and _alive(shared_server.pid)
+    assert shared_server.pid is not None and alive(shared_server.pid)
     assert os.path.exists(str(shared_server.log_file))

@@ -31,15 +31,10 @@ from typing import Any
 import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 import pytest
 import vllm  # noqa: F401  (installed by `make test`: missing must fail, not skip)
-from kvc_lmcache.server import (
-    ServerSettings,
-    _alive,
-    _is_server,
-    start_server,
-    stop_pid,
-)
+from kvc_lmcache.server_process import ServerSettings, is_lmcache_server, start_server
 
 from composer import discover, kv_transfer_config, load_pipeline
+from composer.servers import alive, stop_process
 from composer.testing import kept as kept_tokens
 from composer.testing.engine import (
     EngineResult,
@@ -191,10 +186,10 @@ def runs(
     finally:
         for info in out["servers"]:
             assert info.pid is not None
-            stop_pid(info.pid)
+            stop_process(info.pid)
         restarted = out.get("restarted_pid")
-        if restarted and _is_server(restarted, out["restarted_port"]):
-            stop_pid(restarted)
+        if restarted and is_lmcache_server(restarted, out["restarted_port"]):
+            stop_process(restarted)
 
 
 def _reports(path: Path) -> dict[str, Any]:
@@ -316,15 +311,15 @@ def test_a_server_back_where_it_was_is_used_again(runs: dict[str, Any], role: st
 
 def test_no_server_or_state_is_left_behind(runs: dict[str, Any]) -> None:
     for info in runs["servers"]:
-        assert not _alive(info.pid), "a killed server still runs"
+        assert not alive(info.pid), "a killed server still runs"
     # Started inside EngineCore: gone with it (PR_SET_PDEATHSIG).
     assert runs["restarted_pid"] is not None
-    assert not _is_server(runs["restarted_pid"], runs["restarted_port"])
+    assert not is_lmcache_server(runs["restarted_pid"], runs["restarted_port"])
     # The chaos engine's own server, started again three times: the last one
     # stopped with the engine, the killed ones gone.
     for outage in runs["chaos/report"]["scheduler"]["outages"]:
         for pid in (outage["killed_pid"], outage["restarted_pid"]):
-            assert not _alive(pid), outage
+            assert not alive(pid), outage
     state: Path = runs["state"]
     assert list(state.glob("*.log")), "the in-flight case started no server"
     assert not list(state.glob("*.json")), "an owned server's state outlived its engine"

@@ -23,8 +23,10 @@ import structlog
 from kvc_lmcache import l2_stats, server_setup, supervision
 from kvc_lmcache.config import LMCacheConfig
 from kvc_lmcache.l2_stats import L2Change, L2Health
-from kvc_lmcache.server import ServerError, ServerGone, ServerInfo, ServerLeft, ServerWatcher
+from kvc_lmcache.server_errors import ServerDidNotStart, ServerDown, ServerReleased
+from kvc_lmcache.server_health import ServerWatcher
 from kvc_lmcache.server_node import LMCacheServerNode
+from kvc_lmcache.server_process import ServerInfo
 from kvc_lmcache.supervision import L2_SCRAPE_TICKS
 from structlog.testing import capture_logs
 
@@ -256,7 +258,7 @@ def test_failed_restarts_are_tried_again_1_2_then_4_s_after_each_failure(
     make: Callable[..., Rig],
 ) -> None:
     rig = make({"restarts": 5})
-    refused = ServerError("`lmcache server` exited with 1 while starting:\nits log")
+    refused = ServerDidNotStart("`lmcache server` exited with 1 while starting:\nits log")
     rig.server.outcomes = [refused, refused, refused, True]
     t0 = rig.clock.now
     rig.server.kill()
@@ -279,7 +281,7 @@ def test_after_its_last_try_the_node_stays_on_and_its_lookups_miss(
     make: Callable[..., Rig],
 ) -> None:
     rig = make({"restarts": 3})
-    rig.server.outcomes = [ServerError("refused")] * 3
+    rig.server.outcomes = [ServerDidNotStart("refused")] * 3
     t0 = rig.clock.now
     rig.server.kill()
     rig.tick(2)
@@ -299,14 +301,14 @@ def test_after_its_last_try_the_node_stays_on_and_its_lookups_miss(
     assert rig.gauges["server_restart_failures"] == 3 and rig.gauges["server_restarts"] == 0
     assert rig.gauges["server_outages"] == 1 and rig.gauges["server_alive"] == 0
     # On, serving misses: the chain keeps a node that raises Unavailable.
-    with pytest.raises(ServerGone, match="is down; the lookup skipped it") as gone:
+    with pytest.raises(ServerDown, match="is down; the lookup skipped it") as gone:
         rig.node.get_num_new_matched_tokens(SimpleNamespace(raw=object()), 0)
     assert isinstance(gone.value, Unavailable)
 
 
 def test_a_later_outage_has_all_its_tries_again(make: Callable[..., Rig]) -> None:
     rig = make({"restarts": 2})
-    refused = ServerError("refused")
+    refused = ServerDidNotStart("refused")
     rig.server.outcomes = [refused, refused]
     rig.server.kill()
     rig.tick(2)
@@ -334,7 +336,7 @@ def test_a_later_outage_has_all_its_tries_again(make: Callable[..., Rig]) -> Non
 
 def test_a_server_whose_starter_left_is_not_restarted_again(make: Callable[..., Rig]) -> None:
     rig = make({"restarts": 5})
-    rig.server.outcomes = [ServerLeft("the process that started it has left")]
+    rig.server.outcomes = [ServerReleased("the process that started it has left")]
     rig.server.kill()
     rig.tick(2)
     rig.clock.now += 3600

@@ -8,18 +8,22 @@ import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not 
 import pytest
 from kvc_lmcache import memory as memory_module
 from kvc_lmcache.config import LMCacheConfig
-from kvc_lmcache.server import (
-    ServerError,
+from kvc_lmcache.server_errors import (
+    ServerDidNotStart,
+    ServerDoesNotFit,
+    ServerUnreachable,
+)
+from kvc_lmcache.server_health import check_server, healthy
+from kvc_lmcache.server_process import (
     ServerSettings,
-    SharedServer,
-    _alive,
     check_l1_fits,
-    check_server,
-    healthy,
     lmcache_command,
     server_argv,
 )
 from kvc_lmcache.server_setup import check_chunk_size, mp_extra_config
+from kvc_lmcache.server_sharing import SharedServer
+
+from composer.servers import alive
 
 
 @pytest.fixture()
@@ -68,7 +72,7 @@ def test_connector_extra_config() -> None:
 def test_chunk_size_must_be_a_multiple_of_the_block_size() -> None:
     check_chunk_size(64, 32)
     with pytest.raises(
-        ServerError, match="chunk size 48 is not a multiple of vLLM's block size 32"
+        ServerDoesNotFit, match="chunk size 48 is not a multiple of vLLM's block size 32"
     ):
         check_chunk_size(48, 32)
 
@@ -78,7 +82,7 @@ def test_one_server_per_key_shared_and_stopped_by_the_last_user(state: Path) -> 
     first, second = SharedServer("engine-a/lm", settings), SharedServer("engine-a/lm", settings)
     info = first.acquire()
     try:
-        assert first.started and info.host == "127.0.0.1" and _alive(info.pid)
+        assert first.started and info.host == "127.0.0.1" and alive(info.pid)
         again = second.acquire()
         assert not second.started and (again.port, again.pid) == (info.port, info.pid)
         assert info.http_url and healthy(info.http_url)
@@ -86,23 +90,23 @@ def test_one_server_per_key_shared_and_stopped_by_the_last_user(state: Path) -> 
         mp = check_server(info.http_url, block_size=32, transfer_mode="lmcache_driven")
         assert mp["chunk_size"] == 32
         with pytest.raises(
-            ServerError, match="chunk size 32 is not a multiple of vLLM's block size 64"
+            ServerDoesNotFit, match="chunk size 32 is not a multiple of vLLM's block size 64"
         ):
             check_server(info.http_url, block_size=64, transfer_mode="lmcache_driven")
         with pytest.raises(
-            ServerError,
+            ServerDoesNotFit,
             match="supports transfer mode lmcache_driven, but the connector uses engine_driven",
         ):
             check_server(info.http_url, block_size=32, transfer_mode="engine_driven")
-        with pytest.raises(ServerError, match="auto may resolve to engine_driven"):
+        with pytest.raises(ServerDoesNotFit, match="auto may resolve to engine_driven"):
             check_server(info.http_url, block_size=32, transfer_mode="auto")
 
         first.release()
-        assert _alive(info.pid), "stopped while another user still holds it"
+        assert alive(info.pid), "stopped while another user still holds it"
     finally:
         first.release()
         second.release()
-    assert not _alive(info.pid)
+    assert not alive(info.pid)
     assert not first.state_file.exists()
     second.release()  # twice is harmless
 
@@ -111,12 +115,12 @@ def test_a_server_that_cannot_start_is_a_clear_error(state: Path) -> None:
     bad = SharedServer(
         "engine-b/lm", ServerSettings(chunk_size=32, extra_args=("--max-workers", "x"))
     )
-    with pytest.raises(ServerError, match=r"`lmcache server` exited with \d+ while starting"):
+    with pytest.raises(ServerDidNotStart, match=r"`lmcache server` exited with \d+ while starting"):
         bad.acquire()
 
 
 def test_an_unreachable_given_server(state: Path) -> None:
-    with pytest.raises(ServerError, match="is not healthy"):
+    with pytest.raises(ServerUnreachable, match="is not healthy"):
         check_server("http://127.0.0.1:9", block_size=32, transfer_mode="lmcache_driven", timeout=1)
 
 
@@ -130,10 +134,10 @@ def test_a_stale_state_file_never_signals_an_unrelated_process(state: Path) -> N
     shared.state_file.write_text(json.dumps(stale))
     info = shared.acquire()  # would SIGTERM this very test process if it trusted the pid
     try:
-        assert shared.started and info.pid != os.getpid() and _alive(info.pid)
+        assert shared.started and info.pid != os.getpid() and alive(info.pid)
     finally:
         shared.release()
-    assert not _alive(info.pid)
+    assert not alive(info.pid)
 
 
 # -- an L1 larger than this machine's memory: an error at start, not an OOM kill ----- #
@@ -149,7 +153,7 @@ def test_an_l1_past_this_machines_memory_fails_before_a_server_starts(state: Pat
     l1_size_gb = 2**29  # valid (at most 1 EiB), and more than any machine here holds
     _, total = memory_module.available_memory()
     shared = SharedServer("engine-m/lm", ServerSettings(chunk_size=32, l1_size_gb=l1_size_gb), "lm")
-    with pytest.raises(ServerError) as info:
+    with pytest.raises(ServerDoesNotFit) as info:
         shared.acquire()
     message = str(info.value)
     assert message.startswith(
@@ -175,7 +179,7 @@ def test_the_l1_must_fit_in_the_memory_available_now(
         check_l1_fits(settings, "lm")
         return
     with pytest.raises(
-        ServerError, match=r"of memory available on this machine \(64\.0GiB in all\)"
+        ServerDoesNotFit, match=r"of memory available on this machine \(64\.0GiB in all\)"
     ):
         check_l1_fits(settings, "lm")
 
@@ -190,5 +194,7 @@ def test_a_restart_checks_the_memory_too(state: Path, monkeypatch: pytest.Monkey
         json.dumps({**dead, "users": [shared.token], "starter": shared.token})
     )
     _memory(monkeypatch, available=2 * GiB)
-    with pytest.raises(ServerError, match=r'^lmcache node "lm": server.l1_size_gb 8 \(8\.0GiB'):
+    with pytest.raises(
+        ServerDoesNotFit, match=r'^lmcache node "lm": server.l1_size_gb 8 \(8\.0GiB'
+    ):
         shared.restart()

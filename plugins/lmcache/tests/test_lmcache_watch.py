@@ -20,18 +20,10 @@ from types import SimpleNamespace
 import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not skip)
 import pytest
 from kvc_lmcache.lmcache_internals import degrade, fail_pending, lmcache_healthy
-from kvc_lmcache.server import (
-    WATCH_INTERVAL,
-    ServerInfo,
-    ServerSettings,
-    ServerWatcher,
-    _alive,
-    http_probe,
-    running,
-    start_server,
-    stop_pid,
-    tcp_probe,
-)
+from kvc_lmcache.server_health import WATCH_INTERVAL, ServerWatcher, http_probe, tcp_probe
+from kvc_lmcache.server_process import ServerInfo, ServerSettings, start_server
+
+from composer.servers import alive, stop_process
 
 SETTINGS = ServerSettings(chunk_size=32, l1_size_gb=0.1, transfer_mode="auto")
 
@@ -43,13 +35,13 @@ def server(tmp_path: Path) -> Iterator[ServerInfo]:
         yield info
     finally:
         assert info.pid is not None
-        stop_pid(info.pid)
+        stop_process(info.pid)
 
 
 def _kill(info: ServerInfo) -> None:
     assert info.pid is not None
     os.kill(info.pid, signal.SIGKILL)
-    while _alive(info.pid):  # reaps it: it is our child
+    while alive(info.pid):  # reaps it: it is our child
         time.sleep(0.01)
 
 
@@ -57,7 +49,7 @@ def _probes(info: ServerInfo) -> dict[str, tuple[Callable[[], bool], int]]:
     """Every probe kind, with the failures in a row the node needs to call it down."""
     assert info.pid is not None and info.http_url is not None
     return {
-        "pid": (lambda: running(info.pid), 1),
+        "pid": (lambda: alive(info.pid), 1),
         "http": (http_probe(info.http_url), 2),
         "tcp": (tcp_probe(info.host, info.port), 2),
     }
@@ -102,7 +94,7 @@ def test_a_server_restarted_where_it_was_is_up_again(
         assert changes == [False, True]
     finally:
         assert again.pid is not None
-        stop_pid(again.pid)
+        stop_process(again.pid)
 
 
 def test_one_failed_network_probe_is_not_an_outage() -> None:
@@ -127,7 +119,7 @@ def test_the_watcher_thread_reports_a_killed_server(server: ServerInfo) -> None:
     assert server.pid is not None
     down = threading.Event()
     watcher = ServerWatcher(
-        lambda: running(server.pid), on_change=lambda alive: None if alive else down.set()
+        lambda: alive(server.pid), on_change=lambda alive: None if alive else down.set()
     ).start()
     try:
         _kill(server)
