@@ -25,7 +25,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from composer.hookspecs import HOOKS, Every, Native, NodeSpec, hooks_where
 from composer.testing.multiconnector import make_vllm_config, node_ids, pipeline_for
-from composer.vllm.connector import ComposedConnector
+from composer.vllm.connector import WORKER_HOT_PATH, ComposedConnector
 from composer.vllm.registration import register
 from composer.vllm.surface import COMPOSER_LEVEL
 
@@ -274,13 +274,17 @@ def _recording(connector: ComposedConnector) -> _Recorder:
 def test_the_methods_an_editor_follows_are_the_ones_vllm_calls(
     registered: None, name: str
 ) -> None:
-    # Per layer and per step, vLLM calls the class's method (nothing is bound over it
-    # at run time), which calls its half's method of the same name, kwargs included.
+    # Per layer and per step, vLLM calls the class's method, which calls its half's
+    # method of the same name, kwargs included; or, for the worker's hot path (named
+    # in WORKER_HOT_PATH), that method itself, bound in __init__.
     # (Built in the process that calls the hook: its half has the hook.)
     scheduler = HOOKS[name].process == "scheduler"
     role = KVConnectorRole.SCHEDULER if scheduler else KVConnectorRole.WORKER
     connector = composed([child(RecordingConnector)], role)
-    assert name not in vars(connector)
+    if name in WORKER_HOT_PATH:
+        assert getattr(connector, name) == getattr(connector.worker, name)
+    else:
+        assert name not in vars(connector)
     method = getattr(ComposedConnector, name)
     params = list(inspect.signature(method).parameters.values())[1:]
     args = tuple(f"arg-{p.name}" for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
