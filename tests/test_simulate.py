@@ -8,6 +8,7 @@ by hand. ``input_length`` stays in the trace's units (512 tokens an id).
 from __future__ import annotations
 
 import json
+import random
 import re
 import shlex
 import subprocess
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 from kvc_offload_cpu.index import BlockIndex
-from kvc_offload_cpu.simulate import OffloadCPUModel
+from kvc_offload_cpu.simulate import OffloadCPUModel, SlotCount
 
 from composer.cli import main
 from composer.controls import Retention
@@ -151,10 +152,37 @@ def test_lru_touches_on_hit_and_evicts_like_block_index() -> None:
 
 
 def test_offload_model_is_the_tiers_block_index() -> None:
+    """The tier's own index, but for its free slots, counted rather than numbered (a
+    replay never reads a slot's number): every decision is BlockIndex's."""
     p = pipeline(tier("cpu", 4))
     model = OffloadCPUModel(p.node("cpu").config, block_size=BS, bytes_per_block=1)
-    assert type(model.index) is BlockIndex
+    assert type(model.index) is SlotCount and SlotCount.__bases__ == (BlockIndex,)
+    own = {k for k in vars(SlotCount) if not k.startswith("__")}
+    assert own == {"_number_slots", "used_slots", "allocate", "_free_slots"}
     assert model.capacity_blocks == 4
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+@pytest.mark.parametrize("quotas", [None, {"a": 0.5}])
+def test_counted_slots_decide_as_numbered_ones(eviction: str, quotas: Any) -> None:
+    """Entries of 1 to 8 slots (a unit's and a window's), two tenants, touches: the same
+    entries, slots and evictions after every step, counted or numbered."""
+    rng = random.Random(7)
+    numbered, counted = (cls(64, eviction, quotas=quotas) for cls in (BlockIndex, SlotCount))
+    for step in range(3000):
+        key, tenant = rng.randrange(400).to_bytes(2, "little"), rng.choice("ab")
+        for index in (numbered, counted):
+            known = index.get(key)
+            if known is not None:
+                index.touch(known)
+                continue
+            entry = index.allocate(key, tenant, 1 + key[0] % 8)
+            if entry is not None:
+                index.mark_ready(entry)
+        assert set(numbered._entries) == set(counted._entries), step
+        assert numbered.used_slots == counted.used_slots, step
+        assert numbered.evictions == counted.evictions, step
+    assert counted.evictions > 1000
 
 
 def _policy_trace() -> list[TraceRequest]:
@@ -459,7 +487,8 @@ def test_hybrid_model_config_command(tmp_path: Path, capsys: pytest.CaptureFixtu
     out = json.loads(capsys.readouterr().out)
     cpu = out["nodes"][0]
     assert [g["kind"] for g in out["groups"]] == ["sliding_window", "attention"]
-    assert out["unit_blocks"] == 1 and "every block replayed" in out["notes"][0]
+    # A 64-token window: full attention in units, the window's own blocks kept.
+    assert out["unit_blocks"] == 16 and not any("every block" in n for n in out["notes"])
     assert 0.5 < cpu["window_saving"] < 0.6 and cpu["bytes_saved_per_request"] > 0
     assert main([*args, str(gemma)]) == 0
     text = capsys.readouterr().out
@@ -722,12 +751,14 @@ GEMMA3_LONG = {**GEMMA3, "sliding_window": 1024}
 
 @pytest.mark.parametrize(
     ("window", "retention", "unit"),
-    [(1024, 512, 16), (512, 512, 16), (1024, 1024, 16), (64, 512, 1), (1024, 256, 1),
-     (1024, 0, 1)],
+    [(1024, 512, 16), (512, 512, 16), (1024, 1024, 16), (64, 512, 16), (32, 0, 16),
+     (1024, 0, 16), (700, 1536, 16), (1024, 256, 1), (64, 384, 1)],
 )
-def test_window_groups_move_in_units_when_windows_and_retention_are_whole_trace_blocks(
+def test_window_groups_move_in_units_unless_a_retained_point_is_inside_a_trace_block(
     tmp_path: Path, window: int, retention: int, unit: int
 ) -> None:
+    """Any window moves in units (its own blocks kept), and window_retention 0 too; a
+    retention that is not whole trace blocks has hit points inside one: exact."""
     shape = model_shape(config_file(tmp_path, {**GEMMA3, "sliding_window": window}), BS)
     r = run(
         pipeline(tier("cpu", "1MiB", f", window_retention: {retention}")),

@@ -19,7 +19,8 @@ order, one request at a time. The rules are the product's:
 A model's KV cache groups (:class:`SimKVGroup`, from its ``config.json`` by
 :mod:`composer.simulate.shape`) reach every tier model: a hybrid model's tier
 stores each layout's blocks on its own (a sliding window only those a hit
-needs). Window groups keep single blocks, so such a model replays every block.
+needs), in whole trace blocks too: full attention a trace block as one, a
+window the blocks of it a hit at a trace block's end needs.
 
 A plugin type brings its own model through ``PluginType.simulator``
 (``"module:Class"``, imported here only), built on the code of the real tier

@@ -32,9 +32,8 @@ from composer.simulate.replay import (
     Started,
     _check_options,
     _Replay,
-    _unit,
     collector_paused,
-    retentions,
+    unit_for,
 )
 from composer.simulate.results import TenantResult, fallback_line
 from composer.simulate.routers import ROUTERS, FleetView, check_router, make_router
@@ -227,9 +226,8 @@ def simulate_fleet(
     if max_output_tokens is not None and max_output_tokens < 1:
         raise SimulateError(f"--max-output-tokens must be >= 1, got {max_output_tokens}")
     kv_groups = tuple(groups or (SimKVGroup("attention", bytes_per_block),))
-    unit = _unit(
-        kv_groups, block_size, trace_block_tokens, exact, [],
-        retentions(pipeline, overrides or {}),
+    unit = unit_for(
+        pipeline, overrides or {}, kv_groups, block_size, trace_block_tokens, exact, []
     )
     keymaker = KeyMaker(block_size * unit, trace_block_tokens)
     replays = [

@@ -76,14 +76,13 @@ def simulate(
     evicted together, 16x less work for Mooncake's 512 tokens in 32-token
     blocks. A tier then holds whole units only, and the full blocks of a
     prompt's partial last trace block (never a hit: unique to the request) are
-    not stored. ``exact`` replays every vLLM block, and so does a model whose window
-    groups keep single blocks of a unit (:func:`_unit`).
-    """
+    not stored; a window group keeps only the blocks a hit at a unit's end needs
+    (``window_units``). ``exact`` replays every vLLM block, and so does a
+    ``window_retention`` inside a trace block (:func:`_unit`)."""
     _check_options(bytes_per_block, block_size, trace_block_tokens, vllm_cache_blocks)
     groups = tuple(groups or (SimKVGroup("attention", bytes_per_block),))
     notes = list(notes)
-    kept = retentions(pipeline, overrides or {})
-    unit = _unit(groups, block_size, trace_block_tokens, exact, notes, kept)
+    unit = unit_for(pipeline, overrides or {}, groups, block_size, trace_block_tokens, exact, notes)
     keymaker = KeyMaker(block_size * unit, trace_block_tokens)
     run = _Replay(pipeline, overrides or {}, keymaker, unit, bytes_per_block,
                   vllm_cache_blocks, groups)
@@ -124,30 +123,62 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def unit_for(
+    pipeline: ResolvedPipeline,
+    overrides: dict[str, Any],
+    groups: Sequence[SimKVGroup],
+    block_size: int,
+    trace_block_tokens: int,
+    exact: bool,
+    notes: list[str],
+) -> int:
+    """The vLLM blocks a replay of ``pipeline`` moves as one (:func:`_unit`)."""
+    return _unit(
+        groups, block_size, trace_block_tokens, exact, notes,
+        retentions(pipeline, overrides), window_units(pipeline),
+    )
+
+
 def _unit(
     groups: Sequence[SimKVGroup], block_size: int, trace_block_tokens: int, exact: bool,
-    notes: list[str], retentions: Sequence[int] = (),
+    notes: list[str], retentions: Sequence[int] = (), splits: bool = False,
 ) -> int:
     """vLLM blocks replayed as one (a whole trace block where it can be, see :func:`simulate`).
 
-    A window group's blocks move in whole trace blocks too when its window and every
-    node's ``window_retention`` (``retentions``) are whole trace blocks: the blocks a
-    hit at a trace block's end needs, and those a tier keeps, are then whole trace
-    blocks. Not with ``window_retention: 0``: a tier then keeps a window only at a
-    prompt's end, inside its last, partial trace block (measured: 3.6 % served
-    exactly, 13.4 % in units). Otherwise every block is replayed."""
+    A hit then ends at a trace block's end. With window groups, every node's
+    ``window_retention`` (``retentions``) must be 0 or whole trace blocks: a
+    retained hit point inside a trace block would be lost. Models that keep a
+    window's own blocks in units (``splits``, :func:`window_units`) take any window;
+    others windows of whole trace blocks and no ``window_retention: 0`` (they would
+    keep a window at a prompt's end that the real tier keeps only inside its last,
+    partial trace block). Otherwise every block is replayed."""
     if exact or trace_block_tokens % block_size:
         return 1
     windows = [g.window for g in groups if g.window]
-    if windows and any(
-        n <= 0 or n % trace_block_tokens for n in (*windows, *retentions)
-    ):
+    if windows and splits:
+        if any(n < 0 or n % trace_block_tokens for n in retentions):
+            notes.append(
+                f"window_retention not a multiple of {trace_block_tokens} tokens (hit points "
+                "inside a trace block): every block replayed (as --exact)"
+            )
+            return 1
+    elif windows and any(n <= 0 or n % trace_block_tokens for n in (*windows, *retentions)):
         notes.append(
             f"window groups keep single blocks (a window or window_retention not a positive "
             f"multiple of {trace_block_tokens} tokens): every block replayed (as --exact)"
         )
         return 1
     return trace_block_tokens // block_size
+
+
+def window_units(pipeline: ResolvedPipeline) -> bool:
+    """Whether every modelled node's model keeps a window's own blocks in units
+    (``window_units``: given ``unit_blocks``, see :class:`~composer.simulate.TierModel`)."""
+    return all(
+        getattr(resolve_ref(spec), "window_units", False)
+        for node in pipeline.nodes
+        if (spec := getattr(node.plugin, "simulator", None)) is not None
+    )
 
 
 def retentions(pipeline: ResolvedPipeline, overrides: dict[str, Any]) -> list[int]:
@@ -199,6 +230,8 @@ class _Replay:
         unit_groups = tuple(replace(g, block_bytes=g.block_bytes * group) for g in groups)
         self.results: dict[str, NodeResult] = {}
         self.models: dict[str, TierModel] = {}
+        #: vLLM blocks in each model's counts (a unit; one block for a model in rings).
+        self.counts: dict[str, int] = {}
         for node in pipeline.nodes:
             self._add_node(node, overrides, unit_bytes, unit_groups)
         self.vllm_blocks = vllm_cache_blocks
@@ -230,10 +263,17 @@ class _Replay:
             return
         config = _with_overrides(node, overrides)
         model_class = cast(Callable[..., TierModel], resolve_ref(spec))
-        model = model_class(config, block_size=self.unit, bytes_per_block=unit_bytes, groups=groups)
+        extra: dict[str, int] = {}
+        windows = any(g.window for g in groups)
+        if self.group > 1 and windows and getattr(model_class, "window_units", False):
+            extra["unit_blocks"] = self.group  # it counts vLLM blocks
+        model = model_class(
+            config, block_size=self.unit, bytes_per_block=unit_bytes, groups=groups, **extra
+        )
         self.models[node.id] = model
-        res.capacity_blocks = model.capacity_blocks * self.group
-        res.capacity_bytes = model.capacity_blocks * unit_bytes
+        count = self.counts[node.id] = 1 if extra else self.group
+        res.capacity_blocks = model.capacity_blocks * count
+        res.capacity_bytes = model.capacity_blocks * count * unit_bytes // self.group
 
     def units(self, req: TraceRequest) -> tuple[int, list[bytes], int]:
         """The request's prompt tokens, its units' keys, and how many may be served."""
@@ -290,7 +330,9 @@ class _Replay:
         for model, res in self.save_nodes:
             model.arrive(started.arrival)
             loaded = [(s, s + hit) for m, s, hit in plan if m is not model]
-            res.blocks_saved += model.save(keys, started.prompt, served, loaded) * self.group
+            res.blocks_saved += model.save(keys, started.prompt, served, loaded) * self.counts[
+                res.id
+            ]
 
     def _vllm_hit(self, keys: Sequence[bytes], limit: int) -> int:
         """Leading units vLLM's own prefix cache serves."""
@@ -332,7 +374,7 @@ class _Replay:
         """Every row, vLLM's prefix cache first (when modelled), in vLLM blocks and bytes."""
         for node_id, model in self.models.items():
             res = self.results[node_id]
-            res.evictions = model.evictions * self.group
+            res.evictions = model.evictions * self.counts[node_id]
             res.bytes_loaded, res.bytes_saved = model.bytes_loaded, model.bytes_saved
             res.bytes_saved_per_request = res.bytes_saved / requests if requests else 0.0
             res.window_saving = model.window_saving

@@ -19,9 +19,8 @@ from composer.simulate.replay import (
     Result,
     _check_options,
     _Replay,
-    _unit,
-    retentions,
     simulate,
+    unit_for,
 )
 from composer.simulate.tiers import SimKVGroup, SimulateError
 from composer.trace import MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
@@ -169,9 +168,9 @@ def _units_for(
     except SimulateError:
         return None
     run_pipeline = kwargs.get("pipeline", pipeline)
-    unit = _unit(
-        groups, block_size, tbt, kwargs.get("exact", False), [],
-        retentions(run_pipeline, kwargs.get("overrides") or {}),
+    unit = unit_for(
+        run_pipeline, kwargs.get("overrides") or {}, groups, block_size, tbt,
+        kwargs.get("exact", False), [],
     )
     if (unit * block_size, tbt) not in made:
         keymaker = KeyMaker(block_size * unit, tbt)

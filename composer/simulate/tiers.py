@@ -61,6 +61,14 @@ class TierModel(Protocol):
     tokens and bytes of one slot (one replay unit; with several groups, one
     group's block), and the model's KV cache groups (block bytes per unit).
 
+    A replay in units of several vLLM blocks (whole trace blocks) ends every hit
+    at a unit's end. A model whose class sets ``window_units = True`` is then
+    also given ``unit_blocks`` (vLLM blocks a unit) when a group has a window: it
+    keeps a window's own blocks (a 64-token window needs 2 blocks of a unit's
+    16), and counts its capacity, evictions and the slots ``save`` returns in
+    vLLM blocks. Any window then replays in units; a model without it, only
+    windows of whole trace blocks (others every block, as ``--exact``).
+
     A model with cache policies may also give ``policies`` (each kind's policy in
     force, by kind) and ``policy_fallbacks`` (a dict per policy switched off because
     it raised: ``kind``, ``policy``, ``cls``, ``hook``, ``error``, ``fallback``,

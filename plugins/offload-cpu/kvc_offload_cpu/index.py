@@ -154,13 +154,16 @@ class BlockIndex:
             self.health.configured["retention"] = (
                 retention if isinstance(retention, str) else type(self.retention).__name__
             )
+        self._number_slots(num_slots)
+        self.evictions = 0
+        #: Called with every entry that leaves the index (evicted, dropped, reset).
+        self.on_remove: Callable[[Entry], None] | None = None
+
+    def _number_slots(self, num_slots: int) -> None:
         #: Free slots, lowest first (consecutive saves get consecutive slots).
         self._free: list[int] = list(range(num_slots))
         self._gen: list[int] = [0] * num_slots
         self._by_slot: list[Entry | None] = [None] * num_slots
-        self.evictions = 0
-        #: Called with every entry that leaves the index (evicted, dropped, reset).
-        self.on_remove: Callable[[Entry], None] | None = None
 
     def _new_policy(self, eviction: str | type, slots: int) -> EvictionPolicy:
         cls = find_policy("eviction", eviction) if isinstance(eviction, str) else eviction

@@ -12,12 +12,15 @@ hybrid's window layers into several groups of one window) keep and need the
 same blocks: the tier indexes a position's blocks of them as one entry, a
 *bundle* (:func:`bundles`). Without the hybrid manager (or for a plain model)
 there is one group, and a slot holds one block of every layer, as before.
+``kvc simulate``, replaying whole trace blocks, asks a window group's blocks of
+a trace block in runs (:class:`UnitRings`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import gcd, lcm
 from typing import Any
 
 #: Group kinds the tier can restore from blocks alone (state groups cannot).
@@ -77,6 +80,143 @@ class GroupLayout:
             for m in range(every, stop + every, every):
                 kept.update(range(max(m - every, self.needed(0, m).start), m))
         return {k for k in kept if k < stop}
+
+
+@dataclass(frozen=True)
+class UnitRings:
+    """A window group's blocks for a replay that moves ``unit`` blocks at a time
+    (``kvc simulate``'s whole trace blocks), whose hits end at unit boundaries.
+
+    A block is needed by the hits ending at the unit boundaries from just past it up
+    to the last one whose window still reaches it: a *reach* of ``d`` units. Within
+    a unit the reach grows with the block, so a unit's blocks fall into *rings*,
+    runs of one reach (a sliding window: at most two, the window's tail r = n mod
+    ``unit`` of its n blocks and the rest), and blocks of reach 0 (no hit at a unit
+    boundary needs them) are in none. A ring is kept, looked up and evicted as
+    one: the blocks a window needs are stored and looked up, not the unit's.
+    The pattern repeats every ``period`` units (1 for a sliding window). Where
+    every unit's end is a retained point, a tier keeps all of a unit's rings or
+    none: they are then one ring (``whole``), one entry a unit.
+    """
+
+    #: The group's layout, of vLLM blocks.
+    layout: GroupLayout
+    unit: int
+    period: int
+    #: Per unit phase (unit mod ``period``): its rings, (first block in the unit, blocks, reach).
+    rings: tuple[tuple[tuple[int, int, int], ...], ...]
+    #: Per phase of a hit's end E: the rings it needs, (units back from E, ring of that unit).
+    needs: tuple[tuple[tuple[int, int], ...], ...]
+
+    @property
+    def sizes(self) -> set[int]:
+        """Every ring's blocks."""
+        return {size for phase in self.rings for _, size, _ in phase}
+
+    @property
+    def longest(self) -> int:
+        """The longest reach, in units."""
+        return max((d for phase in self.rings for _, _, d in phase), default=0)
+
+    def kept(self, stop: int, every: int, ends: Sequence[int]) -> list[tuple[int, ...]]:
+        """The rings a tier keeps of units ``[0, stop)`` (each unit's, by number): of the
+        blocks :meth:`GroupLayout.kept` keeps (the windows before every ``every`` blocks
+        and before ``ends``, the blocks where the prompt ends), the whole rings. The
+        window before a unit's end is whole rings; a ring a window inside a unit covers
+        only in part can serve no hit at a unit's end, and is not kept (nor are blocks
+        of no ring: no hit at a unit's end needs them)."""
+        unit, period, rings = self.unit, self.period, self.rings
+        e = lcm(every, unit) // unit if every else 0  # units between retained boundaries
+        memo: dict[tuple[int, int], tuple[int, ...]] = {}
+        kept: list[tuple[int, ...]] = []
+        if e == 1 and period == 1:  # every boundary retained: every ring (the default)
+            kept = [tuple(range(len(rings[0])))] * stop
+        for j in range(len(kept), stop):
+            phase = (j % period, j % e if e else 0)
+            got = memo.get(phase)
+            if got is None:  # the next retained boundary is e - j % e units on
+                reach = enumerate(rings[phase[0]])
+                got = memo[phase] = tuple(i for i, (_, _, d) in reach if e and e - phase[1] <= d)
+            kept.append(got)
+        for first, end in self.spans(ends):
+            for j in range(first // unit, min(-(-end // unit), stop)):
+                at = j * unit
+                more = {
+                    i
+                    for i, (lo, size, _) in enumerate(rings[j % period])
+                    if first <= at + lo and at + lo + size <= end
+                }
+                if not more.issubset(kept[j]):
+                    kept[j] = tuple(sorted(more.union(kept[j])))
+        return kept
+
+    def spans(self, ends: Sequence[int]) -> list[tuple[int, int]]:
+        """The windows before ``ends`` (blocks where a prompt ends), ``[first, end)``
+        ranges of blocks (one where they overlap)."""
+        spans: list[tuple[int, int]] = []
+        for first, end in sorted((self.layout.needed(0, p).start, p) for p in set(ends) if p):
+            if spans and first <= spans[-1][1]:
+                spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
+            else:
+                spans.append((first, end))
+        return spans
+
+    def loose(self, ends: Sequence[int], kept: list[tuple[int, ...]], start: int, stop: int) -> int:
+        """Blocks of ``[start, stop)`` in the windows before ``ends`` that no ring of ``kept``
+        holds: the exact tier keeps them (before a point inside a unit, or inside a
+        prompt's partial last unit), though no hit at a unit's end can use them."""
+        unit, period, rings = self.unit, self.period, self.rings
+        total = 0
+        for first, end in self.spans(ends):
+            first, end = max(first, start), min(end, stop)
+            total += max(0, end - first)
+            for j in range(first // unit, min(-(-end // unit), len(kept))):
+                for i in kept[j]:
+                    lo, size, _ = rings[j % period][i]
+                    at = j * unit + lo
+                    total -= max(0, min(at + size, end) - max(at, first))
+        return total
+
+
+def unit_rings(layout: GroupLayout, unit: int, whole: bool = False) -> UnitRings:
+    """The :class:`UnitRings` of a window ``layout`` (of vLLM blocks) in units of ``unit``;
+    ``whole``: a unit's rings as one (where a tier always keeps them together: a hit
+    then touches the whole of its oldest unit's, not only the part it needs)."""
+    tokens, window = unit * layout.block_size, layout.window
+    period = window // gcd(window, tokens) if layout.kind == "chunked_local" and window else 1
+
+    def reach(k: int, j: int) -> int:
+        """Units past ``j`` whose boundary still needs block ``k`` of unit ``j``."""
+        e = j + 1
+        while layout.needed(0, e * unit).start <= k:
+            e += 1
+        return e - 1 - j
+
+    rings = []
+    for j in range(period):
+        reaches = [reach(j * unit + o, j) for o in range(unit)]
+        runs: list[tuple[int, int, int]] = []
+        for o, d in enumerate(reaches):
+            if not d:
+                continue
+            if runs and runs[-1][2] == d:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, d)
+            else:
+                runs.append((o, 1, d))
+        if whole and runs:
+            runs = [(runs[0][0], sum(n for _, n, _ in runs), max(d for _, _, d in runs))]
+        rings.append(tuple(runs))
+    longest = max((d for phase in rings for _, _, d in phase), default=0)
+    needs = tuple(
+        tuple(
+            (back, i)
+            for back in range(1, longest + 1)
+            for i, (_, _, d) in enumerate(rings[(end - back) % period])
+            if d >= back
+        )
+        for end in range(period)
+    )
+    return UnitRings(layout, unit, period, tuple(rings), needs)
 
 
 @dataclass(frozen=True)
