@@ -144,6 +144,6 @@ def test_a_node_that_moves_vllm_tensors_is_refused() -> None:
 
     connector = object.__new__(ComposedConnector)
     connector._kv_cache_config = cfg
-    connector.chain = SimpleNamespace(register_kv_caches=relocate)  # type: ignore[assignment]
+    connector.worker = SimpleNamespace(register_kv_caches=relocate)  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="moved vLLM's KV cache tensors"):
         connector.register_kv_caches(kv)
