@@ -43,10 +43,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 from kvc_offload_cpu.config import OffloadCPUConfig
@@ -55,6 +53,7 @@ from kvc_offload_cpu.scheduler import SchedulerHalf
 
 from composer import NodeContext, RequestView, StepView
 from composer.controls import Retention
+from composer.testing.work import opcodes
 
 ROOT = Path(__file__).parent.parent
 SHARED = ROOT.parent / "shared/traces/mooncake-conversation_trace.jsonl"
@@ -256,31 +255,8 @@ def _step_times(drivers: list[SchedulerDriver]) -> list[list[float]]:
     return times
 
 
-@contextmanager
-def _opcodes() -> Iterator[list[int]]:
-    """Counts the Python opcodes run inside the block (in ``count[0]``): the work, which a
-    busy machine does not change."""
-    count = [0]
-
-    def local(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "opcode":
-            count[0] += 1
-        return local
-
-    def calls(frame: FrameType, event: str, arg: Any) -> Any:
-        frame.f_trace_opcodes = True
-        return local
-
-    previous = sys.gettrace()
-    sys.settrace(calls)
-    try:
-        yield count
-    finally:
-        sys.settrace(previous)
-
-
 def _opcodes_a_step(driver: SchedulerDriver, steps: int = 5) -> int:
-    with _opcodes() as count:
+    with opcodes() as count:
         for _ in range(steps):
             driver.step()
     return count[0] // steps

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -441,15 +442,27 @@ def _install(site: Path, dist: str, module: str, source: str) -> None:
     (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{module} = {module}\n")
 
 
+@contextmanager
+def _installed(
+    site: Path, monkeypatch: pytest.MonkeyPatch, dist: str, module: str, source: str
+) -> Iterator[Path]:
+    """:func:`_install`'d on ``sys.path``, ``site`` the working directory; its module
+    forgotten after."""
+    _install(site, dist, module, source)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.chdir(site)
+    try:
+        yield site
+    finally:
+        sys.modules.pop(module, None)
+
+
 @pytest.fixture
 def broken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """kvc-broken-lfu installed: its policy lacks victims and its removed() cannot
     take the tier's call."""
-    _install(tmp_path, "kvc-broken-lfu", "kvc_broken_lfu", BROKEN)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    yield tmp_path
-    sys.modules.pop("kvc_broken_lfu", None)
+    with _installed(tmp_path, monkeypatch, "kvc-broken-lfu", "kvc_broken_lfu", BROKEN):
+        yield tmp_path
 
 
 BROKEN_LFU = (
@@ -506,15 +519,10 @@ def test_a_hook_that_raises_is_named_when_a_pipeline_names_what_it_lacks(
             raise RuntimeError("no licence file")
         """
     )
-    _install(tmp_path, "kvc-raising", "kvc_raising", source)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    try:
+    with _installed(tmp_path, monkeypatch, "kvc-raising", "kvc_raising", source):
         assert _validate(capsys, str(_write("eviction: lru", "plain.yaml")))[0] == 0
         path = _write("eviction: lfu")
         code, out = _validate(capsys, str(path))
-    finally:
-        sys.modules.pop("kvc_raising", None)
     assert code == 2
     assert (
         f'{_at(path, "lfu")}: nodes.cpu.config.eviction: unknown eviction policy "lfu" (did '
@@ -549,15 +557,10 @@ def register_cache_policies(register):
 def test_a_name_two_packages_register_is_nobodys(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _install(tmp_path, "kvc-other-arc", "kvc_other_arc", OTHER_ARC)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    try:
+    with _installed(tmp_path, monkeypatch, "kvc-other-arc", "kvc_other_arc", OTHER_ARC):
         assert _validate(capsys, str(_write("eviction: lru", "plain.yaml")))[0] == 0
         path = _write("eviction: arc")
         code, out = _validate(capsys, str(path))
-    finally:
-        sys.modules.pop("kvc_other_arc", None)
     assert code == 2
     assert re.search(
         rf'^{_at(path, "arc")}: nodes.cpu.config.eviction: eviction policy "arc" from '

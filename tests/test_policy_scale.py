@@ -15,12 +15,8 @@ its table reallocates it once in a while, in any policy, and that is amortized.
 from __future__ import annotations
 
 import statistics
-import sys
 import tracemalloc
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from types import FrameType
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 from kvc_offload_cpu.index import BlockIndex
@@ -28,6 +24,7 @@ from kvc_offload_cpu.policies import Admission
 
 from composer.builtin_policies import BUILTIN
 from composer.controls import Retention
+from composer.testing.work import opcodes
 
 #: The smaller pool, in slots; the larger is 16 times it.
 N = 256
@@ -81,32 +78,10 @@ class _Tier:
         assert self.index.used_slots == self.index.num_slots
 
 
-@contextmanager
-def _opcodes() -> Iterator[list[int]]:
-    """Counts the Python opcodes run inside the block (in ``count[0]``)."""
-    count = [0]
-
-    def local(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "opcode":
-            count[0] += 1
-        return local
-
-    def calls(frame: FrameType, event: str, arg: Any) -> Any:
-        frame.f_trace_opcodes = True
-        return local
-
-    previous = sys.gettrace()
-    sys.settrace(calls)
-    try:
-        yield count
-    finally:
-        sys.settrace(previous)
-
-
 def _work(step: Callable[[], None], steps: int = STEPS) -> tuple[int, int]:
     """Opcodes run by ``steps`` calls of ``step``, and the median call's allocation peak
     (bytes above what was allocated when it started)."""
-    with _opcodes() as count:
+    with opcodes() as count:
         for _ in range(steps):
             step()
     peaks = []

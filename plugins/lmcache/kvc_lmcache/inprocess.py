@@ -157,6 +157,8 @@ def lmcache_view(scheduler_output: Any, group: int, salts: dict[str, str]) -> An
     no one (``lmcache.skip_save``), since its salt is unknown. And every request's
     block ids narrowed to ``(ids[group],)``: LMCache's impl reads group 0.
     """
+    if not group and not scheduler_output.scheduled_new_reqs:
+        return scheduler_output  # (most steps: nothing to show otherwise)
     view = copy.copy(scheduler_output)
     new_reqs = []
     for req in scheduler_output.scheduled_new_reqs:

@@ -394,7 +394,8 @@ class BlockIndex:
             self._policy_failed("victims", exc)
             return self._victim(tenant)
         if victim is not None:
-            self._pass_over(tenant, passed)
+            if passed:  # (the usual eviction passes over nothing)
+                self._pass_over(tenant, passed)
             return victim
         if not passed or self.retention is None:
             return None
