@@ -18,13 +18,16 @@ mean); each request names its conversation in ``x-session-id``.
 Run once with one request at a time and once with ``KVC_BENCH_CONCURRENCY``
 in flight (the router's load balancing at work); after each, ``kvc simulate
 --fleet``'s prediction at the same concurrency beside what was measured: the
-served fraction (percentage points apart) and the requests per engine. Writes
+served fraction (percentage points apart), the requests per engine, TTFT p50
+and p90 and the requests per second (the engine model's costs as calibrated by
+``benchmarks/cost_model.py``, its KV cache the engines'). Writes
 ``kvc-bench-fleet/``.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from composer import load_pipeline
@@ -35,6 +38,7 @@ from composer.bench.fleet import POLICIES
 from composer.bench.replay import make_prompts, vocab_size_of
 from composer.bench.report import RunResult
 from composer.bench.servers import Config, ServerSpec
+from composer.simulate.cost import CALIBRATED
 from composer.simulate.fleet import FleetResult, simulate_fleet
 from composer.simulate.shape import model_shape
 from composer.testing.tiny_model import build_tiny_model
@@ -129,14 +133,16 @@ def predict(model: str, trace: list[TraceRequest], concurrency: int) -> dict[str
             groups=shape.groups,
             concurrency=concurrency,
             max_output_tokens=OUTPUT,
+            cost=replace(CALIBRATED, num_gpu_blocks=VLLM_BLOCKS),
         )
         for policy in POLICIES
     }
 
 
 def compare(result: RunResult, sim: FleetResult) -> None:
-    """Served fraction (percentage points apart) and requests per engine (the largest gap,
-    in points of the slice's requests), measured against predicted."""
+    """Served fraction (percentage points apart), requests per engine (the largest gap,
+    in points of the slice's requests), TTFT p50 and p90 and requests per second,
+    measured against predicted."""
     measured = result.fraction(result.prefix_cache_tokens + result.connector_tokens)
     error = 100 * (measured - sim.fraction_served)
     total = sum(result.engine_requests) or 1
@@ -148,6 +154,15 @@ def compare(result: RunResult, sim: FleetResult) -> None:
         f"{100 * sim.fraction_served:.1f}%, {error:+.1f} pp); requests by engine {by_engine} "
         f"(predicted {'/'.join(map(str, sim_by_engine))}, {100 * gap / total:.1f} pts apart)"
     )
+    summary = result.summary()
+    rate = sim.requests / sim.makespan_s if sim.makespan_s else 0.0
+    timing = [(f"TTFT p{q}", 1000 * summary["ttft_s"][f"p{q}"], 1000 * sim.ttft_s[q], "ms")
+              for q in (50, 90)]
+    timing.append(("requests/s", summary["requests_per_s"], rate, ""))
+    print("    " + "; ".join(
+        f"{name} {m:.1f}{unit} (predicted {p:.1f}{unit}, {100 * (p - m) / m:+.0f} %)"
+        for name, m, p, unit in timing if m
+    ))
 
 
 if __name__ == "__main__":

@@ -114,7 +114,9 @@ def main() -> int:
         path.write_text(yaml.safe_dump(variant(name, SLICE_FAST, SLICE_SLOW), sort_keys=False))
         # No vLLM prefix cache: every hit is a tier's, as in the simulation.
         configs.append(Config(name, path, prefix_caching=False))
-    pipeline = load_pipeline(configs[0].pipeline)  # (every variant: the same model shape)
+    first = configs[0].pipeline
+    assert first is not None
+    pipeline = load_pipeline(first)  # (every variant: the same model shape)
     shape = model_shape(model, BLOCK, pipeline)
     predicted = simulated(
         str(slice_path),

@@ -56,6 +56,3 @@ class CanonicalKVCaches:
     def bytes_per_block(self) -> int:
         """Bytes of one block id across every region (what one block costs to store)."""
         return sum(r.bytes_per_block for r in self.regions)
-
-    def group_regions(self, group_id: int) -> tuple[KVRegion, ...]:
-        return tuple(self.regions[i] for i in self.groups[group_id].region_ids)

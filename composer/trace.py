@@ -87,6 +87,29 @@ def read_trace(path: str | Path, *, limit: int | None = None) -> list[TraceReque
     return requests
 
 
+def out_of_order(path: str | Path, requests: Sequence[TraceRequest]) -> str | None:
+    """Where the timestamps of ``requests`` (:func:`read_trace`'s of ``path``) first go
+    back, as ``file:line: ...`` with both timestamps and lines; None where they never do.
+    Mooncake's traces are in timestamp order; two merged are not, and need not be: a
+    replay in time sends each request at its own time, whatever its line."""
+    stamps = [r.timestamp_ms for r in requests]
+    back = [i for i in range(1, len(stamps)) if stamps[i] < stamps[i - 1]]
+    if not back:
+        return None
+    i = back[0]
+    lines = list(range(1, i + 2))  # (where the file cannot be read again: request numbers)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = [n for n, text in enumerate(handle, 1) if text.strip()][: i + 1]
+    except (OSError, UnicodeDecodeError):
+        pass
+    return (
+        f"{path}:{lines[i]}: timestamp {stamps[i]:g} ms is before line {lines[i - 1]}'s "
+        f"{stamps[i - 1]:g} ms ({len(back)} {'line goes' if len(back) == 1 else 'lines go'} "
+        "back in time)"
+    )
+
+
 def write_trace(path: str | Path, requests: Sequence[TraceRequest]) -> None:
     """``requests`` as a Mooncake-format JSONL trace (what :func:`read_trace` reads)."""
     lines = (json.dumps(_line(r)) for r in requests)

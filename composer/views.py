@@ -7,9 +7,12 @@ escape hatch to the vLLM object itself.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer.controls import Controls, controls_of
+
+if TYPE_CHECKING:
+    from composer.chain.loads import Range
 
 
 class RequestView:
@@ -19,10 +22,11 @@ class RequestView:
 
     __slots__ = ("raw", "loads", "_controls")
 
-    def __init__(self, raw: Any, loads: tuple[tuple[str, int, int], ...] = ()) -> None:
+    def __init__(self, raw: Any, loads: tuple[Range, ...] = ()) -> None:
         self.raw = raw
-        #: From ``update_state_after_alloc`` on: the request's load, as (node id, start
-        #: token, tokens) per range, in order; empty when nothing is loaded.
+        #: From ``update_state_after_alloc`` on: the request's load, its ranges in order
+        #: (:class:`~composer.chain.loads.Range`: ``node``, ``start``, ``tokens``, the
+        #: ``blocks`` it writes); empty when nothing is loaded.
         self.loads = loads
         self._controls: Controls | None = None
 
@@ -156,10 +160,6 @@ class StepView:
         if self._requests is None:
             self._requests = list(self._build())
         return self._requests
-
-    @property
-    def finished_request_ids(self) -> set[str]:
-        return self.raw.finished_req_ids
 
     @property
     def preempted_request_ids(self) -> set[str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+from pipeline_checks import Check, Valid
 from pydantic import BaseModel, ByteSize, ConfigDict
 
 from composer import (
@@ -89,9 +90,6 @@ def registry() -> Registry:
     return discover(extra=[FakePluginTypes()], entry_points=False)
 
 
-Check = Callable[..., list[str]]
-
-
 @pytest.fixture
 def problems(registry: Registry) -> Check:
     """``problems(yaml_text, env=...)``: the str() of every problem, asserting there are some."""
@@ -105,7 +103,7 @@ def problems(registry: Registry) -> Check:
 
 
 @pytest.fixture
-def valid(registry: Registry) -> Callable[..., ResolvedPipeline]:
+def valid(registry: Registry) -> Valid:
     def check(text: str, env: Mapping[str, str] | None = None) -> ResolvedPipeline:
         return validate_text(textwrap.dedent(text), file="p.yaml", registry=registry, env=env or {})
 

@@ -8,6 +8,7 @@ LMCache) take minutes and run real engines, so only their loading is checked.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -72,3 +73,11 @@ def test_hybrid_benchmark_reads_the_engine_log_without_an_engine() -> None:
     )
     assert hybrid.kv_capacity(log) == 1234  # type: ignore[attr-defined]
     assert hybrid.saved_bytes(log) == 3072  # type: ignore[attr-defined]
+
+
+def test_offload_benchmark_runs_and_reports_ratios() -> None:
+    offload: Any = bench_main.load("offload")
+    r = offload.run(num_blocks=64, bytes_per_block=4096, batch=16, reps=2)
+    for key in ("ratio_vs_plain", "ratio_vs_plain_wide", "ratio_checksums_vs_plain"):
+        assert r[key] > 0
+    assert offload.main(["--blocks", "64", "--block-kib", "4", "--batch", "16", "--reps", "2"]) == 0

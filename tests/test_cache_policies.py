@@ -294,7 +294,9 @@ def test_an_eviction_policy_that_raises_loses_no_block(method: str) -> None:
     d = index.allocate(b"d")  # victims: a free slot (b's)
     e = index.allocate(b"e")  # victims: full, one goes
     assert d is not None and e is not None
-    assert index.policy_failed.startswith(f"_Raising.{method} raised RuntimeError")
+    assert index.health.fallbacks["eviction"].reason.startswith(
+        f"_Raising.{method} raised RuntimeError"
+    )
     assert type(index.policy) is Lru
     # Every block is where the index says: indexed, or evicted and counted.
     assert len(index) + index.evictions == 4 and index.used_slots == 3
@@ -410,7 +412,8 @@ def test_a_retention_policy_that_raises_keeps_nothing_and_loses_no_block() -> No
     c = index.allocate(b"c")  # kept() raises: no retention from now on, lru evicts a
     assert c is not None and b"a" not in index and b"b" in index
     assert index.retention is None
-    assert index.policy_failed == "_RaisingRetention.kept raised RuntimeError: retention bug"
+    reason = index.health.fallbacks["retention"].reason
+    assert reason == "_RaisingRetention.kept raised RuntimeError: retention bug"
     assert len(index) + index.evictions == 3
 
 

@@ -1,5 +1,5 @@
 """The chain follows the combine table (each hook's ``combine`` in
-``composer.hookspecs.HOOKS``), hook by hook.
+``composer.hook_table.HOOKS``), hook by hook.
 
 Each rule has a case: three scripted nodes answer the hook, and what the chain
 hands vLLM is checked against the rule. A hook added to the spec without a rule,
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from composer.chain import TransferParamsClash
-from composer.hookspecs import HOOKS, Combine, Every, Nodes, Process
+from composer.hook_table import HOOKS, Combine, Every, Nodes, Process
 from composer.testing.chains import CALLS, chain, drive, metadata, spec_hooks
 
 #: Each hook's combine rule, from the hook table.

@@ -23,11 +23,33 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from composer.hookspecs import HOOKS, Every, Native, NodeSpec, hooks_where
+from composer.hook_table import HOOKS, Every, Native, hooks_where
+from composer.hookspecs import NodeSpec
 from composer.testing.multiconnector import make_vllm_config, node_ids, pipeline_for
 from composer.vllm.connector import WORKER_HOT_PATH, ComposedConnector
 from composer.vllm.registration import register
-from composer.vllm.surface import COMPOSER_LEVEL
+
+#: Base-class members the composed connector answers itself, from the pipeline or
+#: its nodes' connector classes, rather than through a lifecycle hook of its nodes.
+#: (Every other public member is a hook of :class:`composer.hookspecs.NodeSpec`; the test
+#: below checks it.)
+COMPOSER_LEVEL = frozenset(
+    {
+        "role",
+        "has_connector_metadata",  # the chain holds the step's metadata
+        "get_finished",  # answered from get_transfer_results, as MultiConnector does
+        # Asked of the class, before any node exists: the pipeline and the native
+        # nodes' connector classes answer.
+        "get_required_kvcache_layout",
+        "requires_piecewise_for_cudagraph",
+        "build_kv_connector_stats",
+        "build_prom_metrics",
+        "supports_sleep_mode",
+        # Properties over the native nodes' connectors, as MultiConnector's.
+        "supports_divergent_local_hybrid_hits",
+        "requires_kv_delivery",
+    }
+)
 
 
 def public_members(cls: type) -> set[str]:

@@ -19,18 +19,20 @@ from structlog.testing import capture_logs
 from composer import Capabilities, PluginType, Unavailable, hookimpl
 from composer.chain import ChainCore
 from composer.chain.faults import NodeFailed, WorkerLedger
-from composer.hookspecs import HOOKS, STORE_CALLS, Away, Recompute, hooks_where
+from composer.hook_table import HOOKS, Away, Recompute, hooks_where
+from composer.hookspecs import STORE_CALLS
 from composer.testing.chains import (
     NOTHING,
+    Blocks,
     Scripted,
+    async_load,
     drive,
     pipeline_chain,
     processes_of,
     registry,
+    request,
     spec_hooks,
 )
-from composer.testing.chains import Blocks as _Blocks
-from composer.testing.chains import request as _request
 
 #: The hooks whose failure under recompute turns the step's loads into load errors.
 LOAD_HOOKS = frozenset(hooks_where(recompute=Recompute.BLOCKS_RECOMPUTED))
@@ -120,7 +122,7 @@ def test_every_spec_hook_is_driven() -> None:
     chains = {role: _chain(role, "recompute") for role in ("scheduler", "worker")}
     for hook in ALL_HOOKS:
         for role in processes_of(hook):
-            drive(chains[role], hook, _request())
+            drive(chains[role], hook, request())
 
 
 @pytest.mark.parametrize("hook", ALL_HOOKS)
@@ -130,7 +132,7 @@ def test_fail_stops_with_the_node_hook_and_plugin_named(hook: str) -> None:
         if not chain.implemented(hook):
             continue
         with pytest.raises((NodeFailed, RuntimeError)) as raised:
-            drive(chain, hook, _request())
+            drive(chain, hook, request())
         if hook != "shutdown":  # shutdown re-raises the node's own error after the others ran
             assert isinstance(raised.value, NodeFailed)
             assert f'node "bad" (plugin everything) failed in {hook}' in str(raised.value)
@@ -147,7 +149,7 @@ def test_recompute_keeps_the_node_only_where_recompute_undoes_the_fault(
             continue
         if role == "worker" and hook in LOAD_HOOKS:
             chain.bind_connector_metadata(_meta(chain))
-        out = drive(chain, hook, _request())  # never raises
+        out = drive(chain, hook, request())  # never raises
         if hook == "get_kv_connector_stats":
             counted = out["bad"]["counters"]  # the report takes the counters
         else:
@@ -175,19 +177,19 @@ def test_a_store_away_is_no_fault_where_the_hook_can_say_so(hook: str, policy: s
             continue
         if role == "worker" and hook in LOAD_HOOKS:
             chain.bind_connector_metadata(
-                _meta(chain, async_loads={"r0": (("bad", frozenset({1}), False),)})
+                _meta(chain, async_loads={"r0": (async_load("bad", {1}),)})
             )
         if hook not in AWAY_HOOKS:
             if policy == "fail":
                 # (shutdown re-raises the node's own error after the others ran)
                 with pytest.raises(Unavailable if hook == "shutdown" else NodeFailed):
-                    drive(chain, hook, _request())
+                    drive(chain, hook, request())
             else:
-                drive(chain, hook, _request())
+                drive(chain, hook, request())
                 assert chain.stats["bad"].errors == 1
             continue
         with capture_logs() as logs:
-            out = drive(chain, hook, _request())  # never raises, whatever the policy
+            out = drive(chain, hook, request())  # never raises, whatever the policy
         counted = out["bad"]["counters"] if hook == "get_kv_connector_stats" else None
         counted = counted or chain.stats["bad"].take()
         assert counted["errors"] == 0 and counted["unavailable"] == {hook: 1}, (role, hook)
@@ -201,7 +203,7 @@ def test_a_store_away_is_no_fault_where_the_hook_can_say_so(hook: str, policy: s
         if away is Away.MISS:
             assert out == (0, False), "the other node has no hit; the away one is a miss"
         if away is Away.SAVE_SKIPPED and hook.startswith("request_finished"):
-            assert chain.holder.new_holds["r1"] == ("good",), "nothing held for the away node"
+            assert chain.new_holds["r1"] == ("good",), "nothing held for the away node"
         if role == "worker" and away is Away.BLOCKS_RECOMPUTED:
             # Even with an async load of it in flight: the node reports that one itself.
             assert chain.get_block_ids_with_load_errors() == {10, 11}
@@ -215,11 +217,11 @@ def test_an_outage_is_logged_once_and_ends_at_the_next_store_call_that_returns(
     chain = _chain(role, "fail", hook, away=True)
     with capture_logs() as logs:
         for _ in range(3):
-            drive(chain, hook, _request())
+            drive(chain, hook, request())
         assert chain.stats["bad"].gauges["store_away"] == 1
         chain.nodes["bad"].config.fail_in = ""  # the store is back
-        drive(chain, hook, _request())
-        drive(chain, hook, _request())
+        drive(chain, hook, request())
+        drive(chain, hook, request())
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert [e["event"] for e in warnings][1:] == ["node's store is back"]
     assert warnings[1]["calls_unavailable"] == 3 and warnings[1]["away_s"] >= 0
@@ -232,11 +234,11 @@ def test_scheduler_switch_off_reaches_the_worker_releasing_holds_and_failing_asy
     sched = _chain("scheduler", "recompute", "request_finished", hit=8, load_async=True, hold=True)
     worker = _chain("worker", "recompute", "", hold=True)
     # r0 is loading asynchronously through "bad"; r1 finishes while "bad" fails.
-    assert sched.get_num_new_matched_tokens(_request("r0"), 0) == (8, True)
-    sched.update_state_after_alloc(_request("r0"), _Blocks(), 8)
+    assert sched.get_num_new_matched_tokens(request("r0"), 0) == (8, True)
+    sched.update_state_after_alloc(request("r0"), Blocks(), 8)
     worker.bind_connector_metadata(sched.build_connector_meta(SimpleNamespace()))
     worker.clear_connector_metadata()
-    hold, _ = sched.request_finished(_request("r1"), [10, 11])
+    hold, _ = sched.request_finished(request("r1"), [10, 11])
     assert hold and sched.disabled == {"bad"}
     meta = sched.build_connector_meta(SimpleNamespace())
     assert meta.disabled == {"bad"} and meta.holds == {"r1": ("bad", "good")}
@@ -253,7 +255,7 @@ def test_scheduler_switch_off_reaches_the_worker_releasing_holds_and_failing_asy
 def test_a_switched_off_nodes_last_events_are_published_with_the_next_step() -> None:
     sched = _chain("scheduler", "disable", "request_finished")
     assert list(sched.take_events()) == []
-    sched.request_finished(_request("r1"), [10])
+    sched.request_finished(request("r1"), [10])
     assert sched.disabled == {"bad"} and SHUTDOWNS == ["bad"]
     events = list(sched.take_events())
     assert [(e.ownership, e.kind) for e in events] == [("bad", "removed")]
@@ -271,16 +273,14 @@ def test_worker_switch_off_reaches_the_scheduler() -> None:
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
     assert sched.disabled == {"bad"}
     # The scheduler half no longer claims hits for a node that cannot load them.
-    assert sched.get_num_new_matched_tokens(_request(), 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(request(), 0) == (0, False)
 
 
 def test_async_load_fault_under_recompute_switches_the_node_off() -> None:
     """A failed async load may still be writing into vLLM's blocks: the node's
     shutdown must stop it before vLLM recomputes into them."""
     worker = _chain("worker", "recompute", "start_load_kv")
-    worker.bind_connector_metadata(
-        _meta(worker, async_loads={"r0": (("bad", frozenset({1}), False),)})
-    )
+    worker.bind_connector_metadata(_meta(worker, async_loads={"r0": (async_load("bad", {1}),)}))
     worker.start_load_kv(None)
     assert worker.disabled == {"bad"} and SHUTDOWNS == ["bad"]
     results = worker.get_transfer_results(set())

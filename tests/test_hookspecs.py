@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pluggy
@@ -11,7 +13,8 @@ import pytest
 from pluggy._hooks import varnames
 
 from composer import EmptyConfig, NodeContext, Plugin, hookimpl
-from composer.hookspecs import HOOKS, PROJECT, DiscoverySpec, NodeSpec, Process, markdown_table
+from composer.hook_table import HOOKS, Process, markdown_table
+from composer.hookspecs import PROJECT, DiscoverySpec, NodeSpec
 
 
 def _hooks(spec: type) -> dict[str, str]:
@@ -105,12 +108,12 @@ def test_the_docs_document_each_hook_once(root: Path) -> None:
 
 def test_the_docs_hook_table_is_the_one_the_spec_declares(root: Path) -> None:
     readme = (root / "docs" / "hooks.md").read_text()
-    begin, end = "<!-- hook table: generated from composer.hookspecs.HOOKS -->\n", "<!-- end"
+    begin, end = "<!-- hook table: generated from composer.hook_table.HOOKS -->\n", "<!-- end"
     match = re.search(re.escape(begin) + "(.*?)" + re.escape(end), readme, re.DOTALL)
     assert match, "docs/hooks.md has no generated hook table"
     assert match.group(1) == markdown_table(), (
         "docs/hooks.md's hook table is out of date: paste the output of "
-        "composer.hookspecs.markdown_table()"
+        "composer.hook_table.markdown_table()"
     )
 
 
@@ -119,6 +122,14 @@ def test_every_lifecycle_hookspec_has_a_row_and_every_row_a_hookspec() -> None:
     assert set(HOOKS) == set(NODE_HOOKS)
     for name, row in HOOKS.items():
         assert row.signature == NODE_HOOKS[name]
+
+
+def test_importing_the_table_first_gives_every_row() -> None:
+    """Rows are recorded as ``composer.hookspecs`` declares its specs, and ``import
+    composer`` imports it: a fresh interpreter importing the table first sees them all."""
+    code = "from composer.hook_table import HOOKS; print(len(HOOKS))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(done.stdout) == len(HOOKS)
 
 
 def _chain_of(process: Process) -> type:
@@ -133,7 +144,7 @@ def _chain_of(process: Process) -> type:
 
 
 def test_the_recipe_for_a_hook_holds_for_every_hook() -> None:
-    """The steps of hookspecs' "Adding a hook": a method of its process's chain and
+    """The steps of hook_table's "Adding a hook": a method of its process's chain and
     sample arguments."""
     from composer.testing.chains import request, sample_args
 
@@ -150,9 +161,15 @@ def test_every_hook_is_a_method_of_exactly_the_chain_of_its_process() -> None:
     from composer.chain import ChainCore, SchedulerChain, WorkerChain
 
     chains = (ChainCore, SchedulerChain, WorkerChain)
+
+    def own(chain: type) -> dict[str, object]:
+        """The chain's own methods, its mixed-in parts' included (not ChainCore's)."""
+        parts = [k for k in chain.__mro__ if k is chain or k not in ChainCore.__mro__]
+        return {name: v for k in parts for name, v in vars(k).items()}
+
     wrong = {}
     for hook, row in HOOKS.items():
-        defined = [c.__name__ for c in chains if callable(vars(c).get(hook))]
+        defined = [c.__name__ for c in chains if callable(own(c).get(hook))]
         if defined != [_chain_of(row.process).__name__]:
             wrong[hook] = (str(row.process), defined)
     assert wrong == {}

@@ -38,7 +38,8 @@ def _heavy_after(body: str, cwd: Path) -> str:
     "body",
     [
         "import composer",
-        "import composer.cli, composer.validation.deep_check, composer.export, composer.hookspecs",
+        "import composer.cli, composer.validation.deep_check, composer.export, composer.hookspecs"
+        ", composer.hook_table",
         # The plugin API's namespaces a plugin's light modules import.
         "import composer.servers\nfrom composer import *",
         # Every example, so the installed plugins' entry-point modules are checked too.

@@ -266,7 +266,8 @@ def test_the_index_reports_the_eviction_policy_in_force_after_a_switch(hook: str
     # (added raises after the third eviction: the block it made room for is ready)
     at = 3 if hook == "added" else 2
     assert index.health.in_force() == {"eviction": f"_Fails → lru after {at} evictions"}
-    assert index.policy_failed == f"_Fails.{hook} raised ValueError: {hook} broke"
+    reason = index.health.fallbacks["eviction"].reason
+    assert reason == f"_Fails.{hook} raised ValueError: {hook} broke"
     (said,) = [e for e in logs if e["log_level"] == "error"]  # once
     assert said["hook"] == hook and said["policy"] == "_Fails"
     assert said["error"] == f"ValueError: {hook} broke"
@@ -322,7 +323,7 @@ def test_the_index_reports_no_retention_in_force_after_a_switch(hook: str) -> No
     assert index.health.in_force() == {
         "eviction": "lru", "retention": f"_Keeps → no block kept after {at}"
     }
-    assert index.policy_failed.startswith(f"_Keeps.{hook} raised KeyError")
+    assert index.health.fallbacks["retention"].reason.startswith(f"_Keeps.{hook} raised KeyError")
     (said,) = [e for e in logs if e["log_level"] == "error"]
     assert said["hook"] == hook and said["kind"] == "retention"
     assert index.retention is None and len(index) == 4

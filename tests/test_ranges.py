@@ -19,6 +19,7 @@ from composer.controls import controls_of
 from composer.testing.chains import (
     HYBRID_KV_CACHE_CONFIG,
     Blocks,
+    async_loads,
     connector_output,
     pipeline_chain,
     registry,
@@ -55,7 +56,8 @@ class Holder(Plugin):
 
     @hookimpl
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
-        self._rec("update_state_after_alloc", (num_external_tokens, request.loads))
+        loads = tuple((r.node, r.start, r.tokens) for r in request.loads)
+        self._rec("update_state_after_alloc", (num_external_tokens, loads))
 
     @hookimpl
     def get_external_cache_hit_sources(
@@ -207,7 +209,7 @@ def test_async_and_sync_ranges_make_one_async_load_done_when_every_range_is() ->
     assert sched.get_num_new_matched_tokens(request(), 0) == (16, True)
     sched.update_state_after_alloc(request(), Blocks(), 16)
     meta = sched.build_connector_meta(SimpleNamespace())
-    assert meta.async_loads == {
+    assert async_loads(meta) == {
         "r1": (("fast", frozenset({10, 11}), True), ("slow", frozenset({12, 13}), False))
     }
     worker = chain(nodes, role="worker")

@@ -15,9 +15,9 @@ from composer import load_pipeline
 from composer.bench.fleet import POLICIES
 from composer.cli import main
 from composer.simulate import SimKVGroup, SimulateError
-from composer.simulate.cost import CALIBRATED, CostModel, Sample, fit, parse_cost
+from composer.simulate.cost import CostModel
 from composer.simulate.fleet import simulate_fleet
-from composer.simulate.replay import _Replay
+from composer.simulate.replay import Replay
 from composer.simulate.routers import ROUTERS, FleetView, make_router, session
 from composer.simulate.sweep import simulate_many
 from composer.trace import (
@@ -35,9 +35,11 @@ SLICE = ROOT / "tests/data/traces/mooncake-conversation_trace-500.jsonl"
 BLOCK = 32
 #: One hash id is one block (the trace scaled 512 -> 32).
 KW: dict[str, Any] = {"bytes_per_block": 4096, "block_size": BLOCK, "trace_block_tokens": BLOCK}
-#: Seconds: a request's work is its prefill tokens' (no fixed part, no decode, no batching
-#: gain), so each case's times can be worked out by hand.
-PLAIN = CostModel(request_s=0.0, prefill_token_s=0.001, load_token_s=0.0, decode_token_s=0.0)
+#: Seconds: a step costs its prompt tokens' (no fixed part, no decode), so each case's
+#: times can be worked out by hand.
+PLAIN = CostModel(
+    request_s=0.0, step_s=0.0, prefill_token_s=0.001, load_token_s=0.0, decode_seq_s=0.0
+)
 
 
 TAILS = iter(range(1000, 2000))
@@ -133,19 +135,17 @@ def test_kv_aware_weighs_its_credit_against_reserved_prefill_and_requests_in_fli
     assert vllm == {"by_engine": [3, 2], "served": {"cpu": 4 * BLOCK}}
 
 
-def _engines(vllm_blocks: int) -> list[_Replay]:
+def _engines(vllm_blocks: int) -> list[Replay]:
     keymaker = KeyMaker(BLOCK, BLOCK)
     groups = (SimKVGroup("attention", KW["bytes_per_block"]),)
     return [
-        _Replay(
-            load_pipeline(PIPELINE), {}, keymaker, 1, KW["bytes_per_block"], vllm_blocks, groups
-        )
+        Replay(load_pipeline(PIPELINE), {}, keymaker, 1, KW["bytes_per_block"], vllm_blocks, groups)
         for _ in range(2)
     ]
 
 
 def _choose(
-    router: str, engines: list[_Replay], req: TraceRequest, load: list[int],
+    router: str, engines: list[Replay], req: TraceRequest, load: list[int],
     pending: list[int] | None = None,
 ) -> int:
     view = FleetView(engines, load, pending=pending or [])
@@ -220,17 +220,24 @@ def _timed(trace: list[TraceRequest], cost: CostModel, **kwargs: Any) -> Any:
     )
 
 
-def test_requests_in_flight_share_the_engine() -> None:
+def test_requests_in_flight_share_the_engine_s_steps() -> None:
     # Two requests of 129 prompt tokens each (4 blocks + 1 token), 0.129 s alone.
     alone = _timed([_turn([1, 2, 3, 4])], PLAIN)
     assert alone.ttft_s[50] == pytest.approx(0.129)
     together = _timed(_long(2), PLAIN, concurrency=2)
-    assert together.ttft_s[50] == pytest.approx(2 * 0.097)  # 97 tokens each, side by side
+    assert together.ttft_s[50] == pytest.approx(2 * 0.097)  # 97 tokens each, one step
     assert together.per_engine[0].mean_wait_s == pytest.approx(0.097)
     assert together.per_engine[0].max_in_flight == 2
-    # Batching: twice the work per second with 2 in flight (between 1 at one, 4 at four).
-    batched = _timed(_long(2), replace(PLAIN, speedup_4=4.0, speedup_8=4.0), concurrency=2)
-    assert batched.ttft_s[50] == pytest.approx(0.097)
+    # A step's fixed cost is paid once for both.
+    stepped = _timed(_long(2), replace(PLAIN, step_s=0.1), concurrency=2)
+    assert stepped.ttft_s[50] == pytest.approx(0.1 + 2 * 0.097)
+    # A token budget of 100: the first prompt and 3 of the second's, then its 94.
+    budget = _timed(_long(2), replace(PLAIN, max_num_batched_tokens=100), concurrency=2)
+    assert budget.ttft_s[50] == pytest.approx(0.1) and budget.ttft_s[99] == pytest.approx(0.194)
+    # One request at a time (max_num_seqs 1): the second waits for the first.
+    one = _timed(_long(2), replace(PLAIN, max_num_seqs=1), concurrency=2)
+    assert one.ttft_s[99] == pytest.approx(2 * 0.097)
+    assert one.per_engine[0].preemptions == 0
 
 
 def test_arrivals_follow_the_timestamps_and_the_speedup() -> None:
@@ -243,12 +250,12 @@ def test_arrivals_follow_the_timestamps_and_the_speedup() -> None:
 
 
 def test_decode_and_loads_count_after_the_first_token() -> None:
-    cost = replace(PLAIN, decode_token_s=0.5, load_token_s=0.0001, request_s=0.01)
+    cost = replace(PLAIN, decode_seq_s=0.5, load_token_s=0.0001, request_s=0.01)
     result = _timed([A1, A2], cost, concurrency=1)
     # A2: 4 blocks loaded from the tier, 2 blocks and 1 token computed, one output token.
     assert result.ttft_s[50] == pytest.approx(0.01 + 0.001 * 65 + 0.0001 * 128)
     assert result.ttft_s[99] == pytest.approx(0.01 + 0.001 * 129)  # A1: all computed
-    capped = _timed([_turn([7])], replace(cost, decode_token_s=1.0), max_output_tokens=1)
+    capped = _timed([_turn([7])], replace(cost, decode_seq_s=1.0), max_output_tokens=1)
     assert capped.e2e_s[50] == capped.ttft_s[50]
 
 
@@ -354,40 +361,6 @@ def test_every_policy_kvc_bench_measures_is_modelled() -> None:
     assert set(POLICIES) <= set(ROUTERS)
 
 
-def test_cost_names_each_coefficient() -> None:
-    model = parse_cost("prefill_token_s=1e-3, speedup_8=3")
-    assert model.prefill_token_s == 1e-3 and model.speedup_8 == 3.0
-    assert model.request_s == CALIBRATED.request_s
-    assert model.batch_speedup(6) == pytest.approx((model.speedup_4 + 3.0) / 2)
-    assert model.batch_speedup(100) == 3.0 and model.batch_speedup(1) == 1.0
-
-
-def test_a_fit_recovers_the_model_the_samples_came_from() -> None:
-    truth = CostModel(request_s=0.01, prefill_token_s=2e-5, load_token_s=5e-6,
-                      decode_token_s=0.002)
-    shapes = [(c, ld, o) for c in (100, 400, 900) for ld in (0, 320, 640) for o in (1, 8)]
-
-    def sample(computed: int, loaded: int, output: int) -> Sample:
-        ttft = truth.prefill_s(computed, loaded)
-        return Sample(computed, loaded, output, ttft, ttft + truth.decode_s(output))
-
-    alone = [sample(*s) for s in shapes]
-    work = sum(s.e2e_s for s in alone)
-    # The same requests at 4 in flight in half the time, at 8 in a third: twice and
-    # three times the work per second.
-    model = fit(alone, {4: (alone, work / 2), 8: (alone, work / 3)}, work)
-    for name in ("request_s", "prefill_token_s", "load_token_s", "decode_token_s"):
-        assert getattr(model, name) == pytest.approx(getattr(truth, name), rel=1e-6)
-    assert (model.speedup_4, model.speedup_8) == pytest.approx((2.0, 3.0))
-    # A term the data says is negative is dropped, the rest fitted without it.
-    # (Here loading costs -5e-6 s a token: dropped, the fixed and prefill terms kept.)
-    cheaper = [Sample(s.computed, s.loaded, s.output, s.ttft_s - 1e-5 * s.loaded, s.e2e_s)
-               for s in alone]
-    dropped = fit(cheaper, {}, work)
-    assert dropped.load_token_s == 0 and dropped.prefill_token_s > 0
-    assert (dropped.speedup_4, dropped.speedup_8) == (1.0, 1.0)
-
-
 def _kvc(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     code = main(list(args))
     out, err = capsys.readouterr()
@@ -423,11 +396,11 @@ def test_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         (["--fleet", "2", "--concurrency", "0"], "--concurrency must be >= 1"),
         (["--fleet", "2", "--speedup", "-1"], "--speedup must be"),
         (["--fleet", "2", "--max-output-tokens", "0"], "--max-output-tokens must be >= 1"),
-        (["--fleet", "2", "--cost", "nope=1"], "--cost: expected NAME=SECONDS"),
-        (["--fleet", "2", "--cost", "request_s"], "--cost: expected NAME=SECONDS"),
+        (["--fleet", "2", "--cost", "nope=1"], "--cost: expected NAME=VALUE"),
+        (["--fleet", "2", "--cost", "request_s"], "--cost: expected NAME=VALUE"),
         (["--fleet", "2", "--cost", "request_s=x"], "--cost request_s: not a number"),
         (["--fleet", "2", "--cost", "request_s=-1"], "--cost request_s: must be"),
-        (["--fleet", "2", "--cost", "speedup_4=0"], "speedup_4 and speedup_8 must be > 0"),
+        (["--fleet", "2", "--cost", "max_num_seqs=0"], "--cost max_num_seqs: must be >= 1"),
         (["--fleet", "2", "--sweep", "engines=0"], "--sweep engines: '0'"),
         (["--fleet", "2", "--sweep", "engines=two"], "--sweep engines: 'two'"),
         (["--fleet", "2", "--sweep", "nope=1,2"], "no modelled node has a config field"),

@@ -56,6 +56,8 @@ class RunResult:
     side_tokens: dict[str, float] = field(default_factory=dict)
     #: A P/D run: bytes NIXL moved (vLLM's ``vllm:nixl_bytes_transferred``, all engines).
     nixl_bytes: float = 0.0
+    #: Requests in flight (``--concurrency``); None: sent at the trace's timestamps.
+    concurrency: int | None = None
 
     @property
     def imbalance(self) -> float | None:
@@ -104,6 +106,7 @@ class RunResult:
         e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
         return {
             "config": self.config,
+            "concurrency": self.concurrency,
             "requests": len(self.records),
             "errors": self.errors,
             "skipped": self.skipped,
@@ -229,6 +232,7 @@ def pool(a: RunResult, b: RunResult) -> RunResult:
         engine_requests=[x + y for x, y in zip(a.engine_requests, b.engine_requests, strict=True)],
         side_tokens=added(a.side_tokens, b.side_tokens),
         nixl_bytes=a.nixl_bytes + b.nixl_bytes,
+        concurrency=a.concurrency,
     )
 
 

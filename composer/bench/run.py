@@ -66,6 +66,7 @@ def measure(
         node_tokens=per_node("node:"),
         node_bytes_loaded=per_node("bytes_loaded:"),
         node_bytes_saved=per_node("bytes_saved:"),
+        concurrency=concurrency,
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pluggy
 
-from composer.hookspecs import HOOKS
+from composer.hook_table import HOOKS
 from composer.stats import NodeStats
 
 Call = Callable[..., Any]

@@ -8,16 +8,15 @@ chain is one object per process, chosen by role (:func:`.role.chain_for`):
   node's fault policy (switching it off, its store's outages: :mod:`.faults`),
   keeps the per-node stats, and runs the hooks either process calls.
 * :class:`~.scheduler.SchedulerChain`: the scheduler's hooks (each step's
-  metadata, the workers' output, events: :mod:`.reports`), over two parts with
-  state of their own: :class:`~.loads.LoadPlanner` (planning a request's load)
-  and :class:`~.holds.BlockHolder` (holding a finished request's blocks).
+  metadata, the workers' output, events: :mod:`.reports`), with two parts mixed
+  in: :class:`~.loads.LoadPlanning` (a request's load) and
+  :class:`~.holds.BlockHolding` (a finished request's blocks).
 * :class:`~.worker.WorkerChain`: the workers' hooks, per layer and per step, with
   the worker's state (its ledger of held and loading requests, the step's loads).
 
-:mod:`.metadata` is what crosses between the two. Which process calls a hook,
-how its results combine, which nodes it goes to and when it is timed are its
-row of :data:`composer.hookspecs.HOOKS`; a test checks that every row is a
-method of its process's chain.
+:mod:`.metadata` is what crosses between the two. A hook's process, combine
+rule, nodes and timing are its row of :data:`composer.hook_table.HOOKS` (a test
+checks that every row is a method of its process's chain).
 
 Nothing here imports torch or vLLM: vLLM's objects pass through untouched, and
 the vLLM adapter (:mod:`composer.vllm.connector`) wraps results in vLLM's types.
@@ -34,7 +33,8 @@ import structlog
 
 from composer.chain.calls import Call, CallLists, bind_calls, timed, traced
 from composer.chain.faults import NodeFailed, Outage, Unavailable
-from composer.hookspecs import HOOKS, PROJECT, STORE_CALLS, Away, Every, Nodes, NodeSpec, Recompute
+from composer.hook_table import HOOKS, Away, Every, Nodes, Recompute
+from composer.hookspecs import PROJECT, STORE_CALLS, NodeSpec
 from composer.pipeline import ResolvedPipeline
 from composer.plugin import NodeContext
 from composer.plugin_types import VllmProcess
@@ -193,8 +193,7 @@ class ChainCore:
         return nothing. ``per_node``: each node gets its own entry as the first argument.
         A failure goes to the node's policy; a store call that returns ends its outage.
         The per-layer and per-step hooks keep loops of their own, written out: this
-        one's generality cost a quarter of the worker step (``make bench``'s dispatch
-        table, with every method overridden: 1.2x MultiConnector's, against 0.9x)."""
+        one's generality costs too much there (``docs/running.md``, "Hot paths")."""
         store = hook in STORE_CALLS
         for node_id, fn in self.calls[hook]:
             try:

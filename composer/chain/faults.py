@@ -9,7 +9,7 @@ each side says what a fault costs its own state):
   call's effect: a failed lookup is a miss, a failed synchronous load turns the
   blocks the node was loading this step into load errors, a failed stats or
   events call loses only that report (each hook's ``recompute`` in
-  :data:`composer.hookspecs.HOOKS`). Anywhere else the node's two halves may be
+  :data:`composer.hook_table.HOOKS`). Anywhere else the node's two halves may be
   out of step, or an async transfer still writing into vLLM's blocks, and vLLM's
   connector interface has no call that cancels either: the node is switched
   off, as ``disable`` does.

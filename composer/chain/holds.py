@@ -1,19 +1,29 @@
 """Holding blocks: a finished request's blocks stay held while any node still saves
 from them, and its nodes' ``kv_transfer_params`` are merged, a key written by two
 nodes an error (but ``kv_composer``, where each node may write entries of its
-own beside the chain's note). What the request's loads delivered (the
-:class:`~composer.chain.loads.LoadPlanner` hands it over) is settled here too.
+own beside the chain's note). What the request's loads delivered (from
+:class:`~composer.chain.loads.LoadPlanning`) is settled here too.
+
+:class:`BlockHolding` is mixed into :class:`~composer.chain.scheduler.SchedulerChain`,
+so vLLM's call reaches its method directly; what it uses of the chain is listed
+in its body.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from composer.chain.core import ChainCore, is_outage
-from composer.chain.loads import LoadPlanner, PlannedLoad
+from composer.chain.core import is_outage
+from composer.chain.loads import Range
 from composer.chain.metadata import TransferParamsClash
 from composer.pipeline import ResolvedNode
+
+if TYPE_CHECKING:
+    from composer.chain.calls import Call
+    from composer.pipeline import ResolvedPipeline
+    from composer.stats import NodeStats
+    from composer.views import RequestViews
 
 #: What a request_finished call that raised stands for.
 FAULTED = object()
@@ -21,14 +31,23 @@ FAULTED = object()
 NOTE = "kv_composer"
 
 
-class BlockHolder:
-    """The scheduler's hooks of a finished request, calling the nodes through the
-    chain's core."""
+class BlockHolding:
+    """The scheduler's hooks of a finished request."""
 
-    def __init__(self, core: ChainCore, planner: LoadPlanner) -> None:
-        self.core, self.planner = core, planner
-        self.views = planner.views
-        self.pipeline = core.pipeline
+    # What it uses of the chain (:class:`~composer.chain.core.ChainCore`'s, the
+    # scheduler chain's request views, what its load delivered): nothing else.
+    if TYPE_CHECKING:
+        pipeline: ResolvedPipeline
+        calls: dict[str, list[tuple[str, Call]]]
+        nodes: dict[str, Any]
+        stats: dict[str, NodeStats]
+        views: RequestViews
+
+        def fault(self, node_id: str, hook: str, exc: BaseException) -> None: ...
+        def results(self, hook: str, *args: Any, default: Any = None) -> list[tuple[str, Any]]: ...
+        def loads_finished(self, request_id: str) -> tuple[list[Range], str | None]: ...
+
+    def _init_holds(self) -> None:
         #: Request -> the nodes holding its blocks: sent with the next step's metadata.
         self.new_holds: dict[str, tuple[str, ...]] = {}
 
@@ -36,7 +55,7 @@ class BlockHolder:
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         view = self.views.of(request)
-        results = self.core.results("request_finished", view, block_ids, default=FAULTED)
+        results = self.results("request_finished", view, block_ids, default=FAULTED)
         return self._finish(request, results)
 
     def request_finished_all_groups(
@@ -49,9 +68,9 @@ class BlockHolder:
             return self.request_finished(request, block_ids[0])
         view = self.views.of(request)
         results: list[tuple[str, Any]] = []
-        all_groups = dict(self.core.calls["request_finished_all_groups"])
-        one_group = dict(self.core.calls["request_finished"])
-        for node_id in self.core.nodes:
+        all_groups = dict(self.calls["request_finished_all_groups"])
+        one_group = dict(self.calls["request_finished"])
+        for node_id in self.nodes:
             # A node that implements only request_finished still hears of every
             # finished request (its first group's blocks), as vLLM tells a non-HMA one.
             groups = self._groups_for(node_id, block_ids)
@@ -64,7 +83,7 @@ class BlockHolder:
             try:
                 results.append((node_id, fn(view, arg)))
             except Exception as exc:
-                self.core.fault(node_id, hook, exc)
+                self.fault(node_id, hook, exc)
                 results.append((node_id, None if is_outage(hook, exc) else FAULTED))
         return self._finish(request, results)
 
@@ -82,7 +101,7 @@ class BlockHolder:
         self.views.drop(request.request_id)
         if holders:
             self.new_holds[request.request_id] = tuple(holders)
-        loads, refused = self.planner.finished(request.request_id)
+        loads, refused = self.loads_finished(request.request_id)
         for load in loads:
             self._settle(load)
         if self.pipeline.annotate_outputs or refused:
@@ -92,7 +111,7 @@ class BlockHolder:
             params = {**(params or {}), NOTE: {**(params or {}).get(NOTE, {}), **note}}
         return bool(holders), params
 
-    def _note(self, loads: list[PlannedLoad]) -> dict[str, Any]:
+    def _note(self, loads: list[Range]) -> dict[str, Any]:
         """What the request's ``kv_transfer_params`` say about its load (annotate_outputs)."""
         served = [x for x in loads if x.delivered]
         note: dict[str, Any] = {
@@ -103,7 +122,7 @@ class BlockHolder:
         ranges = self.pipeline.load_policy == "ranges"
         if ranges:
             note["ranges"] = [
-                {"node": x.node, "start": x.computed, "tokens": x.delivered} for x in loads
+                {"node": x.node, "start": x.start, "tokens": x.delivered} for x in loads
             ]
         failed = [
             {"node": x.node, "tokens": x.tokens - x.delivered}
@@ -115,9 +134,9 @@ class BlockHolder:
             note["failed"] = failed if ranges else failed[0]
         return note
 
-    def _settle(self, load: PlannedLoad) -> None:
+    def _settle(self, load: Range) -> None:
         """Count what ``load`` delivered on its node's stats."""
-        stats, delivered = self.core.stats[load.node], load.delivered
+        stats, delivered = self.stats[load.node], load.delivered
         stats.tokens_hit += delivered
         if delivered:
             stats.count_served(delivered)
@@ -127,7 +146,7 @@ class BlockHolder:
 
     def register_finished_partial_tail(self, request: Any, block_ids: Any, offloads: Any) -> bool:
         view = self.views.of(request)
-        results = self.core.results(
+        results = self.results(
             "register_finished_partial_tail", view, block_ids, offloads, default=False
         )
         return any(r for _, r in results)

@@ -7,107 +7,127 @@ what it holds after the previous nodes' hits, so ``[0, a)`` comes from the
 first node holding it, ``[a, b)`` from the next, and vLLM computes the rest.
 Each node is told only its own range. Which blocks it loads travels to the
 workers with the step's metadata, so a failing load there becomes load errors.
-What the node served is settled by what vLLM reports back (:class:`PlannedLoad`):
-only the tokens that arrived count, in ``served_by`` and in the node's counters.
+What the node served is settled by what vLLM reports back: only the tokens
+that arrived count (:attr:`Range.delivered`), in ``served_by`` and in the
+node's counters.
 
-:class:`LoadPlanner` is the scheduler chain's part that does this, with the
+:class:`LoadPlanning` is the scheduler chain's part that does this, with the
 state of requests from their lookup to their finish (when
-:class:`~composer.chain.holds.BlockHolder` takes what they were served).
+:class:`~composer.chain.holds.BlockHolding` takes what they were served). It
+is mixed into :class:`~composer.chain.scheduler.SchedulerChain`, so vLLM's call
+reaches its method directly; what it uses of the chain is listed in its body.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
-from composer.chain.core import ChainCore
 from composer.controls import unknown_names
 from composer.kv_caches import NULL_BLOCK
 from composer.views import RequestView, RequestViews
 
+if TYPE_CHECKING:
+    from composer.chain.calls import Call
+    from composer.chain.faults import Outage
+    from composer.pipeline import ResolvedPipeline
+    from composer.stats import NodeStats
 
-@dataclass(frozen=True)
+
+@dataclass(slots=True)
 class Range:
-    """One node's part of a request's load: ``tokens`` tokens after ``start``."""
+    """One node's part of a request's load, from the plan to what arrived of it.
 
-    node: str
-    #: The computed tokens the node was asked from (vLLM's, or the previous ranges' end).
-    start: int
-    tokens: int
-    load_async: bool
-
-
-@dataclass
-class PlannedLoad:
-    """A request's load as planned, and what arrived of it.
+    The lookup plans it (``node``, ``start``, ``tokens``, ``load_async``); when vLLM
+    allocates the request's blocks it gets the ``blocks`` its load writes and
+    travels so to the workers (``ChainMetadata.async_loads``) and to the nodes
+    (``request.loads``); what vLLM reports back settles ``delivered``.
 
     vLLM reports a load's failure back to the scheduler: a sync load's (and an
     async one's) failed blocks as ``invalid_block_ids``, and it recomputes from
     the first of them on; an async load that failed as a whole (several KV
-    cache groups, or a node switched off) in ``failed_recving``. Every
-    failure path of the chain ends there (a node's fault, its store away, a
-    checksum refusal, a switch-off: their blocks are load errors)."""
+    cache groups, or a node switched off) in ``failed_recving``. Every failure
+    path of the chain ends there (a node's fault, its store away, a checksum
+    refusal, a switch-off: their blocks are load errors)."""
 
     node: str
-    #: The computed tokens before this node's range, and the tokens it loads.
-    computed: int
+    #: The computed tokens before this range (vLLM's, or the previous ranges' end).
+    start: int
     tokens: int
+    #: The node's own answer: it loads asynchronously.
+    load_async: bool = False
     #: Per KV cache group, the blocks the load writes, in order (from block
-    #: ``computed // block_size``; null blocks of a sliding window included).
-    blocks: tuple[tuple[int, ...], ...]
+    #: ``start // block_size``; null blocks of a sliding window included).
+    blocks: tuple[tuple[int, ...], ...] = ()
+    #: A sync load the chain made async for vLLM (several groups, or ranges of
+    #: both kinds): the chain reports it done once ``start_load_kv`` ran.
+    reported_by_chain: bool = False
     #: Tokens that arrived: the planned ones until a failure is reported.
     delivered: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.delivered = self.tokens
 
+    def block_ids(self) -> frozenset[int]:
+        """The blocks the load writes, in any group (never the null block)."""
+        return frozenset(b for group in self.blocks for b in group if b != NULL_BLOCK)
+
     def failed(self, invalid: set[int], block_size: int) -> None:
         """``invalid`` blocks failed: vLLM recomputes from the first the load wrote."""
-        first = self.computed // block_size if block_size else 0
+        first = self.start // block_size if block_size else 0
         for group in self.blocks:
             for i, block in enumerate(group):
                 if block != NULL_BLOCK and block in invalid:
-                    kept = max(0, (first + i) * block_size - self.computed)
+                    kept = max(0, (first + i) * block_size - self.start)
                     self.delivered = min(self.delivered, kept)
                     break
 
     def cut(self, position: int) -> None:
         """vLLM recomputes from token ``position`` on (an earlier range failed there)."""
-        self.delivered = min(self.delivered, max(0, position - self.computed))
+        self.delivered = min(self.delivered, max(0, position - self.start))
 
 
-def settle_ranges(loads: list[PlannedLoad]) -> None:
+def settle_ranges(loads: list[Range]) -> None:
     """vLLM recomputes a request from its first failed token on: ranges after a
     failed one arrived in vain."""
-    failed = [x.computed + x.delivered for x in loads if x.delivered < x.tokens]
+    failed = [x.start + x.delivered for x in loads if x.delivered < x.tokens]
     if failed:
         position = min(failed)
         for load in loads:
             load.cut(position)
 
 
-class LoadPlanner:
-    """The scheduler's lookups and loads (the hooks asked per request before it runs),
-    calling the nodes through the chain's core."""
+class LoadPlanning:
+    """The scheduler's lookups and loads (the hooks asked per request before it runs)."""
 
-    def __init__(self, core: ChainCore, block_size: int, views: RequestViews) -> None:
-        self.core = core
-        self.views = views
-        self.pipeline = core.pipeline
+    # What it uses of the chain (:class:`~composer.chain.core.ChainCore`'s, and the
+    # scheduler chain's request views): nothing else.
+    if TYPE_CHECKING:
+        pipeline: ResolvedPipeline
+        calls: dict[str, list[tuple[str, Call]]]
+        stats: dict[str, NodeStats]
+        outages: dict[str, Outage]
+        num_groups: int
+        log: Any
+        views: RequestViews
+
+        def fault(self, node_id: str, hook: str, exc: BaseException) -> None: ...
+        def store_back(self, node_id: str) -> None: ...
+
+    def _init_loads(self, block_size: int) -> None:
         self.block_size = block_size
-        #: Request -> its load's ranges, in order (:class:`Range`: one per node serving it).
+        #: Request -> its load's ranges as looked up, in order (one per node serving it).
         self.plans: dict[str, list[Range]] = {}
-        #: Request -> its ranges' loads as planned and settled.
-        self.planned_loads: dict[str, list[PlannedLoad]] = {}
+        #: Request -> its load's ranges as vLLM allocated them, settled as they arrive.
+        self.loads_of: dict[str, list[Range]] = {}
         #: Node -> the blocks it loads this step (sent with the step's metadata).
         self.step_load_blocks: dict[str, set[int]] = {}
         #: Request -> why its tier controls were refused (told in its kv_transfer_params).
         self.refused: dict[str, str] = {}
-        #: Request -> its ranges' (node, blocks it loads, a sync load the chain reports
-        #: done): loads that are async for vLLM (see ``ChainMetadata.async_loads``),
-        #: sent with the next step's metadata.
-        self.async_loads_to_send: dict[str, tuple[tuple[str, frozenset[int], bool], ...]] = {}
+        #: Request -> its ranges, when its load is async for vLLM (see
+        #: ``ChainMetadata.async_loads``): sent with the next step's metadata.
+        self.async_loads_to_send: dict[str, tuple[Range, ...]] = {}
         #: Requests with a sync range the chain made async for vLLM (several groups,
         #: or ranges of both kinds).
         self.made_async: set[str] = set()
@@ -130,7 +150,7 @@ class LoadPlanner:
             return 0, False
         self.plans[rid] = plan
         load_async = any(r.load_async for r in plan)
-        if self.core.num_groups > 1 and not load_async:
+        if self.num_groups > 1 and not load_async:
             # vLLM takes failed loads of several groups only per request, from
             # async loads: the node loads as it likes, the chain reports it done.
             load_async = True
@@ -144,12 +164,12 @@ class LoadPlanner:
         longest = self.pipeline.load_policy == "longest_hit"
         chosen: Range | None = None
         allowed = self.load_allowed(view)
-        for node_id, fn in self.core.calls["get_num_new_matched_tokens"]:
+        for node_id, fn in self.calls["get_num_new_matched_tokens"]:
             tokens, load_async = self._lookup(node_id, fn, view, num_computed_tokens, allowed)
             if tokens is None:
                 return None
             if tokens > 0:
-                self.core.stats[node_id].hits += 1
+                self.stats[node_id].hits += 1
                 if chosen is None or (longest and tokens > chosen.tokens):
                     chosen = Range(node_id, num_computed_tokens, tokens, load_async)
         return [chosen] if chosen is not None else []
@@ -160,12 +180,12 @@ class LoadPlanner:
         plan: list[Range] = []
         start = num_computed_tokens
         allowed = self.load_allowed(view)
-        for node_id, fn in self.core.calls["get_num_new_matched_tokens"]:
+        for node_id, fn in self.calls["get_num_new_matched_tokens"]:
             tokens, load_async = self._lookup(node_id, fn, view, start, allowed)
             if tokens is None:
                 return None
             if tokens > 0:
-                self.core.stats[node_id].hits += 1
+                self.stats[node_id].hits += 1
                 plan.append(Range(node_id, start, tokens, load_async))
                 start += tokens
         return plan
@@ -181,7 +201,7 @@ class LoadPlanner:
         error = unknown_names(controls, [n.id for n in self.pipeline.nodes])
         if error is not None and view.request_id not in self.refused:
             self.refused[view.request_id] = error
-            self.core.log.warning("request's tier controls", request=view.request_id, error=error)
+            self.log.warning("request's tier controls", request=view.request_id, error=error)
         return controls.load
 
     def _lookup(
@@ -196,14 +216,14 @@ class LoadPlanner:
         still asked, as vLLM's connector API expects of every connector before
         ``update_state_after_alloc`` (LMCache's keeps the request's state from its
         lookup), and its hit counts as none."""
-        self.core.stats[node_id].lookups += 1
+        self.stats[node_id].lookups += 1
         try:
             tokens, load_async = fn(view, num_computed_tokens)
         except Exception as exc:
-            self.core.fault(node_id, "get_num_new_matched_tokens", exc)
+            self.fault(node_id, "get_num_new_matched_tokens", exc)
             return 0, False
-        if node_id in self.core.outages:
-            self.core.store_back(node_id)
+        if node_id in self.outages:
+            self.store_back(node_id)
         if allowed is not None and node_id not in allowed and tokens is not None:
             return 0, False
         return tokens, load_async
@@ -215,31 +235,31 @@ class LoadPlanner:
         tokens: dict[str, int] = {}
         view.loads = ()  # (vLLM allocates again after a preemption: this load only)
         if num_external_tokens > 0 and rid in self.plans:
-            tokens = self._plan_loads(rid, block_ids, num_external_tokens)
-            view.loads = tuple((x.node, x.computed, x.tokens) for x in self.planned_loads[rid])
+            view.loads = self._allocate(rid, block_ids, num_external_tokens)
+            tokens = {r.node: r.tokens for r in view.loads}
         if not getattr(request, "num_preemptions", 0):
             # Once per request, at its admission (as vLLM counts its external prefix
             # cache hits): vLLM asks again about a request it could not schedule yet.
             # What a node served is counted when the request finishes: settled.
-            for node_id, _ in self.core.calls["get_num_new_matched_tokens"]:
-                self.core.stats[node_id].count_request(view.num_prompt_tokens)
-        for node_id, fn in self.core.calls["update_state_after_alloc"]:
+            for node_id, _ in self.calls["get_num_new_matched_tokens"]:
+                self.stats[node_id].count_request(view.num_prompt_tokens)
+        for node_id, fn in self.calls["update_state_after_alloc"]:
             try:
                 fn(view, block_ids, tokens.get(node_id, 0), blocks)
             except Exception as exc:
-                self.core.fault(node_id, "update_state_after_alloc", exc)
+                self.fault(node_id, "update_state_after_alloc", exc)
 
-    def _plan_loads(
+    def _allocate(
         self, request_id: str, block_ids: Any, num_external_tokens: int
-    ) -> dict[str, int]:
-        """Record which blocks each range's node loads (for the workers' load
-        errors and for settling what it served); returns each node's tokens."""
+    ) -> tuple[Range, ...]:
+        """The planned ranges as vLLM allocated them (its tokens cut to what it took),
+        each with the blocks its node loads (for the workers' load errors and for
+        settling what it served)."""
         plan = self.plans[request_id]
         size, left = self.block_size, num_external_tokens
         made_async = request_id in self.made_async
         self.made_async.discard(request_id)
-        loads: list[PlannedLoad] = []
-        ranges: list[tuple[str, frozenset[int], bool]] = []
+        loads: list[Range] = []
         for r in plan:
             tokens = min(r.tokens, left)
             if tokens <= 0:
@@ -247,21 +267,22 @@ class LoadPlanner:
             left -= tokens
             first = r.start // size if size else 0
             last = -(-(r.start + tokens) // size) if size else None
-            ordered = tuple(tuple(group[first:last]) for group in block_ids)
-            loads.append(PlannedLoad(r.node, r.start, tokens, ordered))
-            blocks = frozenset(b for group in ordered for b in group if b != NULL_BLOCK)
-            self.step_load_blocks.setdefault(r.node, set()).update(blocks)
-            ranges.append((r.node, blocks, made_async and not r.load_async))
-        self.planned_loads[request_id] = loads
-        if self.core.num_groups > 1 or made_async or any(r.load_async for r in plan):
+            blocks = tuple(tuple(group[first:last]) for group in block_ids)
+            load = replace(
+                r, tokens=tokens, blocks=blocks, reported_by_chain=made_async and not r.load_async
+            )
+            self.step_load_blocks.setdefault(r.node, set()).update(load.block_ids())
+            loads.append(load)
+        self.loads_of[request_id] = loads
+        if self.num_groups > 1 or made_async or any(r.load_async for r in plan):
             # Async for vLLM: the workers track it, so that it is reported done when
             # every range is, and failed when one is (or its node is switched off).
-            self.async_loads_to_send[request_id] = tuple(ranges)
-        return {load.node: load.tokens for load in loads}
+            self.async_loads_to_send[request_id] = tuple(loads)
+        return tuple(loads)
 
     def settle_loads(self, invalid_block_ids: set[int], failed_recving: set[str]) -> None:
         """Loads vLLM reported failed (from ``update_connector_output``)."""
-        for request_id, loads in self.planned_loads.items():
+        for request_id, loads in self.loads_of.items():
             for load in loads:
                 if request_id in failed_recving:
                     load.delivered = 0
@@ -286,7 +307,7 @@ class LoadPlanner:
         Several ranges: each node is asked about its own tokens (the hit sources'
         counts are summed, the KV cache groups united)."""
         plan = self.plans.get(request.request_id) or []
-        fns = dict(self.core.calls[hook])
+        fns = dict(self.calls[hook])
         answers = []
         for r in plan:
             fn = fns.get(r.node)
@@ -296,7 +317,7 @@ class LoadPlanner:
             try:
                 answer = fn(self.views.of(request), *own)
             except Exception as exc:
-                self.core.fault(r.node, hook, exc)
+                self.fault(r.node, hook, exc)
                 continue
             if answer is not None:
                 answers.append(answer)
@@ -310,8 +331,8 @@ class LoadPlanner:
             return summed
         return tuple(sorted({g for answer in answers for g in answer}))
 
-    def finished(self, request_id: str) -> tuple[list[PlannedLoad], str | None]:
+    def loads_finished(self, request_id: str) -> tuple[list[Range], str | None]:
         """The request finished: what it was served, and why its tier controls were
-        refused (if they were); the planner forgets it."""
+        refused (if they were); its load is forgotten."""
         self.plans.pop(request_id, None)
-        return self.planned_loads.pop(request_id, []), self.refused.pop(request_id, None)
+        return self.loads_of.pop(request_id, []), self.refused.pop(request_id, None)

@@ -8,7 +8,10 @@ both (and passes vLLM's own transfer-results class), so nothing is copied.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from composer.chain.loads import Range
 
 
 class TransferParamsClash(RuntimeError):
@@ -25,11 +28,11 @@ class ChainMetadata:
     holds: dict[str, tuple[str, ...]] | None = None
     #: Node id -> block ids it loads this step, so a failing load becomes load errors.
     loads: dict[str, set[int]] = field(default_factory=dict)
-    #: Request id -> what starts loading asynchronously (for vLLM) this step: per
-    #: range (node, blocks it loads, whether the chain made the node's sync load
-    #: async for vLLM and reports it done). The request is done when every range
-    #: is, and failed if one failed (several KV cache groups: if a block failed).
-    async_loads: dict[str, tuple[tuple[str, frozenset[int], bool], ...]] | None = None
+    #: Request id -> what starts loading asynchronously (for vLLM) this step: its
+    #: ranges (each with the blocks it loads, and whether the chain made the node's
+    #: sync load async for vLLM and reports it done). The request is done when every
+    #: range is, and failed if one failed (several KV cache groups: if a block failed).
+    async_loads: dict[str, tuple[Range, ...]] | None = None
     #: Nodes switched off in the scheduler: the worker halves follow.
     disabled: frozenset[str] = frozenset()
 

@@ -1,7 +1,8 @@
 """The scheduler's chain: each step's metadata, the workers' output, events, the
 once-only bindings, and the two jobs of a request's life, each a part with its
-own state: planning its load (:class:`~.loads.LoadPlanner`) and holding its
-blocks when it finishes (:class:`~.holds.BlockHolder`).
+own state and its own module, mixed in so that vLLM's call reaches it directly:
+planning its load (:class:`~.loads.LoadPlanning`) and holding its blocks when it
+finishes (:class:`~.holds.BlockHolding`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import Any
 
 from composer.chain.calls import Call, adapt
 from composer.chain.core import ChainCore, block_size
-from composer.chain.holds import BlockHolder
-from composer.chain.loads import LoadPlanner
+from composer.chain.holds import BlockHolding
+from composer.chain.loads import LoadPlanning
 from composer.chain.metadata import ChainMetadata
 from composer.chain.reports import owned_events
 from composer.pipeline import ResolvedPipeline
@@ -20,8 +21,9 @@ from composer.plugin_types import VllmProcess
 from composer.views import RequestViews, StepView
 
 
-class SchedulerChain(ChainCore):
-    """The scheduler process's hooks: each a method looping over its call list."""
+class SchedulerChain(ChainCore, LoadPlanning, BlockHolding):
+    """The scheduler process's hooks: each a method looping over its call list (the
+    per-request ones in :class:`LoadPlanning` and :class:`BlockHolding`)."""
 
     process: VllmProcess = "scheduler"
 
@@ -52,8 +54,8 @@ class SchedulerChain(ChainCore):
         )
         #: Each request's one view, from vLLM's first call about it to its end.
         self.views = RequestViews()
-        self.planner = LoadPlanner(self, block_size(kv_cache_config), self.views)
-        self.holder = BlockHolder(self, self.planner)
+        self._init_loads(block_size(kv_cache_config))
+        self._init_holds()
 
     def _bind(self) -> None:
         #: ``build_connector_meta``'s calls: with the step view and vLLM's output when
@@ -101,20 +103,18 @@ class SchedulerChain(ChainCore):
                 except Exception as exc:
                     self.fault(node_id, "build_connector_meta", exc)
                     per_node[node_id] = None
-        planner = self.planner
-        meta = self.metadata_type(per_node, None, planner.step_load_blocks)
-        planner.step_load_blocks = {}
-        if self.holder.new_holds or planner.async_loads_to_send or self.disabled:
+        meta = self.metadata_type(per_node, None, self.step_load_blocks)
+        self.step_load_blocks = {}
+        if self.new_holds or self.async_loads_to_send or self.disabled:
             self._step_decisions(meta)
         return meta
 
     def _step_decisions(self, meta: ChainMetadata) -> None:
         """What the workers must follow this step: holds, async loads, switch-offs."""
-        if self.holder.new_holds:
-            meta.holds, self.holder.new_holds = self.holder.new_holds, {}
-        planner = self.planner
-        if planner.async_loads_to_send:
-            meta.async_loads, planner.async_loads_to_send = planner.async_loads_to_send, {}
+        if self.new_holds:
+            meta.holds, self.new_holds = self.new_holds, {}
+        if self.async_loads_to_send:
+            meta.async_loads, self.async_loads_to_send = self.async_loads_to_send, {}
         if self.disabled:
             meta.disabled = frozenset(self.disabled)
 
@@ -126,8 +126,8 @@ class SchedulerChain(ChainCore):
         off here first."""
         invalid = getattr(connector_output, "invalid_block_ids", None)
         failed = getattr(connector_output, "failed_recving", None)
-        if (invalid or failed) and self.planner.planned_loads:
-            self.planner.settle_loads(set(invalid or ()), set(failed or ()))
+        if (invalid or failed) and self.loads_of:
+            self.settle_loads(set(invalid or ()), set(failed or ()))
         native = self.output_native_only
         # (Inside vLLM, whose output always has the field, for native nodes only.)
         if native is not None and connector_output.kv_connector_worker_meta is None:
@@ -237,36 +237,7 @@ class SchedulerChain(ChainCore):
             raise ValueError(f"nodes returned incompatible finished counts: {sorted(set(counts))}")
         return counts[0]
 
-    # -- per request: its load (the planner), its blocks once finished (the holder) -- #
+    # -- per request: its load (LoadPlanning), its blocks once finished (BlockHolding) -- #
 
     def on_new_request(self, request: Any) -> None:
         self.call_each("on_new_request", self.views.of(request))
-
-    def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        return self.planner.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.planner.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...] | None:
-        return self.planner.get_loaded_kv_cache_group_ids(request)
-
-    def get_external_cache_hit_sources(
-        self, request: Any, num_external_tokens: int
-    ) -> dict[Any, int] | None:
-        return self.planner.get_external_cache_hit_sources(request, num_external_tokens)
-
-    def request_finished(
-        self, request: Any, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self.holder.request_finished(request, block_ids)
-
-    def request_finished_all_groups(
-        self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self.holder.request_finished_all_groups(request, block_ids)
-
-    def register_finished_partial_tail(self, request: Any, block_ids: Any, offloads: Any) -> bool:
-        return self.holder.register_finished_partial_tail(request, block_ids, offloads)

@@ -15,7 +15,8 @@ from composer.chain.calls import Call, takes_kwargs
 from composer.chain.core import ChainCore
 from composer.chain.faults import WorkerLedger
 from composer.chain.metadata import ChainMetadata, ChainWorkerMetadata, TransferResults
-from composer.hookspecs import STORE_CALLS, hooks_where
+from composer.hook_table import hooks_where
+from composer.hookspecs import STORE_CALLS
 from composer.pipeline import ResolvedPipeline
 from composer.plugin_types import VllmProcess
 
@@ -179,12 +180,12 @@ class WorkerChain(ChainCore):
                     self.released.add(req_id)
         if metadata.async_loads:
             for req_id, ranges in metadata.async_loads.items():
-                alive = {node for node, _, _ in ranges if node not in off}
+                alive = {r.node for r in ranges if r.node not in off}
                 if not alive:
                     self.failed_recving.add(req_id)
                     continue
-                blocks = frozenset().union(*(b for _, b, _ in ranges))
-                sync = [n for n, _, conv in ranges if conv and n in alive]
+                blocks = frozenset().union(*(r.block_ids() for r in ranges))
+                sync = [r.node for r in ranges if r.reported_by_chain and r.node in alive]
                 ledger.loading(req_id, alive, blocks, sync=sync, failed=len(alive) < len(ranges))
                 self.made_async_loads += [(n, req_id) for n in sync]
         loads = metadata.loads

@@ -32,24 +32,16 @@ from composer.cli.common import (
     load,
     stop_servers_on_sigterm,
 )
+from composer.cli.fleet import FLEET_ONLY, plot_path, simulate_fleet_command
 from composer.cli.logs import configure
 from composer.discovery import discover
 from composer.errors import escape
 from composer.pipeline import ResolvedPipeline
 from composer.simulate import SimulateError, simulate
-from composer.simulate.cost import CALIBRATED, parse_cost
 from composer.simulate.generate import generate, shape_from
-from composer.simulate.report import (
-    format_fleet,
-    format_fleet_sweep,
-    format_result,
-    format_sweep,
-    plot_fleet_sweep,
-    plot_sweep,
-)
-from composer.simulate.routers import ROUTERS, check_router
+from composer.simulate.report import format_result, format_sweep, plot_sweep
 from composer.simulate.shape import model_shape
-from composer.simulate.sweep import fleet_runs, parse_sweep, simulate_many, sweep
+from composer.simulate.sweep import parse_sweep, sweep
 from composer.trace import TraceRequest, write_trace
 
 #: ``kvc simulate --strict``'s exit status when a cache policy raised and was switched off.
@@ -73,7 +65,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
             "exact": args.exact,
         }
         if args.fleet is not None:
-            text, failures = _simulate_fleet(args, pipeline, trace, kwargs)
+            text, failures = simulate_fleet_command(args, pipeline, trace, kwargs)
         elif given := [k for k, v in FLEET_ONLY.items() if getattr(args, k) != v]:
             flag = "--" + given[0].replace("_", "-")
             raise SimulateError(f"{flag} is a fleet's: give --fleet N too")
@@ -158,59 +150,6 @@ def _simulate_once(
     return text, result.policy_failures
 
 
-def _simulate_fleet(
-    args: argparse.Namespace,
-    pipeline: ResolvedPipeline,
-    trace: Sequence[TraceRequest],
-    kwargs: dict[str, Any],
-) -> tuple[str, list[str]]:
-    routers = args.router or list(ROUTERS)
-    for router in routers:
-        check_router(router)
-    shared = ("bytes_per_block", "block_size", "trace_block_tokens", "vllm_cache_blocks",
-              "groups", "exact")
-    common: dict[str, Any] = {k: kwargs[k] for k in shared if k in kwargs}
-    common |= {
-        "engines": args.fleet,
-        "concurrency": args.concurrency,
-        "speedup": args.speedup,
-        "max_output_tokens": args.max_output_tokens,
-        "cost": parse_cost(args.cost) if args.cost is not None else CALIBRATED,
-        "seed": args.seed,
-    }
-    if args.sweep is None:
-        results = simulate_many(pipeline, trace, [{"router": r} for r in routers], **common)
-        failures = [f"{r.router}, {line}" for r in results for line in r.policy_failures]
-        text = dump([r.as_dict() for r in results]) if args.json else format_fleet(results)
-        return text, failures
-    name, values = parse_sweep(args.sweep)
-    runs = fleet_runs(pipeline, name, values, routers)
-    results = simulate_many(pipeline, trace, runs, **common)
-    png = _plot_path(args)
-    plot_fleet_sweep(png, name, values, routers, results, kwargs["trace_name"])
-    print(f"wrote {png}", file=sys.stderr)
-    failures = [  # (runs go value by value, each once per router)
-        f"{name}={values[i // len(routers)]}, {r.router}, {line}"
-        for i, r in enumerate(results)
-        for line in r.policy_failures
-    ]
-    if args.json:
-        return dump({"sweep": name, "values": values, "plot": str(png),
-                     "results": [r.as_dict() for r in results]}), failures
-    return format_fleet_sweep(name, values, routers, results), failures
-
-
-def _plot_path(args: argparse.Namespace) -> Path:
-    return Path(args.output).with_suffix(".png") if args.output else Path(
-        "kvc-simulate-sweep.png"
-    )
-
-
-#: ``kvc simulate``'s options that only a fleet takes, and their defaults.
-FLEET_ONLY = {"router": None, "concurrency": None, "speedup": 1.0, "max_output_tokens": None,
-              "cost": None, "seed": 0}
-
-
 def _simulate_sweep(
     args: argparse.Namespace,
     pipeline: ResolvedPipeline,
@@ -219,7 +158,7 @@ def _simulate_sweep(
 ) -> tuple[str, list[str]]:
     name, values = parse_sweep(args.sweep)
     results = sweep(pipeline, trace, name, values, **kwargs)
-    png = _plot_path(args)
+    png = plot_path(args)
     plot_sweep(png, name, values, results)
     print(f"wrote {png}", file=sys.stderr)
     failures = [

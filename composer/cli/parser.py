@@ -10,6 +10,8 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
+from composer.cli.calibrating import add_calibrate
+from composer.cli.fleet import add_fleet_options
 from composer.cli.measuring import cmd_bench, cmd_simulate, cmd_trace_generate
 from composer.cli.running import cmd_demo, cmd_serve, cmd_top
 from composer.cli.showing import cmd_graph, cmd_plugins
@@ -191,6 +193,7 @@ def add_simulate(sub: Subparsers) -> None:
     p.add_argument("file", metavar="PIPELINE")
     p.add_argument("trace", metavar="TRACE", help="Mooncake-format JSONL trace")
     _add_simulate_size_options(p)
+    add_fleet_options(p)
     p.add_argument(
         "--vllm-cache-blocks", type=int, default=0, metavar="N",
         help="model vLLM's own prefix cache of N blocks as a first tier (default 0: none)",
@@ -203,8 +206,9 @@ def add_simulate(sub: Subparsers) -> None:
     p.add_argument(
         "--sweep", metavar="FIELD=V1,V2,...",
         help="run once per value of a config field of every modelled node, e.g. "
-        "capacity=1GiB,4GiB,16GiB, or of load_policy (load_policy=longest_hit,ranges): "
-        "a table and a PNG plot",
+        "capacity=1GiB,4GiB,16GiB, or of load_policy (load_policy=longest_hit,ranges), or "
+        "with --fleet of engines (engines=4,8) or of the arrival rate (rate=2,4,8 requests "
+        "a second): a table and a PNG plot",
     )
     p.add_argument(
         "--output", "-o", metavar="FILE",
@@ -239,34 +243,6 @@ def _add_simulate_size_options(p: argparse.ArgumentParser) -> None:
         help="tokens one trace hash id stands for (default 512, the trace's own); fewer "
         "rescales every length by the same factor, like a scaled replay",
     )
-    p.add_argument(
-        "--fleet", type=int, metavar="N",
-        help="N engines running the pipeline behind a router (see --router): requests and "
-        "prompt tokens served per engine and router, as kvc bench --fleet measures them",
-    )
-    p.add_argument(
-        "--router", action="append", metavar="POLICY",
-        help="with --fleet: round_robin, random, consistent_hash, power_of_two, "
-        "sticky_least_loaded, cache_aware, kv_aware-vllm or kv_aware-tiers, modelled on "
-        "vllm-router's policies, their load terms included (repeat for several; default: all)",
-    )
-    group = p.add_mutually_exclusive_group()
-    group.add_argument(
-        "--concurrency", type=int, metavar="N",
-        help="with --fleet: N requests in flight, each sent when one ends, in trace order (as "
-        "kvc bench --concurrency; default: at the trace's timestamps)",
-    )
-    group.add_argument(
-        "--speedup", type=float, default=1.0,
-        help="with --fleet: arrivals at the trace's timestamps divided by this (default 1)",
-    )
-    p.add_argument("--max-output-tokens", type=int, metavar="N",
-                   help="with --fleet: cap every request's output (as kvc bench does)")
-    p.add_argument("--cost", metavar="NAME=SECONDS,...",
-                   help="with --fleet: the engine's cost model over the calibrated one "
-                   "(docs/simulate.md)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="with --fleet: the random policies' draws (default 0)")
 
 
 def add_trace(sub: Subparsers) -> None:
@@ -443,6 +419,7 @@ COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     add_export,
     add_serve,
     add_simulate,
+    add_calibrate,
     add_trace,
     add_bench,
     add_top,

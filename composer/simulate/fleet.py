@@ -1,18 +1,18 @@
 """``kvc simulate --fleet N --router POLICY``: a trace through N engines behind a router, in time.
 
-Each engine is a replay of its own (:class:`composer.simulate.replay._Replay`:
+Each engine is a replay of its own (:class:`composer.simulate.replay.Replay`:
 its vLLM prefix cache and its nodes' models). Requests arrive at the trace's
 timestamps (divided by ``speedup``), or, with ``concurrency``, as ``kvc bench
 --concurrency`` sends them: that many clients, each sending the next request
 of the trace when its last one ends. The router
 (:mod:`composer.simulate.routers`) places each request when it arrives,
 seeing every engine's load (its requests in flight) and cache as they are
-then. The engine looks the request up at once (vLLM schedules it in the next
-step: its hits are what the caches hold then, not the blocks of requests
-still running) and stores its blocks when it ends. How long that takes is
-:mod:`composer.simulate.cost`'s model: the engine's requests in flight share
-its speed, so a busy engine's requests wait, and the router's load terms see
-it.
+then. The engine looks the request up at once (its hits are what the caches
+hold then, not the blocks of requests still running) and stores its blocks
+when it ends. How long that takes is :mod:`composer.simulate.steps`: vLLM's
+scheduler step by step (a token budget per step, chunked prefills beside
+decodes, a queue, the KV cache's blocks), at :mod:`composer.simulate.cost`'s
+costs; a busy engine's requests wait, and the router's load terms see it.
 
 The result: requests, served fraction and queueing per engine, and TTFT and
 end-to-end percentiles.
@@ -29,14 +29,14 @@ from typing import Any
 from composer.pipeline import ResolvedPipeline
 from composer.simulate.cost import CALIBRATED, CostModel
 from composer.simulate.replay import (
-    Started,
+    Replay,
     _check_options,
-    _Replay,
     collector_paused,
     unit_for,
 )
 from composer.simulate.results import TenantResult, fallback_line
 from composer.simulate.routers import ROUTERS, FleetView, check_router, make_router
+from composer.simulate.steps import Job, StepEngine
 from composer.simulate.tiers import SimKVGroup, SimulateError
 from composer.trace import MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
 
@@ -44,8 +44,6 @@ __all__ = ["ROUTERS", "EngineStats", "FleetResult", "simulate_fleet"]
 
 #: A request's prompt tokens, its units' keys, and how many may be served.
 Units = tuple[int, list[bytes], int]
-#: Work left below this many seconds is done (float sums of shares).
-_EPS = 1e-12
 PERCENTILES = (50, 90, 99)
 
 
@@ -56,8 +54,11 @@ class EngineStats(TenantResult):
     #: Time-averaged requests in flight over the run, and the most at once.
     mean_in_flight: float = 0.0
     max_in_flight: int = 0
-    #: Mean seconds a request's TTFT exceeds its prefill alone (time it shared the engine).
+    #: Mean seconds a request's TTFT exceeds its TTFT on an idle engine (queued, or in
+    #: steps shared with others).
     mean_wait_s: float = 0.0
+    #: Requests vLLM would have preempted (its KV cache full), as ``kvc bench`` counts them.
+    preemptions: int = 0
 
 
 @dataclass
@@ -125,65 +126,28 @@ class FleetResult:
             "makespan_s": self.makespan_s,
             "per_engine": [e.as_dict() for e in self.per_engine],
             "cost": self.cost.as_dict(),
-            "tenants": {
-                name: t.as_dict() for name, t in self.tenants.items()
-            },
+            "tenants": {name: t.as_dict() for name, t in self.tenants.items()},
             "policy_fallbacks": self.policy_fallbacks,
         }
 
 
-class _Job:
-    __slots__ = (
-        "index", "engine", "arrival", "prefill", "decode", "alone", "started", "ttft", "computed",
-        "reserved",
-    )
-
-    def __init__(
-        self, index: int, engine: int, arrival: float, prefill: float, decode: float,
-        started: Started,
-    ) -> None:
-        self.index, self.engine, self.arrival = index, engine, arrival
-        self.prefill, self.decode, self.alone = prefill, decode, prefill
-        self.started = started
-        self.ttft = -1.0
-        self.computed = started.prompt - started.tokens_served
-        #: The prefill the router reserved for it (:attr:`FleetView.estimate`).
-        self.reserved = self.computed
-
-
 class _Engine:
-    """One engine's requests in flight, sharing its speed (processor sharing)."""
+    """One engine: its steps (:class:`~composer.simulate.steps.StepEngine`), and how busy
+    it was (requests in flight over time, the most at once, their waits)."""
 
-    __slots__ = ("jobs", "last", "version", "area", "peak", "wait")
+    __slots__ = ("steps", "in_flight", "last", "area", "peak", "wait")
 
-    def __init__(self) -> None:
-        self.jobs: list[_Job] = []
-        self.last = 0.0
-        self.version = 0
-        self.area = 0.0  # integral of requests in flight over time
+    def __init__(self, cost: CostModel, block_size: int, groups: Sequence[SimKVGroup]) -> None:
+        self.steps = StepEngine(cost, block_size, groups)
+        self.in_flight = 0
+        self.last = self.area = self.wait = 0.0
         self.peak = 0
-        self.wait = 0.0
 
-    def advance(self, now: float, cost: CostModel) -> None:
-        jobs = self.jobs
-        dt = now - self.last
-        if jobs and dt > 0:
-            n = len(jobs)
-            self.area += n * dt
-            share = dt * cost.batch_speedup(n) / n
-            for job in jobs:
-                if job.prefill > _EPS:
-                    job.prefill -= share
-                else:
-                    job.decode -= share
+    def count(self, now: float, change: int) -> None:
+        self.area += self.in_flight * (now - self.last)
         self.last = now
-
-    def next_step(self, now: float, cost: CostModel) -> float:
-        """When the next request in flight ends its prefill or its decode."""
-        n = len(self.jobs)
-        rate = cost.batch_speedup(n) / n
-        left = min(j.prefill if j.prefill > _EPS else j.decode for j in self.jobs)
-        return now + max(0.0, left) / rate
+        self.in_flight += change
+        self.peak = max(self.peak, self.in_flight)
 
 
 def simulate_fleet(
@@ -212,7 +176,7 @@ def simulate_fleet(
     whole trace block where the block size divides it, unless ``exact``).
     ``max_output_tokens`` caps each request's output (as ``kvc bench
     --max-output-tokens``). ``seed``: the random policies' draws. ``units``: each
-    request's :meth:`~composer.simulate.replay._Replay.units`, when already made
+    request's :meth:`~composer.simulate.replay.Replay.units`, when already made
     (:func:`composer.simulate.sweep.simulate_many` makes them once for all its
     runs)."""
     _check_options(bytes_per_block, block_size, trace_block_tokens, vllm_cache_blocks)
@@ -226,53 +190,64 @@ def simulate_fleet(
     if max_output_tokens is not None and max_output_tokens < 1:
         raise SimulateError(f"--max-output-tokens must be >= 1, got {max_output_tokens}")
     kv_groups = tuple(groups or (SimKVGroup("attention", bytes_per_block),))
-    unit = unit_for(
-        pipeline, overrides or {}, kv_groups, block_size, trace_block_tokens, exact, []
-    )
+    unit = unit_for(pipeline, overrides or {}, kv_groups, block_size, trace_block_tokens, exact, [])
     keymaker = KeyMaker(block_size * unit, trace_block_tokens)
     replays = [
-        _Replay(pipeline, overrides or {}, keymaker, unit, bytes_per_block, vllm_cache_blocks,
-                kv_groups)
+        Replay(
+            pipeline, overrides or {}, keymaker, unit, bytes_per_block, vllm_cache_blocks, kv_groups
+        )
         for _ in range(engines)
     ]
     if units is None:
         units = [replays[0].units(r) for r in trace]
     elif len(units) != len(trace):
         raise ValueError("units: one per request of the trace")
-    run = _Run(replays, router, keymaker, cost, seed, max_output_tokens)
+    run = _Run(replays, router, keymaker, cost, seed, max_output_tokens, block_size, kv_groups)
     with collector_paused():
         run.replay(trace, units, concurrency, speedup)
     return run.result(router, len(trace), concurrency, speedup)
 
 
 class _Run:
-    """The event loop: arrivals, each engine's next step, the router's view."""
+    """The event loop: arrivals, requests reaching their engine's queue, each engine's
+    steps, the router's view."""
 
     def __init__(
-        self, replays: list[_Replay], router: str, keymaker: KeyMaker, cost: CostModel,
-        seed: int, max_output_tokens: int | None,
+        self,
+        replays: list[Replay],
+        router: str,
+        keymaker: KeyMaker,
+        cost: CostModel,
+        seed: int,
+        max_output_tokens: int | None,
+        block_size: int,
+        groups: Sequence[SimKVGroup],
     ) -> None:
         self.replays, self.keymaker, self.cost = replays, keymaker, cost
         self.max_output = max_output_tokens
         self.view = FleetView(replays, [0] * len(replays), pending=[0] * len(replays))
         self.choose = make_router(router, len(replays), seed)
-        self.engines = [_Engine() for _ in replays]
+        self.engines = [_Engine(cost, block_size, groups) for _ in replays]
         self.counts = [0] * len(replays)
         self.ttfts: list[float] = []
         self.e2es: list[float] = []
         self.first = self.end = 0.0
-        #: (time, kind, order, what, version): kind 0 an engine's step, 1 an arrival;
-        #: steps first at equal times (a request that ends frees its client and load
-        #: before the next arrives).
-        self.events: list[tuple[float, int, int, int, int]] = []
+        #: (time, kind, order, engine or request index, the request on an engine): kind
+        #: 0 an engine's step ends, 1 an arrival, 2 a request reaches its engine's
+        #: queue; steps first at equal times (a request that ends frees its client
+        #: and load before the next arrives).
+        self.events: list[tuple[float, int, int, int, Job | None]] = []
         self.order = 0
 
-    def _push(self, when: float, kind: int, what: int, version: int = 0) -> None:
+    def _push(self, when: float, kind: int, what: int, job: Job | None = None) -> None:
         self.order += 1
-        heapq.heappush(self.events, (when, kind, self.order, what, version))
+        heapq.heappush(self.events, (when, kind, self.order, what, job))
 
     def replay(
-        self, trace: Sequence[TraceRequest], units: Sequence[Units], concurrency: int | None,
+        self,
+        trace: Sequence[TraceRequest],
+        units: Sequence[Units],
+        concurrency: int | None,
         speedup: float,
     ) -> None:
         if concurrency is not None:
@@ -281,83 +256,77 @@ class _Run:
                 self._push(0.0, 1, i)
         else:
             start = min(r.timestamp_ms for r in trace)
-            self.first = 0.0
             for i, r in enumerate(trace):
                 self._push((r.timestamp_ms - start) / 1000.0 / speedup, 1, i)
             sent = len(trace)
-        events, engines, cost = self.events, self.engines, self.cost
+        events = self.events
+        touched: set[int] = set()
         while events:
-            now, kind, _, what, version = heapq.heappop(events)
+            now, kind, _, what, job = heapq.heappop(events)
             if kind == 1:
                 self._arrive(now, what, trace[what], units[what])
-                continue
-            engine = engines[what]
-            if version != engine.version:
-                continue  # superseded: the engine's requests changed since
-            engine.advance(now, cost)
-            ended = self._step(now, what)
-            if concurrency is not None:
-                for _ in range(ended):
-                    if sent < len(trace):
-                        self._push(now, 1, sent)
-                        sent += 1
-        self.end = max((e.last for e in engines), default=0.0)
+            elif kind == 2 and job is not None:
+                self.engines[what].steps.add(job)
+                touched.add(what)
+            else:
+                touched.add(what)
+                ended = self._step_ended(now, what)
+                if concurrency is not None:
+                    for _ in range(ended):
+                        if sent < len(trace):
+                            self._push(now, 1, sent)
+                            sent += 1
+            if touched and (not events or events[0][0] > now):
+                # Every event of this moment is in: the engines it touched step.
+                for e in sorted(touched):
+                    self._start_step(now, e)
+                touched.clear()
+        self.end = max((e.last for e in self.engines), default=0.0)
 
     def _arrive(self, now: float, index: int, req: TraceRequest, units: Units) -> None:
+        """The router places the request; its engine looks it up at once (its hits are
+        what the caches hold now); it reaches the engine's queue ``request_s`` later."""
         replays, view = self.replays, self.view
         prompt, keys, limit = units
         view.estimate = None
         e = self.choose(view, req, keys, limit, now)
         self.counts[e] += 1
         view.load[e] += 1
-        engine = self.engines[e]
-        engine.advance(now, self.cost)
+        self.engines[e].count(now, +1)
         started = replays[e].start(prompt, keys, limit, req, now)
         if keys and limit:
             view.holders.setdefault(keys[0], set()).add(e)
-        loaded = started.tokens_served - started.vllm_tokens
         output = self.keymaker.scale(req.output_length)
         if self.max_output is not None:
             output = min(output, self.max_output)
-        job = _Job(
-            index, e, now,
-            self.cost.prefill_s(prompt - started.tokens_served, loaded),
-            self.cost.decode_s(max(1, output)),
-            started,
-        )
-        engine.jobs.append(job)
-        job.reserved = job.computed if view.estimate is None else view.estimate
+        loaded = started.tokens_served - started.vllm_tokens
+        job = Job(index, now, prompt, started.tokens_served, loaded, output, started)
+        job.reserved = job.reserved if view.estimate is None else view.estimate
         view.pending[e] += job.reserved
-        engine.peak = max(engine.peak, len(engine.jobs))
-        self._reschedule(now, e)
+        self._push(now + self.cost.request_s, 2, e, job)
 
-    def _step(self, now: float, e: int) -> int:
-        """Requests of engine ``e`` whose prefill or decode ended now; how many ended."""
+    def _step_ended(self, now: float, e: int) -> int:
+        """Engine ``e``'s step ended: first tokens, requests done; how many ended."""
         engine = self.engines[e]
-        ended = 0
-        still: list[_Job] = []
-        for job in engine.jobs:
-            if job.prefill <= _EPS and job.ttft < 0:
-                job.ttft = now - job.arrival
-                self.ttfts.append(job.ttft)
-                self.view.pending[e] -= job.reserved  # its first token: prefill done
-                engine.wait += job.ttft - job.alone
-            if job.prefill <= _EPS and job.decode <= _EPS:
-                self.replays[e].finish(job.started)
-                self.e2es.append(now - job.arrival)
-                self.view.load[e] -= 1
-                ended += 1
-            else:
-                still.append(job)
-        engine.jobs = still
-        self._reschedule(now, e)
-        return ended
+        first, done = engine.steps.end_step()
+        for job in first:
+            job.ttft = now - job.arrival
+            self.ttfts.append(job.ttft)
+            self.view.pending[e] -= job.reserved
+            engine.wait += job.ttft - self.cost.alone_ttft_s(job.prompt - job.cached, job.loaded)
+        for job in done:
+            self.replays[e].finish(job.started)
+            self.e2es.append(now - job.arrival)
+            self.view.load[e] -= 1
+            engine.count(now, -1)
+        return len(done)
 
-    def _reschedule(self, now: float, e: int) -> None:
-        engine = self.engines[e]
-        engine.version += 1
-        if engine.jobs:
-            self._push(engine.next_step(now, self.cost), 0, e, engine.version)
+    def _start_step(self, now: float, e: int) -> None:
+        steps = self.engines[e].steps
+        if not steps.busy:
+            took = steps.start_step()
+            if took is not None:
+                self._push(now + took, 0, e)
 
     def result(
         self, router: str, requests: int, concurrency: int | None, speedup: float
@@ -381,6 +350,7 @@ class _Run:
                     mean_in_flight=engine.area / span if span > 0 else 0.0,
                     max_in_flight=engine.peak,
                     mean_wait_s=engine.wait / count if count else 0.0,
+                    preemptions=engine.steps.preemptions,
                 )
             )
         tenants: dict[str, TenantResult] = {}
@@ -391,7 +361,8 @@ class _Run:
                 total.prompt_tokens += t.prompt_tokens
                 total.tokens_served += t.tokens_served
         arrivals = (
-            f"{concurrency} in flight" if concurrency is not None
+            f"{concurrency} in flight"
+            if concurrency is not None
             else f"trace timestamps{f' / {speedup:g}' if speedup != 1 else ''}"
         )
         return FleetResult(

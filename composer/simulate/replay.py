@@ -28,7 +28,7 @@ from composer.trace import MAX_TRACE_BLOCK_TOKENS, MOONCAKE_BLOCK_TOKENS, KeyMak
 
 @dataclass
 class Started:
-    """A request an engine has looked up and loaded, not yet stored (:meth:`_Replay.start`)."""
+    """A request an engine has looked up and loaded, not yet stored (:meth:`Replay.start`)."""
 
     prompt: int
     keys: list[bytes]
@@ -84,8 +84,8 @@ def simulate(
     notes = list(notes)
     unit = unit_for(pipeline, overrides or {}, groups, block_size, trace_block_tokens, exact, notes)
     keymaker = KeyMaker(block_size * unit, trace_block_tokens)
-    run = _Replay(pipeline, overrides or {}, keymaker, unit, bytes_per_block,
-                  vllm_cache_blocks, groups)
+    run = Replay(pipeline, overrides or {}, keymaker, unit, bytes_per_block,
+                 vllm_cache_blocks, groups)
     with collector_paused():
         for req in trace:
             run.request(req)
@@ -210,7 +210,7 @@ def _check_options(
         raise SimulateError(f"trace block tokens must be < {MAX_TRACE_BLOCK_TOKENS}")
 
 
-class _Replay:
+class Replay:
     """One replay's tier models and their rows, moving ``group`` vLLM blocks a unit
     (the keymaker's block size is the unit's tokens)."""
 

@@ -1,5 +1,7 @@
-"""``kvc simulate``'s output: the per-node table, the sweep tables and the sweeps' plots
-(a fleet's own table is :func:`composer.simulate.fleet.format_fleet`)."""
+"""``kvc simulate``'s text and plots: one run's per-node table (:func:`format_result`, with
+its tenants and the cache policies switched off), a fleet's table per router
+(:func:`format_fleet`), and the sweeps' tables and plots, of one engine and of a fleet
+(plots need matplotlib)."""
 
 from __future__ import annotations
 

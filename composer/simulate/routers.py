@@ -43,7 +43,7 @@ What was read: the router's ``--help`` (every default above) and its source:
 (the reservation released at a response's first data frame), whose log lines
 match the installed binary's debug log.
 
-The fleet's engines are :class:`composer.simulate.replay._Replay`; the router
+The fleet's engines are :class:`composer.simulate.replay.Replay`; the router
 sees them as they are when the request arrives (KV events reach it within
 milliseconds).
 """
@@ -56,7 +56,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from composer.simulate.replay import _Replay
+from composer.simulate.replay import Replay
 from composer.simulate.tiers import SimulateError
 from composer.trace import TraceRequest, conversation
 
@@ -97,7 +97,7 @@ def stable_hash(text: str) -> int:
 class FleetView:
     """What the router sees of the fleet."""
 
-    replays: list[_Replay]
+    replays: list[Replay]
     #: Requests in flight per engine (the router's load).
     load: list[int]
     #: First key of a prompt -> engines that ever stored a prompt starting with it

@@ -2,11 +2,13 @@
 modelled node (:func:`composer.simulate.simulate` with ``overrides``), of the
 pipeline's ``load_policy``, or, with ``--fleet``, of the number of ``engines``
 (one fleet simulation per value and router); and several fleet simulations side
-by side on the machine's cores (:func:`simulate_many`)."""
+by side on the machine's cores (:func:`simulate_many`). A fleet's arrival ``rate`` (requests
+a second on average) is the trace's timestamps scaled to it (:func:`rate_speedup`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 import os
 from collections.abc import Callable, Sequence
@@ -16,9 +18,9 @@ from typing import Any, TypeVar, get_args
 from composer.pipeline import LoadPolicy, ResolvedPipeline
 from composer.simulate.fleet import FleetResult, Units, simulate_fleet
 from composer.simulate.replay import (
+    Replay,
     Result,
     _check_options,
-    _Replay,
     simulate,
     unit_for,
 )
@@ -26,8 +28,65 @@ from composer.simulate.tiers import SimKVGroup, SimulateError
 from composer.trace import MOONCAKE_BLOCK_TOKENS, KeyMaker, TraceRequest
 
 T = TypeVar("T")
-#: The fleet's own sweepable field: how many engines.
+#: The fleet's own sweepable fields: how many engines, and requests a second.
 ENGINES = "engines"
+RATE = "rate"
+#: The most engines a fleet may have (each is a replay of its own, in memory).
+MAX_ENGINES = 4096
+#: The highest arrival rate, requests a second (a million: past any one fleet's load).
+MAX_RATE = 1e6
+
+
+def check_engines(value: str | int, option: str) -> int:
+    """``value`` (an option's number, or a sweep's text) as an engine count, 1 to
+    :data:`MAX_ENGINES`, or ``option``'s error."""
+    whole = not isinstance(value, str) or value.strip().isdecimal()
+    count = int(value) if whole else 0
+    if not 1 <= count <= MAX_ENGINES:
+        raise SimulateError(_bad(option, value, f">= 1 and at most {MAX_ENGINES} engines"))
+    return count
+
+
+def check_rate(value: str | float, option: str) -> float:
+    """``value`` (an option's number, or a sweep's text) as requests a second, a number > 0
+    and at most :data:`MAX_RATE`, or ``option``'s error."""
+    try:
+        rate = float(value)
+    except ValueError:
+        rate = math.nan
+    if not 0 < rate <= MAX_RATE:  # (NaN fails both)
+        raise SimulateError(
+            _bad(option, value, f"a number > 0 and at most {MAX_RATE:,.0f} requests a second")
+        )
+    return rate
+
+
+def _bad(option: str, value: object, expected: str) -> str:
+    """An option's error (``--fleet must be ..., got 0``) or a sweep value's (``--sweep
+    engines: '0': expected ...``)."""
+    if isinstance(value, str):
+        return f"{option}: {value!r}: expected {expected}"
+    return f"{option} must be {expected}, got {value}"
+
+
+def trace_rate(trace: Sequence[TraceRequest]) -> float:
+    """The trace's own mean arrival rate: its requests over the span of its timestamps
+    (the earliest to the latest, in any line order), requests a second."""
+    stamps = [r.timestamp_ms for r in trace]
+    span_s = (max(stamps) - min(stamps)) / 1000.0 if stamps else 0.0
+    if span_s <= 0:
+        raise SimulateError(
+            "--rate: the trace's timestamps span no time (every request at one moment): "
+            "there is no rate to scale; give --concurrency N instead"
+        )
+    return len(trace) / span_s
+
+
+def rate_speedup(rate: float, trace: Sequence[TraceRequest]) -> float:
+    """The ``speedup`` (the divisor of the trace's timestamps) that brings ``trace`` to
+    ``rate`` requests a second on average: its arrivals then span ``len(trace) / rate``
+    seconds."""
+    return rate / trace_rate(trace)
 
 
 def parse_sweep(text: str) -> tuple[str, list[str]]:
@@ -39,20 +98,20 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
 
 
 def points(
-    pipeline: ResolvedPipeline, field_name: str, values: Sequence[str], *, fleet: bool = False
+    pipeline: ResolvedPipeline,
+    field_name: str,
+    values: Sequence[str],
+    *,
+    fleet: bool = False,
+    trace: Sequence[TraceRequest] = (),
 ) -> list[dict[str, Any]]:
-    """Each value's arguments to the simulation (a pipeline, overrides or engines), every
-    value checked first."""
+    """Each value's arguments to the simulation (a pipeline, overrides, engines, or the
+    speedup of a ``rate`` on ``trace``), every value checked first."""
     if field_name == ENGINES and fleet:
-        counts = []
-        for v in values:
-            try:
-                counts.append(int(v))
-            except ValueError:
-                counts.append(0)
-            if counts[-1] < 1:
-                raise SimulateError(f"--sweep engines: {v!r}: expected a whole number >= 1")
-        return [{"engines": n} for n in counts]
+        return [{"engines": check_engines(v, "--sweep engines")} for v in values]
+    if field_name == RATE and fleet:
+        rates = [check_rate(v, "--sweep rate") for v in values]
+        return [{"speedup": rate_speedup(rate, trace)} for rate in rates]
     if field_name == "load_policy":
         allowed = get_args(LoadPolicy)
         bad = [v for v in values if v not in allowed]
@@ -67,7 +126,7 @@ def points(
         if getattr(n.plugin, "simulator", None) and field_name in type(n.config).model_fields
     ]
     if not touched:
-        more = " (or engines, with --fleet)" if not fleet else " (or engines)"
+        more = " (or engines or rate, with --fleet)" if not fleet else " (or engines, rate)"
         raise SimulateError(
             f"--sweep: no modelled node has a config field {field_name!r}{more}"
         )
@@ -88,12 +147,17 @@ def sweep(
 
 
 def fleet_runs(
-    pipeline: ResolvedPipeline, field_name: str, values: Sequence[str], routers: Sequence[str]
+    pipeline: ResolvedPipeline,
+    field_name: str,
+    values: Sequence[str],
+    routers: Sequence[str],
+    trace: Sequence[TraceRequest] = (),
 ) -> list[dict[str, Any]]:
-    """A fleet sweep's runs, value by value, each value once per router."""
+    """A fleet sweep's runs, value by value, each value once per router (a ``rate``'s
+    speedup is ``trace``'s)."""
     return [
         {**point, "router": router}
-        for point in points(pipeline, field_name, values, fleet=True)
+        for point in points(pipeline, field_name, values, fleet=True, trace=trace)
         for router in routers
     ]
 
@@ -175,6 +239,6 @@ def _units_for(
     if (unit * block_size, tbt) not in made:
         keymaker = KeyMaker(block_size * unit, tbt)
         # (A replay of the run's sizes: its tiers' slots are allocated, not used.)
-        probe = _Replay(run_pipeline, {}, keymaker, unit, bytes_per_block, 0, groups)
+        probe = Replay(run_pipeline, {}, keymaker, unit, bytes_per_block, 0, groups)
         made[unit * block_size, tbt] = [probe.units(r) for r in trace]
     return unit * block_size, tbt

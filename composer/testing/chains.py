@@ -24,8 +24,10 @@ from composer.chain import SchedulerChain as SchedulerChain  # (a plugin's tests
 from composer.chain import WorkerChain as WorkerChain
 from composer.chain import chain_for as chain_for
 from composer.chain.faults import NodeFailed as NodeFailed  # (a plugin's tests expect it)
+from composer.chain.loads import Range as Range  # (a plugin's tests give request.loads)
 from composer.discovery import Registry, discover
-from composer.hookspecs import HOOKS, Combine, NodeSpec, Process, hookimpl
+from composer.hook_table import HOOKS, Combine, Process
+from composer.hookspecs import NodeSpec, hookimpl
 from composer.plugin import Plugin
 from composer.plugin_types import Capabilities, PluginType, VllmProcess
 from composer.validation import load_pipeline
@@ -205,6 +207,20 @@ def connector_output(
 
 def metadata(**fields: Any) -> ChainMetadata:
     return ChainMetadata(**{"per_node": {}, "loads": {}, **fields})
+
+
+def async_load(node: str, blocks: Collection[int], reported_by_chain: bool = False) -> Range:
+    """One range of an async load, as the scheduler sends it to the workers."""
+    return Range(node, 0, len(blocks), True, (tuple(blocks),), reported_by_chain)
+
+
+def async_loads(meta: ChainMetadata) -> dict[str, tuple[tuple[str, frozenset[int], bool], ...]]:
+    """The step's async loads, per request: (node, blocks, whether the chain reports
+    the node's sync load done) per range."""
+    return {
+        rid: tuple((r.node, r.block_ids(), r.reported_by_chain) for r in ranges)
+        for rid, ranges in (meta.async_loads or {}).items()
+    }
 
 
 def sample_args(req: Any) -> dict[str, tuple[Any, ...]]:

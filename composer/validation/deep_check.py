@@ -35,7 +35,8 @@ import pluggy
 from composer.builtin import nixl_poll_problem
 from composer.discovery import Registry, UnknownPolicy, discover
 from composer.errors import Problem, did_you_mean, one_of
-from composer.hookspecs import HOOKS, PROJECT, NodeSpec
+from composer.hook_table import HOOKS
+from composer.hookspecs import PROJECT, NodeSpec
 from composer.loader import Marks
 from composer.pipeline import ResolvedNode, ResolvedPipeline
 from composer.plugin import Plugin

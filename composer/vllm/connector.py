@@ -48,13 +48,13 @@ from composer.vllm.metrics import (
 )
 from composer.vllm.native import NativeConnectorNode
 from composer.vllm.pipeline_source import (
-    engine_pipeline,
+    hma_resolved_pipeline,
     native_classes,
-    pipeline_from_extra_config,
+    pipeline_checked_for_engine,
     required_kvcache_layout,
     requires_piecewise,
-    runtime_pipeline,
     sleep_mode_refusals,
+    validated_pipeline,
 )
 from composer.vllm.surface import check_surface
 
@@ -113,7 +113,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         # A member a later vLLM added is named here; a gate refuses the engine.
         check_surface(ComposedConnector, KVConnectorBase_V1, log)
-        self.pipeline = engine_pipeline(vllm_config, kv_cache_config)
+        self.pipeline = pipeline_checked_for_engine(vllm_config, kv_cache_config)
         process = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         stats_type = _StatsType()
         self.chain: SchedulerChain | WorkerChain = chain_for(
@@ -174,7 +174,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         vLLM asks ``KVConnectorFactory.supports_hma_config``, which KV Composer's
         vLLM plugin routes here (MultiConnector has the same special case there).
         """
-        return runtime_pipeline(kv_transfer_config.kv_connector_extra_config).hma
+        return hma_resolved_pipeline(kv_transfer_config.kv_connector_extra_config).hma
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
@@ -404,7 +404,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         assert vllm_config.kv_transfer_config is not None
         return required_kvcache_layout(
-            pipeline_from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config),
+            validated_pipeline(vllm_config.kv_transfer_config.kv_connector_extra_config),
             vllm_config,
         )
 
@@ -412,7 +412,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
         """MultiConnector's rule: every node must (a ``vllm`` node's connector class
         answers for it); each node that cannot is named, with why."""
-        pipeline = pipeline_from_extra_config(kv_transfer_config.kv_connector_extra_config)
+        pipeline = validated_pipeline(kv_transfer_config.kv_connector_extra_config)
         refusals = sleep_mode_refusals(pipeline)
         for node, why in refusals:
             log.error("this pipeline cannot sleep", node=node.id, why=why)
@@ -420,7 +420,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return requires_piecewise(pipeline_from_extra_config(extra_config))
+        return requires_piecewise(validated_pipeline(extra_config))
 
     @classmethod
     def build_kv_connector_stats(
@@ -437,9 +437,7 @@ class ComposedConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         assert vllm_config.kv_transfer_config is not None
-        pipeline = pipeline_from_extra_config(
-            vllm_config.kv_transfer_config.kv_connector_extra_config
-        )
+        pipeline = validated_pipeline(vllm_config.kv_transfer_config.kv_connector_extra_config)
         return build_prom_metrics(
             vllm_config,
             metric_types,

@@ -25,11 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from composer.builtin import NIXL_API, VllmConnectorConfig, nixl_poll_problem
 from composer.export import native_child_config
-from composer.hookspecs import HOOKS, Native, NodeSpec, hookimpl, hooks_where
+from composer.hook_table import HOOKS, Native, hooks_where
+from composer.hookspecs import NodeSpec, hookimpl
 from composer.plugin import NodeContext, Plugin
 
 #: How each hook reaches the connector is its row's ``native`` and
-#: ``skip_if_default`` in :data:`composer.hookspecs.HOOKS`.
+#: ``skip_if_default`` in :data:`composer.hook_table.HOOKS`.
 #: Hooks vLLM's method of the same name takes with the spec's arguments: each is
 #: one generated hookimpl below, and a direct call where it is hot.
 PASS_THROUGH = hooks_where(native=Native.AS_IS)

@@ -7,8 +7,10 @@ connector classes before any instance exists, for vLLM's class-level questions).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import json
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, cast
 
@@ -27,37 +29,59 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 
-@lru_cache(maxsize=16)
-def _load(source: str) -> ResolvedPipeline:
-    spec, kv_role = json.loads(source)
-    return load_pipeline(spec, kv_role=kv_role)
+@dataclass(frozen=True)
+class _Named:
+    """The pipeline ``kv_connector_extra_config`` names, hashed and compared (a cache
+    key) by ``key``: its ``pipeline`` (a path, or the pipeline inline) and ``kv_role``."""
+
+    spec: Any = field(compare=False)
+    kv_role: str | None = field(compare=False)
+    key: Hashable
 
 
-def _pipeline_key(extra: dict[str, Any]) -> str:
+def _named(extra: dict[str, Any]) -> _Named:
     spec = extra.get("pipeline")
     if spec is None:
         raise ValueError(
             'ComposedConnector needs kv_connector_extra_config["pipeline"]: '
             "a pipeline file path or the pipeline inline (see `kvc export`)"
         )
-    # Not sorted: node order is the default load order, as in the file. The P/D side
-    # a referenced file runs as (see composer.export) is part of what is loaded.
-    return json.dumps([spec, extra.get("kv_role")])
+    # The P/D side a referenced file runs as (see composer.export) is part of the key.
+    kv_role = extra.get("kv_role")
+    return _Named(spec, kv_role, _frozen((spec, kv_role)))
 
 
-def pipeline_from_extra_config(extra: dict[str, Any]) -> ResolvedPipeline:
-    """The pipeline named by ``kv_connector_extra_config["pipeline"]`` (path or inline)."""
-    return _load(_pipeline_key(extra))
-
-
-def runtime_pipeline(extra: dict[str, Any]) -> ResolvedPipeline:
-    """The pipeline as it runs: native nodes' HMA support from their connector classes."""
-    return _runtime(_pipeline_key(extra))
+def _frozen(value: Any) -> Hashable:
+    """Config data as a key: mappings and lists in their order (node order is the
+    default load order), each value with its type (``1``, ``1.0``, ``true`` differ)."""
+    if isinstance(value, Mapping):
+        return (dict, tuple((_frozen(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return (list, tuple(_frozen(v) for v in value))
+    return (type(value), value)
 
 
 @lru_cache(maxsize=16)
-def _runtime(source: str) -> ResolvedPipeline:
-    pipeline = _load(source)
+def _validated(named: _Named) -> ResolvedPipeline:
+    # A copy: the cached pipeline keeps none of vLLM's config objects.
+    return load_pipeline(copy.deepcopy(named.spec), kv_role=named.kv_role)
+
+
+def validated_pipeline(extra: dict[str, Any]) -> ResolvedPipeline:
+    """The pipeline named by ``kv_connector_extra_config["pipeline"]`` (path or inline),
+    validated; cached, as vLLM asks its class-level questions more than once."""
+    return _validated(_named(extra))
+
+
+def hma_resolved_pipeline(extra: dict[str, Any]) -> ResolvedPipeline:
+    """:func:`validated_pipeline` with native nodes' HMA support from their connector
+    classes, and the pipeline's ``hma`` decided from its nodes'."""
+    return _resolve_hma(_named(extra))
+
+
+@lru_cache(maxsize=16)
+def _resolve_hma(named: _Named) -> ResolvedPipeline:
+    pipeline = _validated(named)
     nodes = []
     for node in pipeline.nodes:
         if node.plugin.name == "vllm":
@@ -84,7 +108,6 @@ def native_transfer_config(node: ResolvedNode, pipeline: ResolvedPipeline) -> An
     (the one place a child config is built from a pipeline; ``child_vllm_config``
     wraps it in a vLLM config for the node's own connector)."""
     from vllm.config.kv_transfer import KVTransferConfig
-
 
     child = native_child_config(cast(VllmConnectorConfig, node.config), pipeline.kv_role)
     return KVTransferConfig(**child)
@@ -158,11 +181,11 @@ def sleep_mode_refusals(pipeline: ResolvedPipeline) -> list[tuple[ResolvedNode, 
     return out
 
 
-def engine_pipeline(vllm_config: VllmConfig, kv_cache_config: Any) -> ResolvedPipeline:
+def pipeline_checked_for_engine(vllm_config: VllmConfig, kv_cache_config: Any) -> ResolvedPipeline:
     """The pipeline a starting engine runs, refused (``ValueError``) with the messages
     ``kvc validate`` gives where it cannot serve this engine's KV cache groups."""
     assert vllm_config.kv_transfer_config is not None
-    pipeline = runtime_pipeline(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    pipeline = hma_resolved_pipeline(vllm_config.kv_transfer_config.kv_connector_extra_config)
     deep_check_at_start(pipeline)
     # vLLM turns its hybrid manager off unless every node supports HMA
     # (all_nodes_support_hma, as for MultiConnector), or unless the user

@@ -19,27 +19,6 @@ from typing import Any
 #: Members whose answer vouches for every node: never inherited silently.
 GATE_PREFIXES = ("supports_", "requires_")
 
-#: Base-class members the composed connector answers itself, from the pipeline or
-#: its nodes' connector classes, rather than through a lifecycle hook of its nodes.
-#: (Every other public member is a hook of :class:`composer.hookspecs.NodeSpec`.)
-COMPOSER_LEVEL = frozenset(
-    {
-        "role",
-        "has_connector_metadata",  # the chain holds the step's metadata
-        "get_finished",  # answered from get_transfer_results, as MultiConnector does
-        # Asked of the class, before any node exists: the pipeline and the native
-        # nodes' connector classes answer.
-        "get_required_kvcache_layout",
-        "requires_piecewise_for_cudagraph",
-        "build_kv_connector_stats",
-        "build_prom_metrics",
-        "supports_sleep_mode",
-        # Properties over the native nodes' connectors, as MultiConnector's.
-        "supports_divergent_local_hybrid_hits",
-        "requires_kv_delivery",
-    }
-)
-
 
 class UnknownGate(RuntimeError):
     """vLLM asks the connector a yes/no question KV Composer cannot answer for its nodes."""

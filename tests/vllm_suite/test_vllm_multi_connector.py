@@ -20,6 +20,7 @@ from multi_connector_adapter import NOT_APPLICABLE, both_sides_for, collected, l
 _vllm = load()
 globals().update(collected(_vllm))
 # vLLM's conftest for these tests: the CPU attention backend accepts their block size.
+# The underscore name is vLLM's (a fixture of its test suite), imported as its tests do.
 from tests.v1.kv_connector.unit.conftest import _mock_cpu_backend_block_sizes  # noqa: E402, F401
 
 

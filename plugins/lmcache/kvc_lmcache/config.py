@@ -1,6 +1,6 @@
 """The ``lmcache`` node's options (validated before vLLM starts, without torch).
 
-``import lmcache`` imports torch (~5 s), so validation never imports it.
+``import lmcache`` imports torch (seconds, the README says), so validation never imports it.
 Instead the names LMCache knows are read from the source of
 ``lmcache/v1/config.py`` (its single ``_CONFIG_DEFINITIONS`` table) with
 :mod:`ast` (:func:`kvc_lmcache.lmcache_internals.lmcache_field_names`): a

@@ -14,7 +14,7 @@ is what to check, with the tests that compare its readings with LMCache's own
 ``test_lmcache_contract``).
 
 **Its source**, read with :mod:`ast` rather than imported: ``import lmcache``
-imports torch (~5 s), and ``kvc validate`` must stay light.
+imports torch (seconds, the README says), and ``kvc validate`` must stay light.
 
 * :func:`source_dir`: where the ``lmcache`` package is (``find_spec``, which
   imports nothing).

@@ -40,6 +40,8 @@ def test_lmcache_field_names_are_read_without_importing_lmcache() -> None:
 
 
 def test_the_names_match_lmcaches_own_config_class() -> None:
+    # _CONFIG_*: LMCache's own private tables of its config keys and their aliases (it has no public
+    # list of them): the truth that lmcache_field_names() is checked against.
     import lmcache  # noqa: F401  (installed by `make test`: missing must fail, not skip)
     from lmcache.v1.config import _CONFIG_ALIASES, _CONFIG_DEFINITIONS
 

@@ -5,7 +5,8 @@ scatter of many blocks), never a Python loop over blocks or layers. Two details
 make it fast on CPU:
 
 * rows are viewed as the widest integer dtype that divides them: torch's
-  ``index_copy_`` on int8 rows is ~10x slower than on int64 rows;
+  ``index_copy_`` on int8 rows is far slower than on int64 rows (figures: the
+  plugin's README);
 * saves into a run of consecutive slots gather straight into the pool
   (``index_select(..., out=pool[s:s+n])``), one pass instead of two; the index
   hands out free slots lowest first, so batches mostly land in a few runs;
@@ -215,9 +216,9 @@ class HostPool:
         """Map every page of the pool, lowest slots first; returns seconds.
 
         ``torch.empty`` leaves the pool's pages unmapped, so a save into a fresh
-        slot pays a page fault per 4 KiB (~1 GiB/s instead of >10 GiB/s: a
-        2000-token save took ~25 ms instead of ~1.5 ms, CPU time taken from the
-        forward running beside it). Contents are kept, so it may run beside
+        slot pays a page fault per 4 KiB, an order of magnitude slower (the
+        plugin's README has the figures), CPU time taken from the forward running
+        beside it. Contents are kept, so it may run beside
         saves and loads, which never wait for it: a slot it has not reached is
         faulted by the save that writes it. Raises ``OSError`` where the kernel
         cannot populate (the pages then fault on first use).

@@ -175,14 +175,6 @@ class BlockIndex:
         """The eviction policy of the tenants no quota names (of every block, without quotas)."""
         return self.policies[OTHERS]
 
-    @property
-    def policy_failed(self) -> str:
-        """Why configured policies were switched off ("": none was), e.g.
-        ``Lfu.removed raised RuntimeError: boom``."""
-        return "; ".join(
-            f.reason for kind, f in self.health.fallbacks.items() if kind != "admission"
-        )
-
     # -- queries ------------------------------------------------------------ #
 
     def __len__(self) -> int:

@@ -39,16 +39,6 @@ def root(cache_salt: str = "") -> bytes:
     return hashlib.blake2b(ROOT + b"/salt/" + cache_salt.encode(), digest_size=DIGEST_SIZE).digest()
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[bytes]:
-    """Keys of every full block of ``token_ids`` (a trailing partial block has none)."""
-    keys: list[bytes] = []
-    parent = root(cache_salt)
-    for k in range(len(token_ids) // block_size):
-        parent = chain_hash(parent, token_ids[k * block_size : (k + 1) * block_size])
-        keys.append(parent)
-    return keys
-
-
 class RequestKeys:
     """Keys of one request's full blocks, extended as the request grows."""
 

@@ -266,7 +266,7 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
             # (vLLM allocates an async-loaded request again, with nothing to load:
             # what other nodes loaded into it stays known.)
             tracked.foreign = [
-                (start, start + n) for node, start, n in loads if node != self.node_id
+                (r.start, r.start + r.tokens) for r in loads if r.node != self.node_id
             ]
         if num_external_tokens == 0:
             if tracked.lookup is not None:  # first allocation of a request we looked up

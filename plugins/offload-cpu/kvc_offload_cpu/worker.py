@@ -349,10 +349,6 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
         self.stats.bytes_saved += n * self.pool.slot_bytes
         self._add_time("save", result.seconds, self.stats.bytes_saved)
 
-    def saved_slots(self) -> list[tuple[int, int]]:
-        """(slot, generation) of every slot holding a finished save."""
-        return [(slot, gen) for slot, gen in enumerate(self._slot_gen) if gen > 0]
-
     def _finish_load(self, result: _LoadResult) -> None:
         assert self.pool is not None
         if result.error is not None:

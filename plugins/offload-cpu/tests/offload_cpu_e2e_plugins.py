@@ -61,7 +61,9 @@ class Corruptor(Plugin[CorruptorConfig]):
         half = self._half()
         if half is None or half.pool is None:
             return
-        for slot, gen in half.saved_slots():
+        # (slot, generation) of every slot holding a finished save (-1: being written).
+        saved = [(slot, gen) for slot, gen in enumerate(half._slot_gen) if gen > 0]
+        for slot, gen in saved:
             if slot % self.config.every == 0 and (slot, gen) not in self.done:
                 corrupt(half.pool, slot, 7)
                 self.done.add((slot, gen))

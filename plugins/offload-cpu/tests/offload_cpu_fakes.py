@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from kvc_offload_cpu.config import OffloadCPUConfig
+from kvc_offload_cpu.keys import RequestKeys
 from kvc_offload_cpu.scheduler import SchedulerHalf
 from kvc_offload_cpu.worker import WorkerHalf
 
@@ -30,6 +31,16 @@ from composer import (
     RequestView,
     StepView,
 )
+from composer.testing.chains import Range
+
+
+def block_keys(token_ids: list[int], block_size: int, cache_salt: str = "") -> list[bytes]:
+    """Keys of every full block of ``token_ids`` (a trailing partial block has none), as
+    the scheduler half makes them from a request's tokens."""
+    keys = RequestKeys(None)
+    request = SimpleNamespace(all_token_ids=token_ids, tenant=cache_salt)
+    keys.ensure(request, len(token_ids) // block_size, block_size)
+    return keys.keys
 
 
 def corrupt(pool: Any, slot: int, offset: int = 0) -> None:
@@ -291,9 +302,10 @@ class Engine:
         """Admit a request: lookup, allocate, update_state_after_alloc. Returns the lookup.
 
         ``loads``: the request's ranges as the chain plans them ((node, start,
-        tokens); another node's are what it loads into the request)."""
+        tokens) each, made the chain's ``Range``; another node's are what it loads
+        into the request)."""
         req = FakeRequest(req_id, list(prompt), **kw)
-        view = RequestView(req, loads)
+        view = RequestView(req, tuple(Range(*load) for load in loads))
         self.sched.on_new_request(view)
         ext, is_async = self.sched.get_num_new_matched_tokens(view, 0)
         assert ext is not None

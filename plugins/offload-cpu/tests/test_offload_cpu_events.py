@@ -16,7 +16,6 @@ import offload_cpu_fakes
 import pytest
 import torch
 from kvc_offload_cpu.config import OffloadCPUConfig
-from kvc_offload_cpu.keys import block_keys
 from kvc_offload_cpu.metadata import OffloadWorkerMeta
 from kvc_offload_cpu.scheduler import SchedulerHalf
 from kvc_offload_cpu.worker import WorkerHalf
@@ -27,6 +26,7 @@ from offload_cpu_fakes import (
     FakeSchedulerOutput,
     NewReq,
     Running,
+    block_keys,
     corrupt,
     hybrid_kv_cache_config,
     hybrid_layers,

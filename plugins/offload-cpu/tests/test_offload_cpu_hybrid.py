@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 from kvc_offload_cpu.config import OffloadCPUConfig
-from kvc_offload_cpu.keys import block_keys
 from kvc_offload_cpu.layout import GroupLayout, layout_from_kv_cache_config
 from kvc_offload_cpu.metadata import OffloadWorkerMeta
 from kvc_offload_cpu.scheduler import SchedulerHalf
@@ -30,6 +29,7 @@ from offload_cpu_fakes import (
     FakeRequest,
     FakeSchedulerOutput,
     NewReq,
+    block_keys,
     hybrid_kv_cache_config,
     hybrid_layers,
 )

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 from kvc_offload_cpu.metadata import OffloadMetadata, Transfer
-from offload_cpu_fakes import BLOCK, SLOT, Engine, FakeSchedulerOutput, content, corrupt, prompt
+from offload_cpu_fakes import (
+    BLOCK,
+    SLOT,
+    Engine,
+    FakeSchedulerOutput,
+    block_keys,
+    content,
+    corrupt,
+    prompt,
+)
 
 from composer import StepView
 
@@ -412,7 +421,6 @@ def _prefill_out(eng: Engine, rid: str) -> object:
 
 
 def _slot_of(eng: Engine, tokens: list[int], block: int) -> int:
-    from kvc_offload_cpu.keys import block_keys
 
     entry = eng.index.ready(block_keys(tokens, BLOCK)[block])
     assert entry is not None

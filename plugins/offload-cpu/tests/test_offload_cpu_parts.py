@@ -10,9 +10,9 @@ import torch
 from kvc_offload_cpu.config import OffloadCPUConfig
 from kvc_offload_cpu.datapath import HostPool, RegionPlan, runs, wide
 from kvc_offload_cpu.index import BlockIndex
-from kvc_offload_cpu.keys import block_keys, chain_hash
+from kvc_offload_cpu.keys import chain_hash
 from kvc_offload_cpu.layout import layout_from_kv_cache_config
-from offload_cpu_fakes import BLOCK, PAGE, SLOT, canonical, corrupt, kv_cache_config
+from offload_cpu_fakes import BLOCK, PAGE, SLOT, block_keys, canonical, corrupt, kv_cache_config
 from pydantic import ValidationError
 
 from composer import discover, load_pipeline
@@ -100,8 +100,10 @@ def test_keys_are_chained_deterministic_and_the_same_in_another_process() -> Non
     assert not set(salted) & set(keys) and not set(salted) & set(block_keys(tokens, BLOCK, "b"))
     assert block_keys(tokens, BLOCK, "acme") == salted
     code = (
-        "from kvc_offload_cpu.keys import block_keys; "
-        "print(block_keys(list(range(100)), 32)[2].hex())"
+        "from types import SimpleNamespace; from kvc_offload_cpu.keys import RequestKeys; "
+        "keys = RequestKeys(None); "
+        "keys.ensure(SimpleNamespace(all_token_ids=list(range(100)), tenant=''), 3, 32); "
+        "print(keys.keys[2].hex())"
     )
     for seed in ("0", "12345"):
         out = subprocess.run(
@@ -231,12 +233,3 @@ def test_host_pool_round_trip(slots: list[int], kind: str, blocks: str) -> None:
     corrupt(pool, slots[-1], SLOT - 1)
     ok, _ = pool.load(slots, dst, [0] * len(slots), verify=True)
     assert ok == [True] * (len(slots) - 1) + [False]
-
-
-def test_bench_runs_and_reports_ratios() -> None:
-    from kvc_offload_cpu.throughput import main, run
-
-    r = run(num_blocks=64, bytes_per_block=4096, batch=16, reps=2)
-    for key in ("ratio_vs_plain", "ratio_vs_plain_wide", "ratio_checksums_vs_plain"):
-        assert r[key] > 0
-    assert main(["--blocks", "64", "--block-kib", "4", "--batch", "16", "--reps", "2"]) == 0
