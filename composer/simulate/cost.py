@@ -63,11 +63,11 @@ LIMITS = {"max_num_batched_tokens": 1, "max_num_seqs": 1, "num_gpu_blocks": 0}
 #: its KV cache 80 blocks of 32 tokens; the Mooncake conversation slice, lengths / 16,
 #: 16 output tokens; 1, 4 and 8 in flight). docs/simulate.md has the fit's table.
 CALIBRATED = CostModel(
-    request_s=0.0045,
-    step_s=0.0008,
-    prefill_token_s=1.23e-5,
-    load_token_s=2.27e-6,
-    decode_seq_s=0.0007,
+    request_s=0.0038,
+    step_s=0.00149,
+    prefill_token_s=1.38e-5,
+    load_token_s=3.63e-6,
+    decode_seq_s=0.00037,
 )
 
 
