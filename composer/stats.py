@@ -182,8 +182,12 @@ class NodeStats:
         return snapshot
 
     def is_empty(self) -> bool:
+        """Nothing to report: no count, no gauge changed, and not switched off (a node
+        switched off on the other process's word may count nothing, yet its state
+        must reach the report and the ``disabled`` metric)."""
         return not any(
             (
+                self.disabled,
                 self.lookups,
                 self.requests_looked_up,
                 self.tokens_loaded,

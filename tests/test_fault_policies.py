@@ -32,6 +32,7 @@ from composer.testing.chains import (
     registry,
     request,
     spec_hooks,
+    switched_off,
 )
 
 #: The hooks whose failure under recompute turns the step's loads into load errors.
@@ -42,6 +43,8 @@ RECOVERABLE_HOOKS = frozenset(n for n, h in HOOKS.items() if h.recompute != Reco
 AWAY_HOOKS = frozenset(n for n, h in HOOKS.items() if h.away != Away.FAULT)
 
 SHUTDOWNS: list[str] = []
+#: Node id -> the finished requests its worker half reports sent at its next get_finished.
+SENT: dict[str, set[str]] = {}
 
 
 class FaultConfig(BaseModel):
@@ -67,6 +70,8 @@ class Everything(Scripted):
         if hook == "take_events" and self.node_id in SHUTDOWNS:
             # A tier's last word: everything it held is gone.
             return [SimpleNamespace(ownership=None, kind="removed")]
+        if hook == "get_finished":
+            return SENT.pop(self.node_id, None), None
         if hook == "get_num_new_matched_tokens":
             return self.config.hit, self.config.load_async
         if hook in ("request_finished", "request_finished_all_groups"):
@@ -100,6 +105,7 @@ REGISTRY = registry(_Module())
 
 def _chain(role: Any, policy: str, fail_in: str = "", **config: Any) -> Any:
     SHUTDOWNS.clear()
+    SENT.clear()
     nodes = {
         "bad": {
             "plugin": "everything",
@@ -109,6 +115,12 @@ def _chain(role: Any, policy: str, fail_in: str = "", **config: Any) -> Any:
         "good": {"plugin": "everything", "config": {"hold": config.get("hold", False)}},
     }
     return pipeline_chain({"nodes": nodes}, role, types=REGISTRY)
+
+
+def _report(chain: ChainCore, hook: str, out: Any) -> dict[str, Any]:
+    """The chain's stats report after ``hook`` answered ``out``: ``out`` itself when
+    the hook is vLLM's ``get_kv_connector_stats`` (the report takes the counters)."""
+    return out if hook == "get_kv_connector_stats" else chain.take_stats()
 
 
 def _meta(chain: ChainCore, **fields: Any) -> Any:
@@ -150,14 +162,11 @@ def test_recompute_keeps_the_node_only_where_recompute_undoes_the_fault(
         if role == "worker" and hook in LOAD_HOOKS:
             chain.bind_connector_metadata(_meta(chain))
         out = drive(chain, hook, request())  # never raises
-        if hook == "get_kv_connector_stats":
-            counted = out["bad"]["counters"]  # the report takes the counters
-        else:
-            counted = chain.stats["bad"].take()
+        report = _report(chain, hook, out)
+        counted = report["bad"]["counters"]
         assert counted["errors"] == 1 and counted["extra"][f"errors_{hook}"] == 1
         stays = policy == "recompute" and hook in RECOVERABLE_HOOKS or hook == "shutdown"
-        assert ("bad" in chain.disabled) is not stays, (role, hook)
-        assert "good" not in chain.disabled
+        assert switched_off(report) == (set() if stays else {"bad"}), (role, hook)
         if not stays:
             assert SHUTDOWNS == ["bad"], "a switched-off node's shutdown stops its transfers"
             assert chain.implemented(hook) in ([], ["good"])
@@ -185,15 +194,15 @@ def test_a_store_away_is_no_fault_where_the_hook_can_say_so(hook: str, policy: s
                 with pytest.raises(Unavailable if hook == "shutdown" else NodeFailed):
                     drive(chain, hook, request())
             else:
-                drive(chain, hook, request())
-                assert chain.stats["bad"].errors == 1
+                out = drive(chain, hook, request())
+                assert _report(chain, hook, out)["bad"]["counters"]["errors"] == 1
             continue
         with capture_logs() as logs:
             out = drive(chain, hook, request())  # never raises, whatever the policy
-        counted = out["bad"]["counters"] if hook == "get_kv_connector_stats" else None
-        counted = counted or chain.stats["bad"].take()
+        report = _report(chain, hook, out)
+        counted = report["bad"]["counters"]
         assert counted["errors"] == 0 and counted["unavailable"] == {hook: 1}, (role, hook)
-        assert chain.disabled == set() and SHUTDOWNS == []
+        assert switched_off(report) == set() and SHUTDOWNS == []
         assert counted["extra"]["outages"] == 1 and counted["gauges"]["store_away"] == 1
         assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
             "node's store is away: the node stays on, vLLM recomputes what it would "
@@ -203,7 +212,8 @@ def test_a_store_away_is_no_fault_where_the_hook_can_say_so(hook: str, policy: s
         if away is Away.MISS:
             assert out == (0, False), "the other node has no hit; the away one is a miss"
         if away is Away.SAVE_SKIPPED and hook.startswith("request_finished"):
-            assert chain.new_holds["r1"] == ("good",), "nothing held for the away node"
+            meta = chain.build_connector_meta(SimpleNamespace())
+            assert meta.holds == {"r1": ("good",)}, "nothing held for the away node"
         if role == "worker" and away is Away.BLOCKS_RECOMPUTED:
             # Even with an async load of it in flight: the node reports that one itself.
             assert chain.get_block_ids_with_load_errors() == {10, 11}
@@ -218,16 +228,22 @@ def test_an_outage_is_logged_once_and_ends_at_the_next_store_call_that_returns(
     with capture_logs() as logs:
         for _ in range(3):
             drive(chain, hook, request())
-        assert chain.stats["bad"].gauges["store_away"] == 1
+        counted = chain.take_stats()["bad"]["counters"]
+        assert counted["unavailable"] == {hook: 3} and counted["extra"]["outages"] == 1
+        assert counted["gauges"]["store_away"] == 1
         chain.nodes["bad"].config.fail_in = ""  # the store is back
         drive(chain, hook, request())
         drive(chain, hook, request())
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert [e["event"] for e in warnings][1:] == ["node's store is back"]
     assert warnings[1]["calls_unavailable"] == 3 and warnings[1]["away_s"] >= 0
-    counted = chain.stats["bad"].take()
-    assert counted["unavailable"] == {hook: 3} and counted["extra"]["outages"] == 1
-    assert counted["gauges"]["store_away"] == 0 and chain.outages == {}
+    counted = chain.take_stats()["bad"]["counters"]
+    assert counted["unavailable"] == {} and counted["gauges"]["store_away"] == 0
+    # The outage is over: the store going away again is a new one.
+    chain.nodes["bad"].config.fail_in = hook
+    drive(chain, hook, request())
+    counted = chain.take_stats()["bad"]["counters"]
+    assert counted["extra"]["outages"] == 1 and counted["gauges"]["store_away"] == 1
 
 
 def test_scheduler_switch_off_reaches_the_worker_releasing_holds_and_failing_async_loads() -> None:
@@ -239,24 +255,26 @@ def test_scheduler_switch_off_reaches_the_worker_releasing_holds_and_failing_asy
     worker.bind_connector_metadata(sched.build_connector_meta(SimpleNamespace()))
     worker.clear_connector_metadata()
     hold, _ = sched.request_finished(request("r1"), [10, 11])
-    assert hold and sched.disabled == {"bad"}
+    assert hold and switched_off(sched.take_stats()) == {"bad"}
     meta = sched.build_connector_meta(SimpleNamespace())
     assert meta.disabled == {"bad"} and meta.holds == {"r1": ("bad", "good")}
     worker.bind_connector_metadata(meta)
-    assert worker.disabled == {"bad"} and SHUTDOWNS == ["bad", "bad"]  # both halves
+    assert switched_off(worker.take_stats()) == {"bad"}
+    assert SHUTDOWNS == ["bad", "bad"]  # both halves
     results = worker.get_transfer_results(set())
     # r0 can never finish loading through "bad": vLLM recomputes it.
     assert results.finished_recving == {"r0"} and results.failed_recving == {"r0"}
     # r1 is still held by "good"; "bad" let go of it.
     assert results.finished_sending == set()
-    assert worker.ledger.held() == 1
+    SENT["good"] = {"r1"}  # its last holder is done: vLLM may free r1's blocks
+    assert worker.get_transfer_results(set()).finished_sending == {"r1"}
 
 
 def test_a_switched_off_nodes_last_events_are_published_with_the_next_step() -> None:
     sched = _chain("scheduler", "disable", "request_finished")
     assert list(sched.take_events()) == []
     sched.request_finished(request("r1"), [10])
-    assert sched.disabled == {"bad"} and SHUTDOWNS == ["bad"]
+    assert switched_off(sched.take_stats()) == {"bad"} and SHUTDOWNS == ["bad"]
     events = list(sched.take_events())
     assert [(e.ownership, e.kind) for e in events] == [("bad", "removed")]
     assert list(sched.take_events()) == [], "published once"
@@ -266,12 +284,12 @@ def test_worker_switch_off_reaches_the_scheduler() -> None:
     sched = _chain("scheduler", "disable", "", hit=8)
     worker = _chain("worker", "disable", "wait_for_save")
     worker.wait_for_save()
-    assert worker.disabled == {"bad"}
+    assert switched_off(worker.take_stats()) == {"bad"}
     meta = worker.build_connector_worker_meta()
     assert meta is not None and meta.disabled == {"bad"}
     assert worker.build_connector_worker_meta() is None  # told once
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
-    assert sched.disabled == {"bad"}
+    assert switched_off(sched.take_stats()) == {"bad"} and SHUTDOWNS == ["bad", "bad"]
     # The scheduler half no longer claims hits for a node that cannot load them.
     assert sched.get_num_new_matched_tokens(request(), 0) == (0, False)
 
@@ -282,7 +300,7 @@ def test_async_load_fault_under_recompute_switches_the_node_off() -> None:
     worker = _chain("worker", "recompute", "start_load_kv")
     worker.bind_connector_metadata(_meta(worker, async_loads={"r0": (async_load("bad", {1}),)}))
     worker.start_load_kv(None)
-    assert worker.disabled == {"bad"} and SHUTDOWNS == ["bad"]
+    assert switched_off(worker.take_stats()) == {"bad"} and SHUTDOWNS == ["bad"]
     results = worker.get_transfer_results(set())
     assert results.finished_recving == {"r0"} == results.failed_recving
 

@@ -14,6 +14,14 @@ def test_take_resets_counters_but_keeps_disabled() -> None:
     assert stats.tokens_loaded == 0 and stats.disabled
 
 
+def test_a_switched_off_node_is_reported_with_nothing_counted() -> None:
+    stats = NodeStats()
+    assert stats.is_empty()
+    stats.disabled = True  # (switched off on the other process's word, nothing counted)
+    assert stats.changes.seen and not stats.is_empty()
+    assert stats.take()["disabled"] and not stats.is_empty()  # a state, kept
+
+
 def test_counters_sum_and_gauges_keep_the_latest_across_steps_and_workers() -> None:
     first, later = NodeStats(), NodeStats()
     first.extra.add("evictions", 2)

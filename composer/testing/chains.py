@@ -5,7 +5,8 @@ implements every hook, and a driver.
 test module; ``Scripted`` answers each hook from its config (``returns``),
 records every call in ``CALLS`` and raises in the hook named ``fail_in``;
 :func:`drive` calls a hook through the chain of its process the way vLLM calls
-it. Used by the project's own tests (the chain, fault policies, the combine
+it; :func:`switched_off` reads who is off from the chain's stats report. Used by
+the project's own tests (the chain, fault policies, the combine
 table) and usable by a plugin's (``chain_for``, the two chains and ``NodeFailed``
 are here for them).
 """
@@ -294,3 +295,14 @@ def drive(chain: ChainCore, hook: str, req: Any = None) -> Any:
         chain.get_num_new_matched_tokens(req, 0)
     out = getattr(chain, hook)(*args[hook])
     return list(out) if combine is Combine.CONCATENATE else out
+
+
+def switched_off(report: Any) -> set[str]:
+    """The nodes a stats report says are switched off (``disabled`` in their counters).
+
+    ``report`` is what the chain's ``take_stats`` or vLLM's ``get_kv_connector_stats``
+    returns (the latter's ``data``; None: nothing reported). A node is in a report
+    only when something of it was counted since the last one, as a fault or the
+    shutdown that switching it off runs is; taking the report resets the counters."""
+    data = getattr(report, "data", report) or {}
+    return {node for node, entry in data.items() if entry["counters"].get("disabled")}
