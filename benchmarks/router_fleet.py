@@ -61,6 +61,10 @@ CONCURRENCY = int(os.environ.get("KVC_BENCH_CONCURRENCY", "4"))
 ROUNDS = int(os.environ.get("KVC_BENCH_ROUNDS", "4"))
 VLLM_BLOCKS = int(os.environ.get("KVC_BENCH_VLLM_BLOCKS", "80"))
 PIPELINE = ROOT / "examples/fleet-cpu-events.yaml"
+#: Every policy kvc bench --fleet measures, and kv_aware-tiers with vllm-router's own
+#: settings that kvc simulate found to serve the tiered fleet best (docs/fleet.md):
+#: a tier's block credited in full, and a session bound to its engine for 10 minutes.
+MEASURED = (*POLICIES, "kv_aware-tiers:external=1", "kv_aware-tiers:affinity=600")
 SCALE, BLOCK, MAX_LEN, OUTPUT = 16, 32, 2048, 4
 WORKDIR = Path("kvc-bench-fleet")
 
@@ -103,6 +107,7 @@ def main() -> int:
             progress=False,
             rounds=ROUNDS,
             fleet=ENGINES,
+            policies=MEASURED,
         )
         results = bench_run.run(spec)
         bench_report.write_report(results, spec.workdir, plot=False)
@@ -135,7 +140,7 @@ def predict(model: str, trace: list[TraceRequest], concurrency: int) -> dict[str
             max_output_tokens=OUTPUT,
             cost=replace(CALIBRATED, num_gpu_blocks=VLLM_BLOCKS),
         )
-        for policy in POLICIES
+        for policy in MEASURED
     }
 
 

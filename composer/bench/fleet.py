@@ -48,6 +48,8 @@ from composer.bench.servers import Config, PortTaken, ServerSpec, servers
 from composer.bench.spec import BenchSpec, bench_prompts
 from composer.servers.loopback import LOOPBACK, free_port
 from composer.servers.vllm_router import vllm_router
+from composer.simulate.routers import parse_router
+from composer.simulate.tiers import SimulateError
 
 #: Seconds after a replay for the engines' last counters to arrive.
 SETTLE_S = 1.0
@@ -88,10 +90,19 @@ class Engine:
 
 
 def policy(name: str) -> Policy:
-    try:
+    """One of :data:`POLICIES`, or a ``kv_aware`` one with vllm-router's settings after a
+    colon (``kv_aware-tiers:external=0.8,affinity=300``, as ``kvc simulate --router``
+    takes them: :func:`composer.simulate.routers.parse_router`)."""
+    if name in POLICIES:
         return POLICIES[name]
-    except KeyError:
-        raise BenchError(f"--policy {name!r}: one of {', '.join(POLICIES)}") from None
+    if ":" not in name:
+        raise BenchError(f"--policy {name!r}: one of {', '.join(POLICIES)}")
+    try:
+        spec = parse_router(name, "--policy")
+    except SimulateError as exc:
+        raise BenchError(str(exc)) from None
+    base = POLICIES[spec.policy]
+    return Policy(name, (*base.args, *spec.router_args()), base.kv_events)
 
 
 def run_fleet(spec: BenchSpec) -> list[RunResult]:

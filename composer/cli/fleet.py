@@ -70,7 +70,9 @@ def add_fleet_options(p: argparse.ArgumentParser) -> None:
         metavar="POLICY",
         help="with --fleet: round_robin, random, consistent_hash, power_of_two, "
         "sticky_least_loaded, cache_aware, kv_aware-vllm or kv_aware-tiers, modelled on "
-        "vllm-router's policies, their load terms included (repeat for several; default: all)",
+        "vllm-router's policies, their load terms included; a kv_aware one with vllm-router's "
+        "settings after a colon (kv_aware-tiers:external=1,affinity=600) (repeat for "
+        "several; default: all)",
     )
     _add_arrival_options(p)
     p.add_argument(

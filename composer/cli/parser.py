@@ -352,8 +352,10 @@ def _add_bench_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy", action="append", metavar="POLICY",
         help="with --fleet: round_robin, consistent_hash, cache_aware, kv_aware-vllm (the "
-        "router credits only vLLM's own events) or kv_aware-tiers (the tiers' events too); "
-        "repeat for several (default: all five). With --pd: the policy without P/D "
+        "router credits only vLLM's own events) or kv_aware-tiers (the tiers' events too), "
+        "a kv_aware one with vllm-router's settings after a colon (kv_aware-tiers:external=1,"
+        "affinity=600; docs/fleet.md); repeat for several (default: all five). With --pd: "
+        "the policy without P/D "
         "(default cache_aware)",
     )
 

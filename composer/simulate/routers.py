@@ -31,7 +31,10 @@ its ``--help`` (the defaults below are its own), for the requests ``kvc bench
   up. The cost of an engine (``MultiplicativeScorer``): (new prefill + the
   prefill the router reserved for its requests not yet at their first token)
   x (its requests in flight + 1); the least, the first of equals
-  (``--router-temperature`` 0: no sampling). The router's worker order is
+  (``--router-temperature`` 0: no sampling); with ``affinity`` (vllm-router's
+  ``--kv-aware-session-affinity-ttl-secs``), a session's request goes back to
+  the engine its binding names while the binding lives (each request renews it
+  for the TTL), else by cost and bound there. The router's worker order is
   random per router process; the simulator's engines are alike, so the first
   is engine 0 (the split, busiest first, is the same).
 
@@ -125,7 +128,8 @@ def least_loaded(load: Sequence[int]) -> int:
 
 
 def make_router(name: str, engines: int, seed: int = 0) -> Choose:
-    """A fresh router of policy ``name`` (its state: turn, sessions, random draws)."""
+    """A fresh router of policy ``name`` (its state: turn, sessions, random draws); a
+    ``kv_aware`` one may carry settings (:func:`parse_router`)."""
     rng = random.Random(seed)
     if name == "round_robin":
         turn = iter(range(1 << 62))
@@ -140,7 +144,8 @@ def make_router(name: str, engines: int, seed: int = 0) -> Choose:
         return _sticky(engines)
     if name == "cache_aware":
         return _cache_aware()
-    return _kv_aware(TIER_CREDIT[name])
+    spec = parse_router(name)
+    return _kv_aware(spec.credit, spec.affinity_s)
 
 
 def _power_of_two(engines: int, rng: random.Random) -> Choose:
@@ -204,7 +209,10 @@ def _cache_aware() -> Choose:
     return choose
 
 
-def _kv_aware(credit: float) -> Choose:
+def _kv_aware(credit: float, affinity_s: int | None) -> Choose:
+    #: Session -> (its engine, when its binding expires): ``affinity``'s table.
+    bound: dict[str, tuple[int, float]] = {}
+
     def choose(
         view: FleetView, req: TraceRequest, keys: Sequence[bytes], limit: int, now: float
     ) -> int:
@@ -220,16 +228,106 @@ def _kv_aware(credit: float) -> Choose:
             # penalty; the last token is always computed.
             credits[engine] = min((gpu + credit * tier) * replays[engine].unit, prompt - 1)
         new = [math.ceil(max(prompt - c, 0.0)) for c in credits]
-        # MultiplicativeScorer: (new prefill + prefill reserved by the engine's requests
-        # not yet at their first token) x (requests in flight + this one); the minimum,
-        # the first of equals.
-        engine = min(engines, key=lambda e: (new[e] + view.pending[e]) * (view.load[e] + 1))
+        name = session(req)  # (the x-session-id, scoped by the cache_salt)
+        binding = bound.get(name) if affinity_s is not None else None
+        if binding is not None and now <= binding[1]:
+            engine = binding[0]  # a sticky hit: its engine, whatever it costs
+        else:
+            # MultiplicativeScorer: (new prefill + prefill reserved by the engine's
+            # requests not yet at their first token) x (requests in flight + this one);
+            # the minimum, the first of equals.
+            engine = min(engines, key=lambda e: (new[e] + view.pending[e]) * (view.load[e] + 1))
+        if affinity_s is not None:
+            # The router's binding idles from its last request's end; here from its
+            # arrival (a request's time apart, against a TTL of seconds).
+            bound[name] = (engine, now + affinity_s)
         view.estimate = new[engine]
         return engine
 
     return choose
 
 
+@dataclass(frozen=True)
+class RouterSpec:
+    """A policy as ``--router`` (and ``kvc bench --policy``) names it: one of
+    :data:`ROUTERS`, a ``kv_aware`` one with vllm-router's settings after a colon
+    (``kv_aware-tiers:external=0.8,affinity=300``; :data:`KV_AWARE_SETTINGS`)."""
+
+    policy: str
+    #: ``external``: the credit of a block a node's event names (None: the variant's).
+    external: float | None = None
+    #: ``affinity``: a session's binding to its engine, idle seconds (None: none).
+    affinity_s: int | None = None
+
+    @property
+    def credit(self) -> float:
+        return TIER_CREDIT[self.policy] if self.external is None else self.external
+
+    def router_args(self) -> tuple[str, ...]:
+        """vllm-router's flags for the settings (the policy's own come first)."""
+        args: tuple[str, ...] = ()
+        if self.external is not None:
+            args += (KV_AWARE_SETTINGS["external"], f"{self.external:g}")
+        if self.affinity_s is not None:
+            args += (KV_AWARE_SETTINGS["affinity"], str(self.affinity_s))
+        return args
+
+
+#: The settings a ``kv_aware`` policy takes: name -> vllm-router's flag.
+KV_AWARE_SETTINGS = {
+    "external": "--kv-penalty-external",
+    "affinity": "--kv-aware-session-affinity-ttl-secs",
+}
+#: vllm-router's bound on ``--kv-aware-session-affinity-ttl-secs``.
+MAX_AFFINITY_S = 31_536_000
+
+
+def parse_router(text: str, option: str = "--router") -> RouterSpec:
+    """``text`` as a :class:`RouterSpec`; a :class:`SimulateError` naming ``option``,
+    the text and what was expected for anything else."""
+    base, colon, rest = text.partition(":")
+    where = f"{option} {text!r}"
+    if base not in ROUTERS:
+        raise SimulateError(f"{where}: one of {', '.join(ROUTERS)}")
+    if not colon:
+        return RouterSpec(base)
+    if base not in TIER_CREDIT:
+        raise SimulateError(f"{where}: settings after ':' are a kv_aware policy's")
+    values: dict[str, str] = {}
+    for item in rest.split(","):
+        name, eq, value = (part.strip() for part in item.partition("="))
+        if name not in KV_AWARE_SETTINGS or not eq:
+            raise SimulateError(
+                f"{where}: expected NAME=VALUE,... with NAME one of "
+                f"{', '.join(KV_AWARE_SETTINGS)}, got {item!r}"
+            )
+        if name in values:
+            raise SimulateError(f"{where}: {name} given twice")
+        values[name] = value
+    external = affinity = None
+    if "external" in values:
+        if base == "kv_aware-vllm":
+            raise SimulateError(
+                f"{where}: kv_aware-vllm credits no tier; external is kv_aware-tiers'"
+            )
+        external = _number(where, "external", values["external"], 0.0, 1.0)
+    if "affinity" in values:
+        seconds = _number(where, "affinity", values["affinity"], 1, MAX_AFFINITY_S)
+        if seconds != int(seconds):
+            raise SimulateError(f"{where}: affinity: whole seconds, got {values['affinity']!r}")
+        affinity = int(seconds)
+    return RouterSpec(base, external, affinity)
+
+
+def _number(where: str, name: str, value: str, low: float, high: float) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise SimulateError(f"{where}: {name}: not a number: {value!r}") from None
+    if not low <= number <= high:  # (NaN fails too)
+        raise SimulateError(f"{where}: {name}: expected {low:,.15g} to {high:,.15g}, got {value!r}")
+    return number
+
+
 def check_router(name: str) -> None:
-    if name not in ROUTERS:
-        raise SimulateError(f"--router {name!r}: one of {', '.join(ROUTERS)}")
+    parse_router(name)
