@@ -103,9 +103,10 @@ class SchedulerChain(ChainCore, LoadPlanning, BlockHolding):
                 except Exception as exc:
                     self.fault(node_id, "build_connector_meta", exc)
                     per_node[node_id] = None
-        meta = self.metadata_type(per_node, None, self.step_load_blocks)
-        self.step_load_blocks = {}
-        if self.new_holds or self.async_loads_to_send or self.disabled:
+        loading = self.loading
+        meta = self.metadata_type(per_node, None, loading.step_load_blocks)
+        loading.step_load_blocks = {}
+        if self.new_holds or loading.async_loads_to_send or self.disabled:
             self._step_decisions(meta)
         return meta
 
@@ -113,8 +114,9 @@ class SchedulerChain(ChainCore, LoadPlanning, BlockHolding):
         """What the workers must follow this step: holds, async loads, switch-offs."""
         if self.new_holds:
             meta.holds, self.new_holds = self.new_holds, {}
-        if self.async_loads_to_send:
-            meta.async_loads, self.async_loads_to_send = self.async_loads_to_send, {}
+        loading = self.loading
+        if loading.async_loads_to_send:
+            meta.async_loads, loading.async_loads_to_send = loading.async_loads_to_send, {}
         if self.disabled:
             meta.disabled = frozenset(self.disabled)
 
@@ -126,7 +128,7 @@ class SchedulerChain(ChainCore, LoadPlanning, BlockHolding):
         off here first."""
         invalid = getattr(connector_output, "invalid_block_ids", None)
         failed = getattr(connector_output, "failed_recving", None)
-        if (invalid or failed) and self.loads_of:
+        if (invalid or failed) and self.loading.loads_of:
             self.settle_loads(set(invalid or ()), set(failed or ()))
         native = self.output_native_only
         # (Inside vLLM, whose output always has the field, for native nodes only.)

@@ -231,19 +231,19 @@ class _ChosenByIndex(MutableMapping[str, int]):
         self.ids = _children_node_ids(connector)
 
     def __getitem__(self, request_id: str) -> int:
-        return self.ids.index(self.chain.plans[request_id][0].node)
+        return self.ids.index(self.chain.loading.plans[request_id][0].node)
 
     def __setitem__(self, request_id: str, index: int) -> None:
-        self.chain.plans[request_id] = [Range(self.ids[index], 0, 0, False)]
+        self.chain.loading.plans[request_id] = [Range(self.ids[index], 0, 0, False)]
 
     def __delitem__(self, request_id: str) -> None:
-        del self.chain.plans[request_id]
+        del self.chain.loading.plans[request_id]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.chain.plans)
+        return iter(self.chain.loading.plans)
 
     def __len__(self) -> int:
-        return len(self.chain.plans)
+        return len(self.chain.loading.plans)
 
 
 class AdaptedComposedConnector(ComposedConnector):
