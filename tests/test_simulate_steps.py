@@ -102,6 +102,14 @@ def test_a_full_cache_preempts_the_last_admitted_which_is_computed_again() -> No
     assert sorted(s[1:] for s in seen) == [("done", 0), ("done", 1), ("first", 0), ("first", 1)]
 
 
+def test_a_request_larger_than_the_cache_runs_alone_without_preempting_itself() -> None:
+    engine = StepEngine(replace(COST, num_gpu_blocks=3), BLOCK)  # 2 blocks and the null
+    seen = _run(engine, [Job(0, 0.0, 100, 0, 0, 20), Job(1, 0.0, 10, 0, 0, 1)])
+    # Job 0 (7 blocks and more) runs to its end alone, computed once; then job 1.
+    assert [s[1:] for s in seen] == [("first", 0), ("done", 0), ("first", 1), ("done", 1)]
+    assert seen[0][0] == pytest.approx(0.11) and engine.preemptions == 0 and engine.free == 2
+
+
 def test_a_window_group_takes_blocks_for_a_whole_chunk_and_keeps_its_window() -> None:
     groups = (SimKVGroup("attention", 1), SimKVGroup("sliding_window", 1, window=32))
     engine = StepEngine(replace(COST, num_gpu_blocks=101), BLOCK, groups)
@@ -169,6 +177,9 @@ def test_a_fit_recovers_the_costs_its_samples_came_from() -> None:
         assert getattr(model, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-9)
     with pytest.raises(SimulateError, match="one request in flight is needed"):
         fit({4: runs[4]}, walls, truth, BLOCK)
+    # Prompts longer than a step's budget say nothing of one step: refused, not zeros.
+    with pytest.raises(SimulateError, match="0 request\\(s\\) whose prompt fits one step"):
+        fit(runs, walls, replace(truth, max_num_batched_tokens=50), BLOCK)
 
 
 def test_cost_names_each_field_and_checks_its_kind() -> None:

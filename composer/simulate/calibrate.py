@@ -134,6 +134,12 @@ def fit(
     if 1 not in runs or not runs[1]:
         raise SimulateError("calibrate: a run with one request in flight is needed")
     alone = [s for s in runs[1] if s.computed <= limits.max_num_batched_tokens]
+    if len(alone) < 3:
+        raise SimulateError(
+            f"calibrate: the run with one request in flight has {len(alone)} request(s) whose "
+            f"prompt fits one step (max_num_batched_tokens {limits.max_num_batched_tokens}); "
+            "at least 3 are needed"
+        )
     intercept, per_token, per_loaded = _least_squares(
         [(1.0, float(s.computed), float(s.loaded)) for s in alone], [s.ttft_s for s in alone]
     )

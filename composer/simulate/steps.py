@@ -149,10 +149,12 @@ class StepEngine:
             while self.limited and need > self.free and running[-1] is not job:
                 self._preempt(running.pop())
                 preempted = True
-            if self.limited and need > self.free:
+            if self.limited and need > self.free and i > 0:
                 self._preempt(running.pop(i))  # itself, the last: it waits again
                 preempted = True
                 break
+            # (Alone, it runs whatever it needs: vLLM's cache holds one request of the
+            # longest length it serves, which a trace's request may exceed here.)
             self._take(job, need)
             job.kv += tokens
             if job.computed < job.prompt:
