@@ -7,12 +7,10 @@ escape hatch to the vLLM object itself.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from composer.controls import Controls, controls_of
-
-if TYPE_CHECKING:
-    from composer.chain.loads import Range
+from composer.ranges import Range
 
 
 class RequestView:
@@ -25,7 +23,7 @@ class RequestView:
     def __init__(self, raw: Any, loads: tuple[Range, ...] = ()) -> None:
         self.raw = raw
         #: From ``update_state_after_alloc`` on: the request's load, its ranges in order
-        #: (:class:`~composer.chain.loads.Range`: ``node``, ``start``, ``tokens``, the
+        #: (:class:`~composer.ranges.Range`: ``node``, ``start``, ``tokens``, the
         #: ``blocks`` it writes); empty when nothing is loaded.
         self.loads = loads
         self._controls: Controls | None = None

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent / "composer"
 #: Data flows up: YAML (loader) -> validated model (pipeline, validation) ->
 #: resolved graph -> chain -> vLLM adapter (vllm); the commands (cli) on top.
 LAYERS: list[set[str]] = [
-    {"loader", "controls", "stats", "trace", "scrape", "memory", "kv_caches", "servers"},
+    {"loader", "controls", "stats", "trace", "scrape", "memory", "kv_caches", "servers", "ranges"},
     {"errors", "views", "plugin_types", "policy"},
     {"hook_table", "hookspecs", "plugin", "pipeline"},
     {"model"},

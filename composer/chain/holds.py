@@ -14,16 +14,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from composer.chain.calls import Call
 from composer.chain.core import is_outage
-from composer.chain.loads import Range
 from composer.chain.metadata import TransferParamsClash
-from composer.pipeline import ResolvedNode
-
-if TYPE_CHECKING:
-    from composer.chain.calls import Call
-    from composer.pipeline import ResolvedPipeline
-    from composer.stats import NodeStats
-    from composer.views import RequestViews
+from composer.pipeline import ResolvedNode, ResolvedPipeline
+from composer.ranges import Range
+from composer.stats import NodeStats
+from composer.views import RequestViews
 
 #: What a request_finished call that raised stands for.
 FAULTED = object()

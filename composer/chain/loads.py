@@ -1,14 +1,14 @@
 """Load planning: which nodes serve a request, each for which tokens, and what arrived.
 
 The load policy plans a request's load as ranges of tokens, each from one node
-(:class:`Range`): ``first_hit`` and ``longest_hit`` pick one node (the first, or
+(:class:`~composer.ranges.Range`): ``first_hit`` and ``longest_hit`` pick one node (the first, or
 the longest hit, in load order); ``ranges`` asks each node in load order for
 what it holds after the previous nodes' hits, so ``[0, a)`` comes from the
 first node holding it, ``[a, b)`` from the next, and vLLM computes the rest.
 Each node is told only its own range. Which blocks it loads travels to the
 workers with the step's metadata, so a failing load there becomes load errors.
 What the node served is settled by what vLLM reports back: only the tokens
-that arrived count (:attr:`Range.delivered`), in ``served_by`` and in the
+that arrived count (:attr:`~composer.ranges.Range.delivered`), in ``served_by`` and in the
 node's counters.
 
 :class:`LoadPlanning` is the scheduler chain's part that does this, with the
@@ -24,68 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from composer.chain.calls import Call
+from composer.chain.faults import Outage
 from composer.controls import unknown_names
-from composer.kv_caches import NULL_BLOCK
+from composer.pipeline import ResolvedPipeline
+from composer.ranges import Range
+from composer.stats import NodeStats
 from composer.views import RequestView, RequestViews
-
-if TYPE_CHECKING:
-    from composer.chain.calls import Call
-    from composer.chain.faults import Outage
-    from composer.pipeline import ResolvedPipeline
-    from composer.stats import NodeStats
-
-
-@dataclass(slots=True)
-class Range:
-    """One node's part of a request's load, from the plan to what arrived of it.
-
-    The lookup plans it (``node``, ``start``, ``tokens``, ``load_async``); when vLLM
-    allocates the request's blocks it gets the ``blocks`` its load writes and
-    travels so to the workers (``ChainMetadata.async_loads``) and to the nodes
-    (``request.loads``); what vLLM reports back settles ``delivered``.
-
-    vLLM reports a load's failure back to the scheduler: a sync load's (and an
-    async one's) failed blocks as ``invalid_block_ids``, and it recomputes from
-    the first of them on; an async load that failed as a whole (several KV
-    cache groups, or a node switched off) in ``failed_recving``. Every failure
-    path of the chain ends there (a node's fault, its store away, a checksum
-    refusal, a switch-off: their blocks are load errors)."""
-
-    node: str
-    #: The computed tokens before this range (vLLM's, or the previous ranges' end).
-    start: int
-    tokens: int
-    #: The node's own answer: it loads asynchronously.
-    load_async: bool = False
-    #: Per KV cache group, the blocks the load writes, in order (from block
-    #: ``start // block_size``; null blocks of a sliding window included).
-    blocks: tuple[tuple[int, ...], ...] = ()
-    #: A sync load the chain made async for vLLM (several groups, or ranges of
-    #: both kinds): the chain reports it done once ``start_load_kv`` ran.
-    reported_by_chain: bool = False
-    #: Tokens that arrived: the planned ones until a failure is reported.
-    delivered: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.delivered = self.tokens
-
-    def block_ids(self) -> frozenset[int]:
-        """The blocks the load writes, in any group (never the null block)."""
-        return frozenset(b for group in self.blocks for b in group if b != NULL_BLOCK)
-
-    def failed(self, invalid: set[int], block_size: int) -> None:
-        """``invalid`` blocks failed: vLLM recomputes from the first the load wrote."""
-        first = self.start // block_size if block_size else 0
-        for group in self.blocks:
-            for i, block in enumerate(group):
-                if block != NULL_BLOCK and block in invalid:
-                    kept = max(0, (first + i) * block_size - self.start)
-                    self.delivered = min(self.delivered, kept)
-                    break
-
-    def cut(self, position: int) -> None:
-        """vLLM recomputes from token ``position`` on (an earlier range failed there)."""
-        self.delivered = min(self.delivered, max(0, position - self.start))
 
 
 def settle_ranges(loads: list[Range]) -> None:

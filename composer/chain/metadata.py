@@ -8,10 +8,9 @@ both (and passes vLLM's own transfer-results class), so nothing is copied.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from composer.chain.loads import Range
+from composer.ranges import Range
 
 
 class TransferParamsClash(RuntimeError):

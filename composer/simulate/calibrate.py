@@ -226,12 +226,7 @@ def write_calibration(path: Path, cost: CostModel, checked: Mapping[str, Any]) -
 
 def read_calibration(path: Path) -> CostModel:
     """A calibration file's costs; a located error for anything else."""
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise SimulateError(f"{path}: cannot read the calibration file: {exc.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SimulateError(f"{path}: not a calibration file (JSON): {exc}") from None
+    data = _json(path, "a calibration file")
     if not isinstance(data, dict) or "format" not in data:
         raise SimulateError(f"{path}: not a calibration file (no format; kvc calibrate writes one)")
     if data["format"] != FORMAT:
@@ -266,12 +261,7 @@ def read_bench(paths: Sequence[Path]) -> tuple[dict[int, list[Sample]], dict[int
     runs: dict[int, list[Sample]] = {}
     walls: dict[int, float] = {}
     for path in paths:
-        try:
-            data = json.loads(path.read_text())
-        except OSError as exc:
-            raise SimulateError(f"{path}: cannot read it: {exc.strerror}") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SimulateError(f"{path}: not kvc bench's bench.json (JSON): {exc}") from None
+        data = _json(path, "kvc bench's bench.json")
         if not isinstance(data, list):
             raise SimulateError(f"{path}: not kvc bench's bench.json (a list of runs)")
         for i, run in enumerate(data):
@@ -288,3 +278,13 @@ def read_bench(paths: Sequence[Path]) -> tuple[dict[int, list[Sample]], dict[int
             except (KeyError, TypeError, ValueError) as exc:
                 raise SimulateError(f"{where}: records: not kvc bench's ({exc!r})") from None
     return runs, walls
+
+
+def _json(path: Path, what: str) -> Any:
+    """``path``'s JSON; a located error when it cannot be read or is not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise SimulateError(f"{path}: cannot read {what}: {exc.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SimulateError(f"{path}: not {what} (JSON): {exc}") from None

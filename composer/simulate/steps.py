@@ -27,11 +27,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from composer.simulate.cost import CostModel
-    from composer.simulate.tiers import SimKVGroup
+from composer.simulate.cost import CostModel
+from composer.simulate.tiers import SimKVGroup
 
 
 class Job:

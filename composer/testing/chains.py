@@ -25,12 +25,12 @@ from composer.chain import SchedulerChain as SchedulerChain  # (a plugin's tests
 from composer.chain import WorkerChain as WorkerChain
 from composer.chain import chain_for as chain_for
 from composer.chain.faults import NodeFailed as NodeFailed  # (a plugin's tests expect it)
-from composer.chain.loads import Range as Range  # (a plugin's tests give request.loads)
 from composer.discovery import Registry, discover
 from composer.hook_table import HOOKS, Combine, Process
 from composer.hookspecs import NodeSpec, hookimpl
 from composer.plugin import Plugin
 from composer.plugin_types import Capabilities, PluginType, VllmProcess
+from composer.ranges import Range as Range  # (a plugin's tests give request.loads)
 from composer.validation import load_pipeline
 
 #: (node id, hook) of every call a ``Scripted`` node received, in order.

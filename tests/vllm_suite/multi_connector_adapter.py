@@ -59,8 +59,8 @@ from composer.chain import (
     TransferResults,
     WorkerChain,
 )
-from composer.chain.loads import Range
 from composer.pipeline import ResolvedPipeline
+from composer.ranges import Range
 from composer.testing.multiconnector import node_ids, pipeline_for
 from composer.testing.tiny_model import build_tiny_model
 from composer.vllm.connector import ComposedConnector, ComposedStats
