@@ -9,7 +9,8 @@ make it fast on CPU:
   plugin's README);
 * saves into a run of consecutive slots gather straight into the pool
   (``index_select(..., out=pool[s:s+n])``), one pass instead of two; the index
-  hands out free slots lowest first, so batches mostly land in a few runs;
+  hands out free slots lowest first and deals a step's slots bundle by bundle
+  (:mod:`kvc_offload_cpu.slots`), so batches mostly land in a few runs;
   loads from one run read the pool in place (no gather).
 
 The pool's pages are mapped on a background thread, lowest slots first (where
@@ -36,6 +37,8 @@ from typing import Any
 
 import torch
 import xxhash
+
+from kvc_offload_cpu.memory import pool_memory
 
 #: Above this many runs of consecutive slots, a batch is copied with one scatter.
 MAX_RUNS = 8
@@ -158,18 +161,21 @@ class HostPool:
     memory (one pass into a run of slots) whatever the number of regions.
     """
 
-    def __init__(self, plans: list[RegionPlan], num_slots: int, *, pin: bool) -> None:
+    def __init__(
+        self, plans: list[RegionPlan], num_slots: int, *, pin: bool, log: Any = None
+    ) -> None:
+        """``pin``: page-locked memory (for a GPU's copies); where it cannot be had, the
+        pool is pageable, said once on ``log`` (a structlog logger)."""
         self.plans = plans
         self.slot_bytes = sum(p.width for p in plans)
         self.num_slots = num_slots
-        # torch.empty maps no page yet (pinned memory is mapped and locked here).
-        self.pools = [
-            torch.empty((num_slots, p.width), dtype=torch.int8, pin_memory=pin) for p in plans
-        ]
+        shapes = [(num_slots, p.width) for p in plans]
+        #: ``pinned``: whether the pool is page-locked (False where pinning was refused).
+        self.pools, self.pinned = pool_memory(shapes, pin=pin, log=log)
         #: XXH3-64 per slot, set when a save with checksums completes.
         self.sums = array.array("Q", bytes(8 * num_slots))
         #: Slots below this are mapped: the prefault got there (or the memory is pinned).
-        self.faulted_slots = num_slots if pin else 0
+        self.faulted_slots = num_slots if self.pinned else 0
         self._prefault_thread: threading.Thread | None = None
         self._prefault_stop = threading.Event()
         self.device = plans[0].region.device if plans else torch.device("cpu")
@@ -338,7 +344,8 @@ class HostPool:
             if ready_event is not None:
                 stream.wait_event(ready_event)
             src = plan.region.index_select(0, ids.to(self.device, non_blocking=True))
-            staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            # (Pinned only with the pool: where pinning was refused, it would fail too.)
+            staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pinned)
             staging.copy_(src, non_blocking=True)
         stream.synchronize()
         wide(pool).index_copy_(0, slot_t, wide(staging))

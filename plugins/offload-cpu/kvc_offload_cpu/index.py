@@ -44,6 +44,7 @@ from typing import Any
 from composer import EvictionPolicy, Retention, RetentionPolicy, find_policy
 from kvc_offload_cpu.policies import Admission as Admission  # (re-exported: it lived here)
 from kvc_offload_cpu.policies import PolicyHealth
+from kvc_offload_cpu.slots import NumberedSlots
 
 #: The tenants a quota does not name, together (and a request without a ``cache_salt``).
 OTHERS = "*"
@@ -102,8 +103,9 @@ class Quotas:
         return self.limit[tenant] - self.held[tenant]
 
 
-class BlockIndex:
-    """Maps block keys to slots of a pool of ``num_slots`` blocks."""
+class BlockIndex(NumberedSlots):
+    """Maps block keys to slots of a pool of ``num_slots`` blocks (its slots:
+    :class:`~kvc_offload_cpu.slots.NumberedSlots`)."""
 
     def __init__(
         self,
@@ -159,12 +161,6 @@ class BlockIndex:
         #: Called with every entry that leaves the index (evicted, dropped, reset).
         self.on_remove: Callable[[Entry], None] | None = None
 
-    def _number_slots(self, num_slots: int) -> None:
-        #: Free slots, lowest first (consecutive saves get consecutive slots).
-        self._free: list[int] = list(range(num_slots))
-        self._gen: list[int] = [0] * num_slots
-        self._by_slot: list[Entry | None] = [None] * num_slots
-
     def _new_policy(self, eviction: str | type, slots: int) -> EvictionPolicy:
         cls = find_policy("eviction", eviction) if isinstance(eviction, str) else eviction
         policy: EvictionPolicy = cls(slots, self.config)
@@ -183,10 +179,6 @@ class BlockIndex:
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
-    @property
-    def used_slots(self) -> int:
-        return self.num_slots - len(self._free)
-
     def entries(self) -> list[Entry]:
         """Every indexed entry (ready or being saved)."""
         return list(self._entries.values())
@@ -198,13 +190,6 @@ class BlockIndex:
         """The entry for ``key`` if it can be served now (saved and confirmed)."""
         entry = self._entries.get(key)
         return entry if entry is not None and entry.ready else None
-
-    def current(self, slot: int, gen: int) -> Entry | None:
-        """The live entry holding ``slot`` at generation ``gen``, if any."""
-        if not 0 <= slot < self.num_slots or self._gen[slot] != gen:
-            return None
-        entry = self._by_slot[slot]
-        return entry if entry is not None and not entry.dropped else None
 
     # -- updates ------------------------------------------------------------ #
 
@@ -310,12 +295,6 @@ class BlockIndex:
         self._left_policy(entry, evicted)
         if self.on_remove is not None:
             self.on_remove(entry)
-
-    def _free_slots(self, entry: Entry) -> None:
-        for slot in entry.slots:
-            if self._by_slot[slot] is entry:
-                self._by_slot[slot] = None
-            heapq.heappush(self._free, slot)
 
     def _left_quota(self, entry: Entry) -> None:
         if self.quotas is not None:

@@ -396,12 +396,12 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
         if full <= tracked.next_save:
             return
         available = tracked.keys.ensure(view, full, self.block_size)
-        transfer: Transfer | None = None
         # A windowed group frees blocks that leave its window while the request
         # runs: only blocks computed in this step are surely still its own.
         fresh = sched.num_computed_tokens // self.block_size
         k = tracked.next_save
         bs, never = self.block_size, self.config.promote == "never"
+        planned: list[tuple[Entry, int, int, bool]] = []  # (entry, bundle, position, foreign)
         while k < available:
             foreign = any(a <= k * bs and (k + 1) * bs <= b for a, b in tracked.foreign)
             if foreign and never:
@@ -421,15 +421,36 @@ class SchedulerHalf(Plugin[OffloadCPUConfig]):
                 if entry is None:  # every slot pinned or in flight: try again next step
                     self.stats.extra.add("save_skipped_full")
                     tracked.next_save = k
+                    self._plan_batch(tracked, planned, meta)
                     return
-                if transfer is None:
-                    transfer = Transfer(view.request_id)
-                    meta.saves.append(transfer)
-                self._plan_save(tracked, entry, members, k, transfer)
-                if foreign:
-                    self.stats.extra.add("blocks_promoted", len(members))
+                planned.append((entry, b, k, foreign))
             k += 1
         tracked.next_save = k
+        self._plan_batch(tracked, planned, meta)
+
+    def _plan_batch(
+        self,
+        tracked: TrackedRequest,
+        planned: list[tuple[Entry, int, int, bool]],
+        meta: OffloadMetadata,
+    ) -> None:
+        """The copies of a request's new entries this step, once their slots are dealt
+        bundle by bundle (:meth:`~kvc_offload_cpu.slots.NumberedSlots.deal`: each
+        bundle's blocks in a run of slots, for the copies now and the batches that
+        reuse the slots when they go)."""
+        if not planned:
+            return
+        by_bundle: list[list[Entry]] = [[] for _ in self.bundles.members]
+        for entry, b, _, _ in planned:
+            by_bundle[b].append(entry)
+        self.index.deal(by_bundle)
+        transfer = Transfer(tracked.view.request_id)
+        meta.saves.append(transfer)
+        for entry, b, k, foreign in planned:
+            members = self.bundles.members[b]
+            self._plan_save(tracked, entry, members, k, transfer)
+            if foreign:
+                self.stats.extra.add("blocks_promoted", len(members))
 
     def _plan_save(
         self,

@@ -92,6 +92,8 @@ class SlotCount(BlockIndex):
 class OffloadCPUModel:
     #: Replays a window model in units when given ``unit_blocks`` (``composer.TierModel``).
     window_units = True
+    #: The index it drives (one that numbers slots records them: ``slot_patterns``).
+    index_type: type[BlockIndex] = SlotCount
 
     def __init__(
         self,
@@ -114,7 +116,7 @@ class OffloadCPUModel:
         self._units(unit_blocks)
         slot_bytes = bytes_per_block // self.unit_blocks  # (one group's block)
         slots = self.capacity_blocks = int(config.capacity) // slot_bytes if slot_bytes else 0
-        self.index = SlotCount(
+        self.index = self.index_type(
             slots,
             config.eviction,
             config,

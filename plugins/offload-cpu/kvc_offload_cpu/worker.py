@@ -122,13 +122,13 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
         if not self.block_size:
             self.block_size = kv_caches.groups[0].block_size if kv_caches.groups else 0
         device = plans[0].region.device if plans else torch.device("cpu")
-        pin = device.type == "cuda" and torch.cuda.is_available()
         check_pool_fits(self.node_id, int(self.config.capacity), num_slots * slot_bytes)
-        self.pool = HostPool(plans, num_slots, pin=pin)
+        # (Pageable where pinning is refused: said once on the log, never a failed start.)
+        self.pool = HostPool(plans, num_slots, pin=self._pins(device), log=self.log)
         self._slot_gen = [0] * num_slots
         if self.config.save_mode == "async" or self.config.load_mode == "async":
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvc-offload-cpu")
-        if not pin:
+        if not self.pool.pinned:
             # Map the pool's pages on a thread of its own, lowest slots first (where
             # the index allocates). Saves and loads never queue behind it: a 4 GiB
             # pool took ~6 s, and a request's blocks stayed held meanwhile.
@@ -140,9 +140,14 @@ class WorkerHalf(Plugin[OffloadCPUConfig]):
             slot_bytes=slot_bytes,
             regions=len(plans),
             pool_gib=round(self.pool.nbytes / GiB, 3),
-            pinned=pin,
+            pinned=self.pool.pinned,
             device=str(device),
         )
+
+    @staticmethod
+    def _pins(device: torch.device) -> bool:
+        """Whether the pool is pinned: for copies to and from a GPU (DMA, asynchronous)."""
+        return device.type == "cuda" and torch.cuda.is_available()
 
     # -- sleep mode ----------------------------------------------------------- #
 

@@ -22,6 +22,7 @@ from kvc_offload_cpu.layout import GroupLayout, layout_from_kv_cache_config
 from kvc_offload_cpu.metadata import OffloadWorkerMeta
 from kvc_offload_cpu.scheduler import SchedulerHalf
 from kvc_offload_cpu.simulate import OffloadCPUModel
+from kvc_offload_cpu.slot_patterns import SlotRecorder
 from kvc_offload_cpu.worker import WorkerHalf
 from offload_cpu_fakes import (
     HYBRID_LAYERS,
@@ -224,12 +225,18 @@ def test_the_kept_blocks_of_a_whole_prompt_are_the_blocks_kept_one_by_one(
 
 
 def _serve(
-    h: Hybrid, rid: str, tokens: list[int], groups: int, params: dict[str, Any] | None = None
+    h: Hybrid,
+    rid: str,
+    tokens: list[int],
+    groups: int,
+    params: dict[str, Any] | None = None,
+    chunk: int = BLOCK,
+    metas: list[Any] | None = None,
 ) -> tuple[int, dict[str, Any] | None]:
     """One request (its ``kv_transfer_params``: ``params``) through the scheduler half
     as vLLM runs it (look up, allocate with null blocks outside the window, load,
-    compute a block a step, save, finish); its hit in blocks, and what the tier
-    returned at its end."""
+    compute ``chunk`` tokens a step (a block), save, finish); its hit in blocks, and
+    what the tier returned at its end. Each step's metadata goes to ``metas``."""
     view = RequestView(FakeRequest(rid, tokens, kv_transfer_params=params))
     hit = h.sched.get_num_new_matched_tokens(view, 0)[0] // BLOCK
     blocks = -(-len(tokens) // BLOCK)
@@ -241,13 +248,15 @@ def _serve(
     h.sched.update_state_after_alloc(view, ids, hit * BLOCK)
     done = hit * BLOCK
     while done < len(tokens):  # chunked prefill, a block a step
-        n = min(BLOCK, len(tokens) - done)
+        n = min(chunk, len(tokens) - done)
         out = FakeSchedulerOutput(num_scheduled_tokens={rid: n})
         if done == hit * BLOCK:
             out.scheduled_new_reqs.append(NewReq(rid, ids, done, tokens))
         else:
             out.scheduled_cached_reqs = CachedReqs([rid], set(), [None], [done], {})
-        h.step(out)
+        meta = h.step(out)
+        if metas is not None:
+            metas.append(meta)
         done += n
     return hit, h.sched.request_finished(view, ids[0])[1]
 
@@ -295,6 +304,51 @@ def test_the_simulator_is_the_scheduler_half_on_a_hybrid(
 
 def h_page() -> int:
     return int(WINDOWED["sliding_window"].page_size_bytes)
+
+
+def test_a_steps_saves_sit_in_a_run_of_slots_per_bundle() -> None:
+    """The scheduler half deals a request's new entries of a step bundle by bundle
+    (``NumberedSlots.deal``): each bundle's blocks in one run of slots, in the order
+    the save lists them (a copy takes it in one pass). Allocated entry by entry, a
+    position's bundles would interleave."""
+    h = Hybrid("sliding_window", 2, window_retention=2 * BLOCK)
+    metas: list[Any] = []
+    _serve(h, "a", _prompt(300), 2, chunk=300, metas=metas)
+    (save,) = [t for meta in metas for t in meta.saves]
+    assert len(h.sched.bundles.members) == 2
+    for members in h.sched.bundles.members:
+        slots = [s for s, g in zip(save.slots, save.groups, strict=True) if g in members]
+        assert len(slots) > 2 * len(members)
+        assert slots == list(range(slots[0], slots[0] + len(slots))), members
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_the_slot_recorder_numbers_slots_as_the_scheduler_half(groups: int) -> None:
+    """The slot-patterns benchmark's recorder (kvc simulate's model on the tier's own
+    numbering index, dealing a request's saves as the tier deals a step's) against
+    the scheduler half, each prompt computed in one step (one batch, as the
+    recorder's): the same hit, and every entry's slots the same, after every
+    request, on a pool that evicts. (lru: the replay readies a position's entries
+    before the next position's, and arc may evict them for it, where one step's
+    are not ready yet; the test above prefills a block a step for that.)"""
+    slots = 3 * 10 * (groups + 1)
+    h = Hybrid("sliding_window", groups, capacity=slots * h_page(), window_retention=2 * BLOCK)
+    rec = SlotRecorder(
+        h.sched.config, block_size=BLOCK, bytes_per_block=h_page(), steady_only=False,
+        groups=[SimKVGroup("sliding_window", h_page(), WINDOW)] * groups
+        + [SimKVGroup("attention", h_page())],
+    )
+    base = [_prompt(300, seed=s) for s in range(5)]
+    prompts = [base[0], base[1], base[0], base[0][:200] + _prompt(90, seed=7), base[2],
+               base[3], base[1], base[4], base[0] + _prompt(20, seed=8), base[2][:130],
+               base[0], base[3]]
+    for i, tokens in enumerate(prompts):
+        keys = block_keys(tokens, BLOCK)
+        hit = rec.serve(keys, len(tokens), (len(tokens) - 1) // BLOCK)
+        assert _serve(h, f"r{i}", tokens, groups, chunk=len(tokens))[0] == hit, i
+        real = sorted(e.slots for e in h.sched.index.entries())
+        assert real == sorted(e.slots for e in rec.index.entries()), i
+    assert rec.index.evictions > 0
 
 
 def test_a_bundle_is_ready_once_every_worker_saved_every_slot_and_goes_whole() -> None:
