@@ -19,26 +19,37 @@ Run once with one request at a time and once with ``KVC_BENCH_CONCURRENCY``
 in flight (the router's load balancing at work); after each, ``kvc simulate
 --fleet``'s prediction at the same concurrency beside what was measured: the
 served fraction (percentage points apart), the requests per engine, TTFT p50
-and p90 and the requests per second (the engine model's costs as calibrated by
-``benchmarks/cost_model.py``, its KV cache the engines'). Writes
-``kvc-bench-fleet/``.
+and p90 and the requests per second. The engine model's costs are fitted in the
+same run (:func:`calibrated`: one such engine alone behind the router, at 1, 4
+and 8 in flight, as ``kvc calibrate`` fits them), not taken from another day:
+this machine's speed moves by 20 % from one session to the next (the same
+single-engine runs measured 7.5-8.1 ms TTFT p50 one day, 9.7 another). The
+fleet adds two costs to one engine alone, both fitted on ``round_robin``
+(:func:`shared_cores`): an idle engine's wake-up (at 1 in flight its requests
+alternate between the engines) and, as the engines share this machine's cores
+with vllm-router and the clients, the factor on a step's time while they fill
+them (``KVC_BENCH_CONCURRENCY`` in flight); every other run is their check.
+Writes ``kvc-bench-fleet/``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from composer import load_pipeline
 from composer.bench import report as bench_report
 from composer.bench import run as bench_run
 from composer.bench import spec as bench_spec
-from composer.bench.fleet import POLICIES
+from composer.bench.fleet import POLICIES, fleet, run_policy
 from composer.bench.replay import make_prompts, vocab_size_of
 from composer.bench.report import RunResult
 from composer.bench.servers import Config, ServerSpec
-from composer.simulate.cost import CALIBRATED
+from composer.simulate.calibrate import fit, fit_to_rate, samples_of
+from composer.simulate.cost import CALIBRATED, CostModel
 from composer.simulate.fleet import FleetResult, simulate_fleet
 from composer.simulate.shape import model_shape
 from composer.testing.tiny_model import build_tiny_model
@@ -66,6 +77,8 @@ PIPELINE = ROOT / "examples/fleet-cpu-events.yaml"
 #: a tier's block credited in full, and a session bound to its engine for 10 minutes.
 MEASURED = (*POLICIES, "kv_aware-tiers:external=1", "kv_aware-tiers:affinity=600")
 SCALE, BLOCK, MAX_LEN, OUTPUT = 16, 32, 2048, 4
+#: The calibration's runs: requests in flight.
+CALIBRATION_RUNS = (1, 4, 8)
 WORKDIR = Path("kvc-bench-fleet")
 
 
@@ -83,46 +96,133 @@ def fleet_slice(model: str, path: Path) -> Path:
     return path
 
 
+def bench(
+    model: str, trace: list[TraceRequest], concurrency: int, **changes: Any
+) -> bench_spec.BenchSpec:
+    """The fleet's run at ``concurrency`` (``changes``: the calibration's own)."""
+    spec = bench_spec.BenchSpec(
+        trace=trace,
+        configs=[Config.parse(str(PIPELINE))],
+        server=ServerSpec(
+            model=model,
+            block_size=BLOCK,
+            max_model_len=MAX_LEN,
+            num_blocks=VLLM_BLOCKS,
+            extra_args=["--enforce-eager"],
+        ),
+        scale=SCALE,
+        concurrency=concurrency,
+        max_output_tokens=OUTPUT,
+        workdir=WORKDIR / f"concurrency-{concurrency}",
+        progress=False,
+        rounds=ROUNDS,
+        fleet=ENGINES,
+        policies=MEASURED,
+    )
+    return replace(spec, **changes)
+
+
+def calibrated(model: str, trace: list[TraceRequest]) -> CostModel:
+    """The engine model's costs, fitted on one of the fleet's engines alone behind the
+    router (round_robin over it) at 1, 4 and 8 in flight, vLLM's prefix cache off (so
+    that every cached token is one the tier loaded: ``kvc calibrate``'s rule)."""
+    config = Config(PIPELINE.stem, PIPELINE, prefix_caching=False)
+    workdir = WORKDIR / "calibration"
+    workdir.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    base = bench(model, trace, 1, workdir=workdir)
+    assert base.server is not None
+    prompts, _ = bench_spec.bench_prompts(base)
+    with fleet(config, base.server, 1, workdir) as engines:
+        for n in CALIBRATION_RUNS:
+            spec = replace(base, concurrency=n)
+            log = workdir / f"router-{n}.log"
+            runs[n] = run_policy(spec, engines, POLICIES["round_robin"], prompts, log)
+    samples = {n: samples_of([vars(r) for r in run.records]) for n, run in runs.items()}
+    limits = replace(CALIBRATED, num_gpu_blocks=VLLM_BLOCKS)
+    cost = fit(samples, {n: run.wall_s for n, run in runs.items()}, limits, BLOCK)
+    print(f"fitted in this run on one engine behind the router, {CALIBRATION_RUNS} in flight:")
+    print(f"  {cost}")
+    for n, run in runs.items():
+        summary = run.summary()
+        print(
+            f"  one engine, {n} in flight: TTFT p50 {1000 * summary['ttft_s']['p50']:.1f} ms, "
+            f"p90 {1000 * summary['ttft_s']['p90']:.1f} ms, "
+            f"{summary['requests_per_s']:.1f} requests/s"
+        )
+    return cost
+
+
 def main() -> int:
     model = str(build_tiny_model())
     trace_path = fleet_slice(model, WORKDIR / "slice.jsonl")
     trace = read_trace(trace_path)
     print(f"slice: {len(trace)} requests ({trace_path}); {ENGINES} engines; {ROUNDS} rounds")
-    code = 0
+    cost = calibrated(model, trace)
+    measured: dict[int, list[RunResult]] = {}
     for concurrency in (1, CONCURRENCY):
-        spec = bench_spec.BenchSpec(
-            trace=trace,
-            configs=[Config.parse(str(PIPELINE))],
-            server=ServerSpec(
-                model=model,
-                block_size=BLOCK,
-                max_model_len=MAX_LEN,
-                num_blocks=VLLM_BLOCKS,
-                extra_args=["--enforce-eager"],
-            ),
-            scale=SCALE,
-            concurrency=concurrency,
-            max_output_tokens=OUTPUT,
-            workdir=WORKDIR / f"concurrency-{concurrency}",
-            progress=False,
-            rounds=ROUNDS,
-            fleet=ENGINES,
-            policies=MEASURED,
-        )
-        results = bench_run.run(spec)
+        spec = bench(model, trace, concurrency)
+        measured[concurrency] = results = bench_run.run(spec)
         bench_report.write_report(results, spec.workdir, plot=False)
         print(f"\n### {concurrency} request(s) in flight\n")
         print(bench_report.markdown_table(results))
-        predicted = predict(model, trace, concurrency)
+    cost = shared_cores(model, trace, cost, measured)
+    for concurrency, results in measured.items():
+        predicted = predict(model, trace, concurrency, cost)
         print(f"\nmeasured vs kvc simulate --fleet --concurrency {concurrency}:")
         for result in results:
             compare(result, predicted[result.config])
-        code |= int(any(r.errors for r in results))
-    return code
+    return int(any(r.errors for results in measured.values() for r in results))
 
 
-def predict(model: str, trace: list[TraceRequest], concurrency: int) -> dict[str, FleetResult]:
-    """kvc simulate --fleet's prediction of every policy at ``concurrency``."""
+def shared_cores(
+    model: str, trace: list[TraceRequest], cost: CostModel, measured: dict[int, list[RunResult]]
+) -> CostModel:
+    """``cost`` with what the fleet adds to one engine alone, fitted on ``round_robin``
+    (the other policies' runs are the check): the time an idle engine takes to wake
+    (its requests alternate between the engines: at 1 in flight each finds its engine
+    idle), then the cores the engines share with the router and the clients (this
+    machine's, at most one per engine) and the factor on their steps while they fill
+    them (at :data:`CONCURRENCY` in flight)."""
+    cores = min(os.cpu_count() or 1, ENGINES)
+
+    def rate_at(concurrency: int) -> Callable[[CostModel], float]:
+        def rate(candidate: CostModel) -> float:
+            sim = predict(model, trace, concurrency, candidate, ("round_robin",))
+            run = sim["round_robin"]
+            return run.requests / run.makespan_s if run.makespan_s else 0.0
+
+        return rate
+
+    def measured_rate(concurrency: int) -> float:
+        run = next(r for r in measured[concurrency] if r.config == "round_robin")
+        return float(run.summary()["requests_per_s"])
+
+    cost = fit_to_rate(cost, "wake_s", measured_rate(1), rate_at(1))
+    cost = fit_to_rate(
+        cost,
+        "shared_step_factor",
+        measured_rate(CONCURRENCY),
+        rate_at(CONCURRENCY),
+        host_cores=cores,
+    )
+    print(
+        f"\nfitted on round_robin: an idle engine wakes in {1000 * cost.wake_s:.1f} ms (1 in "
+        f"flight); {ENGINES} engines, the router and the clients on {cores} core(s): a step "
+        f"takes {cost.shared_step_factor:.2f}x while the engines fill them "
+        f"({CONCURRENCY} in flight)"
+    )
+    return cost
+
+
+def predict(
+    model: str,
+    trace: list[TraceRequest],
+    concurrency: int,
+    cost: CostModel,
+    policies: tuple[str, ...] = MEASURED,
+) -> dict[str, FleetResult]:
+    """kvc simulate --fleet's prediction of each policy at ``concurrency``."""
     pipeline = load_pipeline(PIPELINE)
     shape = model_shape(model, BLOCK, pipeline)
     return {
@@ -138,9 +238,9 @@ def predict(model: str, trace: list[TraceRequest], concurrency: int) -> dict[str
             groups=shape.groups,
             concurrency=concurrency,
             max_output_tokens=OUTPUT,
-            cost=replace(CALIBRATED, num_gpu_blocks=VLLM_BLOCKS),
+            cost=cost,
         )
-        for policy in MEASURED
+        for policy in policies
     }
 
 
@@ -161,13 +261,19 @@ def compare(result: RunResult, sim: FleetResult) -> None:
     )
     summary = result.summary()
     rate = sim.requests / sim.makespan_s if sim.makespan_s else 0.0
-    timing = [(f"TTFT p{q}", 1000 * summary["ttft_s"][f"p{q}"], 1000 * sim.ttft_s[q], "ms")
-              for q in (50, 90)]
+    timing = [
+        (f"TTFT p{q}", 1000 * summary["ttft_s"][f"p{q}"], 1000 * sim.ttft_s[q], "ms")
+        for q in (50, 90)
+    ]
     timing.append(("requests/s", summary["requests_per_s"], rate, ""))
-    print("    " + "; ".join(
-        f"{name} {m:.1f}{unit} (predicted {p:.1f}{unit}, {100 * (p - m) / m:+.0f} %)"
-        for name, m, p, unit in timing if m
-    ))
+    print(
+        "    "
+        + "; ".join(
+            f"{name} {m:.1f}{unit} (predicted {p:.1f}{unit}, {100 * (p - m) / m:+.0f} %)"
+            for name, m, p, unit in timing
+            if m
+        )
+    )
 
 
 if __name__ == "__main__":

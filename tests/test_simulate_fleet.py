@@ -15,6 +15,7 @@ from composer import load_pipeline
 from composer.bench.fleet import POLICIES
 from composer.cli import main
 from composer.simulate import SimKVGroup, SimulateError
+from composer.simulate.calibrate import fit_to_rate
 from composer.simulate.cost import CostModel
 from composer.simulate.fleet import simulate_fleet
 from composer.simulate.replay import Replay
@@ -454,3 +455,68 @@ def test_multi_turn_keeps_the_conversations_that_come_back(tmp_path: Path) -> No
     path = tmp_path / "slice.jsonl"
     write_trace(path, trace)
     assert read_trace(path) == trace
+
+
+def _two(cost: CostModel, trace: list[TraceRequest], concurrency: int) -> Any:
+    return simulate_fleet(
+        load_pipeline(PIPELINE),
+        trace,
+        engines=2,
+        router="round_robin",
+        cost=cost,
+        **KW,
+        concurrency=concurrency,
+    )
+
+
+@pytest.mark.parametrize(
+    ("cores", "concurrency", "factor"),
+    [(0, 2, 1.0), (2, 2, 1.5), (3, 2, 1.0), (2, 1, 1.0), (1, 1, 1.5), (1, 2, 1.5)],
+)
+def test_engines_that_fill_the_cores_they_share_step_slower(
+    cores: int, concurrency: int, factor: float
+) -> None:
+    # Two requests of 97 computed tokens, one on each engine: 0.097 s a prompt alone. A
+    # step takes 1.5x while at least `cores` engines have requests (0: none shared).
+    shared = replace(PLAIN, host_cores=cores, shared_step_factor=1.5)
+    result = _two(shared, _long(2), concurrency)
+    assert result.ttft_s[99] == pytest.approx(factor * 0.097)
+
+
+def test_an_engine_idle_longer_than_a_request_s_way_in_takes_wake_s_to_start() -> None:
+    # Round robin, one at a time: each request finds its engine idle since the request
+    # before the last. One engine, one at a time: idle only for a request's way in.
+    woken = replace(PLAIN, request_s=0.01, wake_s=0.005)
+    alternating = _two(woken, _long(4), 1)
+    assert alternating.ttft_s[99] == pytest.approx(0.01 + 0.097 + 0.005)
+    # (The second engine's first request: idle since the start, longer than 0.01 s.)
+    assert alternating.ttft_s[50] == pytest.approx(0.01 + 0.097 + 0.005)
+    back_to_back = _timed(_long(4), woken, concurrency=1)
+    assert back_to_back.ttft_s[99] == pytest.approx(0.01 + 0.097)
+
+
+@pytest.mark.parametrize(
+    ("name", "truth", "changes"),
+    [("shared_step_factor", 1.7, {"host_cores": 2}), ("wake_s", 0.02, {})],
+)
+def test_a_fleet_s_costs_are_fitted_back_from_its_rate(
+    name: str, truth: float, changes: dict[str, Any]
+) -> None:
+    trace = _long(12)
+    concurrency = 4 if name == "shared_step_factor" else 1
+    base = replace(PLAIN, request_s=0.01)
+
+    def rate(cost: CostModel) -> float:
+        result = _two(cost, trace, concurrency)
+        return float(result.requests / result.makespan_s)
+
+    measured = rate(replace(base, **changes, **{name: truth}))
+    fitted = fit_to_rate(base, name, measured, rate, **changes)
+    assert getattr(fitted, name) == pytest.approx(truth, rel=0.01)
+    assert all(getattr(fitted, k) == v for k, v in changes.items())
+    # A fleet as fast as its engines alone: the least; a rate of nothing: refused.
+    assert getattr(fit_to_rate(base, name, 2 * rate(base), rate, **changes), name) == (
+        1.0 if name == "shared_step_factor" else 0.0
+    )
+    with pytest.raises(SimulateError, match="a measured rate > 0"):
+        fit_to_rate(base, name, 0.0, rate)

@@ -150,6 +150,12 @@ def test_serve_sends_each_request_when_a_client_is_free() -> None:
     two = serve(samples, 2, cost, BLOCK)
     # Two at a time share a step: 0.01 + 0.2 each pair.
     assert two.ttft_s == pytest.approx([0.215] * 4) and two.wall_s == pytest.approx(0.43)
+    # One engine at a time is never idle longer than a request's way in: no wake-up. On
+    # a core it shares with the clients (host_cores 1) its steps take the factor.
+    woken = serve(samples, 1, replace(cost, wake_s=1.0), BLOCK)
+    assert woken.ttft_s == pytest.approx(one.ttft_s)
+    shared = serve(samples, 1, replace(cost, host_cores=1, shared_step_factor=2.0), BLOCK)
+    assert shared.ttft_s == pytest.approx([0.005 + 0.22] * 4)
 
 
 def _samples(cost: CostModel, concurrency: int) -> list[Sample]:
@@ -200,6 +206,13 @@ def test_cost_names_each_field_and_checks_its_kind() -> None:
         ("max_num_seqs=0", "max_num_seqs: must be >= 1"),
         ("max_num_batched_tokens=1.5", "max_num_batched_tokens: expected a whole number"),
         ("num_gpu_blocks=-1", "num_gpu_blocks: must be >= 0"),
+        ("host_cores=-1", "host_cores: must be >= 0"),
+        ("host_cores=x", "host_cores: expected a whole number"),
+        ("shared_step_factor=0.5", "shared_step_factor: must be a finite number >= 1.0"),
+        ("shared_step_factor=inf", "shared_step_factor: must be a finite number >= 1.0"),
+        ("shared_step_factor=nan", "shared_step_factor: must be a finite number >= 1.0"),
+        ("shared_step_factor=x", "shared_step_factor: not a number"),
+        ("wake_s=-0.001", "wake_s: must be a finite number >= 0"),
     ],
 )
 def test_a_bad_cost_is_refused_by_name(text: str, message: str) -> None:
@@ -209,8 +222,17 @@ def test_a_bad_cost_is_refused_by_name(text: str, message: str) -> None:
 
 def test_a_calibration_file_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "calibration.json"
-    write_calibration(path, replace(CALIBRATED, num_gpu_blocks=80), {"tier, 1 in flight": {}})
-    assert read_calibration(path) == replace(CALIBRATED, num_gpu_blocks=80)
+    shared = replace(CALIBRATED, num_gpu_blocks=80, host_cores=2, shared_step_factor=1.4)
+    write_calibration(path, shared, {"tier, 1 in flight": {}})
+    assert read_calibration(path) == shared
+    # A file written before the shared cores existed: none shared.
+    older = {
+        k: v
+        for k, v in CALIBRATED.as_dict().items()
+        if k not in ("host_cores", "shared_step_factor")
+    }
+    path.write_text(json.dumps({"format": FORMAT, "cost": older}))
+    assert read_calibration(path) == CALIBRATED
 
 
 def _cost_fields(**changes: Any) -> dict[str, Any]:
@@ -240,6 +262,10 @@ def _cost_fields(**changes: Any) -> dict[str, Any]:
         (
             json.dumps({"format": FORMAT, "cost": _cost_fields(max_num_seqs="x")}).encode(),
             "cost.max_num_seqs: expected a whole number",
+        ),
+        (
+            json.dumps({"format": FORMAT, "cost": _cost_fields(shared_step_factor=0)}).encode(),
+            "cost.shared_step_factor: must be a finite number >= 1.0",
         ),
     ],
 )

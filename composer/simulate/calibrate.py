@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,9 @@ from composer.simulate.tiers import SimKVGroup, SimulateError
 FORMAT = 2
 #: The splits of a step's cost tried (the share of one decode step that is ``step_s``).
 GRID = 40
+#: What :func:`fit_to_rate` fits on a fleet's run, each between these, in halvings.
+FLEET_FIELDS = {"shared_step_factor": (1.0, 8.0), "wake_s": (0.0, 0.1)}
+HALVINGS = 16
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ def serve(
     next request when its last one ends) to one engine of ``cost`` (its model's KV cache
     ``groups``; none: one full-attention group)."""
     engine = StepEngine(cost, block_size, groups)
+    # (One engine fills the cores it shares only where it shares one.)
+    shared = cost.shared_step_factor if cost.host_cores == 1 else 1.0
     jobs = [
         Job(i, 0.0, s.computed + s.loaded, s.loaded, s.loaded, s.output)
         for i, s in enumerate(samples)
@@ -101,7 +106,7 @@ def serve(
         send(0.0)
     ttfts: list[float] = []
     e2es: list[float] = []
-    now, step_end = 0.0, math.inf
+    now, step_end, idle_since = 0.0, math.inf, 0.0
     while coming or engine.busy or engine.waiting or engine.running:
         if engine.busy and (not coming or step_end <= coming[0][0]):
             now = step_end
@@ -118,7 +123,10 @@ def serve(
                 continue  # (requests arriving together are scheduled together)
         if not engine.busy:
             took = engine.start_step()
-            step_end = now + took if took is not None else math.inf
+            step_end = math.inf
+            if took is not None:
+                # (As a fleet's engine steps: :mod:`.fleet`'s ``_start_step``.)
+                step_end = idle_since = now + took * shared + cost.woken(now - idle_since)
     return Served(ttfts, e2es, now)
 
 
@@ -237,6 +245,39 @@ def read_calibration(path: Path) -> CostModel:
     if not isinstance(data.get("cost"), dict):
         raise SimulateError(f"{path}: cost: expected a mapping of the costs")
     return cost_from(data["cost"], f"{path}: cost")
+
+
+def fit_to_rate(
+    cost: CostModel,
+    name: str,
+    measured_rate: float,
+    rate: Callable[[CostModel], float],
+    **changes: Any,
+) -> CostModel:
+    """``cost`` (with ``changes``) and its field ``name`` (one of :data:`FLEET_FIELDS`)
+    at which a fleet's run, simulated (``rate``: its requests per second under a cost
+    model), serves the ``measured_rate`` that fleet served: its least where the
+    simulated fleet is no faster, at most its largest. The engine's own costs come
+    first: fitted on one engine alone (:func:`fit`), where nothing contends for it."""
+    if name not in FLEET_FIELDS:
+        raise ValueError(f"{name}: not one of {', '.join(FLEET_FIELDS)}")
+    if not measured_rate > 0:
+        raise SimulateError(f"calibrate: {name} needs a measured rate > 0")
+    low, high = FLEET_FIELDS[name]
+
+    def at(value: float) -> CostModel:
+        fields: dict[str, Any] = {**changes, name: value}
+        return replace(cost, **fields)
+
+    if rate(at(low)) <= measured_rate:
+        return at(low)
+    for _ in range(HALVINGS):
+        middle = (low + high) / 2
+        if rate(at(middle)) > measured_rate:
+            low = middle
+        else:
+            high = middle
+    return at(float(f"{(low + high) / 2:.3g}"))
 
 
 def samples_of(records: Sequence[Mapping[str, Any]]) -> list[Sample]:

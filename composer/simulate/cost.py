@@ -6,6 +6,15 @@ it and per request decoding in it; a request takes ``request_s`` to reach the
 engine's queue (the HTTP round trip, the API server). What a step may hold is
 vLLM's own limits: its token budget, its running requests, its KV cache.
 
+Engines that share a host's CPU cores with each other, the router and the
+clients (vLLM's CPU build, several engines on one machine) run slower when
+they are all busy: ``host_cores`` says how many cores they share (0: each
+engine has its own, and the router and clients theirs: a GPU fleet) and
+``shared_step_factor`` how much longer a step takes while at least that many
+engines have requests. An engine that sat idle (longer than a request's way
+in) takes ``wake_s`` more to start its next step: its processes are woken.
+Both are fitted on a fleet's runs (:func:`.calibrate.fit_to_rate`).
+
 :data:`CALIBRATED` are the figures measured on this project's 2-core machine
 (``kvc bench``, the tiny model, one engine on one core, lengths scaled by 16;
 see docs/simulate.md and :mod:`.calibrate`): on another model or machine,
@@ -40,6 +49,13 @@ class CostModel:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     num_gpu_blocks: int = 0
+    #: The CPU cores the engines share with each other, the router and the clients
+    #: (0: none shared), and the factor on a step's time while that many engines
+    #: have requests (their steps, the router's and the clients' work contend).
+    host_cores: int = 0
+    shared_step_factor: float = 1.0
+    #: Seconds more for the first step of an engine idle for longer than ``request_s``.
+    wake_s: float = 0.0
 
     def alone_ttft_s(self, computed: int, loaded: int) -> float:
         """A request's TTFT on an engine with nothing else to do."""
@@ -51,12 +67,22 @@ class CostModel:
             + self.load_token_s * loaded
         )
 
+    def woken(self, idle_s: float) -> float:
+        """Seconds more for a step of an engine idle ``idle_s`` before it: ``wake_s`` when
+        longer than a request's way in (one client's next request finds its engine
+        busy still, in real time; the nanosecond: float sums of the same times)."""
+        return self.wake_s if idle_s > self.request_s + 1e-9 else 0.0
+
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 #: The limits: whole numbers, each at least this.
-LIMITS = {"max_num_batched_tokens": 1, "max_num_seqs": 1, "num_gpu_blocks": 0}
+LIMITS = {"max_num_batched_tokens": 1, "max_num_seqs": 1, "num_gpu_blocks": 0, "host_cores": 0}
+#: Factors: finite numbers, each at least this.
+FACTORS = {"shared_step_factor": 1.0}
+#: Fields a calibration file may leave out (written before they existed): their defaults.
+OPTIONAL = {"host_cores", "shared_step_factor", "wake_s"}
 
 #: Fitted by ``kvc calibrate`` on ``benchmarks/cost_model.py``'s runs on this project's
 #: machine, 2026-11-28 (one engine, the tiny model, every process of it on one core,
@@ -88,7 +114,18 @@ def parse_cost(text: str, base: CostModel = CALIBRATED) -> CostModel:
 
 
 def _value(where: str, name: str, value: Any) -> Any:
-    """A field's value: seconds a finite number >= 0, a limit a whole number >= its least."""
+    """A field's value: seconds a finite number >= 0, a limit a whole number >= its least,
+    a factor a finite number >= its least."""
+    if name in FACTORS:
+        try:
+            factor = float(value)
+        except (TypeError, ValueError):
+            raise SimulateError(f"{where}: not a number: {value!r}") from None
+        if not FACTORS[name] <= factor < float("inf") or isinstance(value, bool):
+            raise SimulateError(
+                f"{where}: must be a finite number >= {FACTORS[name]}, got {value!r}"
+            )
+        return factor
     if name in LIMITS:
         try:
             number = int(str(value).strip())
@@ -109,7 +146,7 @@ def _value(where: str, name: str, value: Any) -> Any:
 def cost_from(data: Mapping[str, Any], where: str) -> CostModel:
     """A cost model from its fields (a calibration file's ``cost``), every field checked."""
     names = [f.name for f in fields(CostModel)]
-    missing = [n for n in names if n not in data]
+    missing = [n for n in names if n not in data and n not in OPTIONAL]
     unknown = sorted(set(data) - set(names))
     if missing or unknown:
         raise SimulateError(
@@ -117,4 +154,4 @@ def cost_from(data: Mapping[str, Any], where: str) -> CostModel:
             + (f"; missing {', '.join(missing)}" if missing else "")
             + (f"; unknown {', '.join(unknown)}" if unknown else "")
         )
-    return CostModel(**{n: _value(f"{where}.{n}", n, data[n]) for n in names})
+    return CostModel(**{n: _value(f"{where}.{n}", n, data[n]) for n in names if n in data})

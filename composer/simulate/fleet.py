@@ -135,13 +135,15 @@ class _Engine:
     """One engine: its steps (:class:`~composer.simulate.steps.StepEngine`), and how busy
     it was (requests in flight over time, the most at once, their waits)."""
 
-    __slots__ = ("steps", "in_flight", "last", "area", "peak", "wait")
+    __slots__ = ("steps", "in_flight", "last", "area", "peak", "wait", "idle_since")
 
     def __init__(self, cost: CostModel, block_size: int, groups: Sequence[SimKVGroup]) -> None:
         self.steps = StepEngine(cost, block_size, groups)
         self.in_flight = 0
         self.last = self.area = self.wait = 0.0
         self.peak = 0
+        #: When its last step ended (idle since then unless a step is under way).
+        self.idle_since = 0.0
 
     def count(self, now: float, change: int) -> None:
         self.area += self.in_flight * (now - self.last)
@@ -228,6 +230,10 @@ class _Run:
         self.view = FleetView(replays, [0] * len(replays), pending=[0] * len(replays))
         self.choose = make_router(router, len(replays), seed)
         self.engines = [_Engine(cost, block_size, groups) for _ in replays]
+        #: Engines with requests, and whether their steps slow down when they fill the
+        #: cores they share (:class:`~composer.simulate.cost.CostModel`'s ``host_cores``).
+        self.busy = 0
+        self.shared = cost.host_cores > 0 and cost.shared_step_factor != 1.0
         self.counts = [0] * len(replays)
         self.ttfts: list[float] = []
         self.e2es: list[float] = []
@@ -292,6 +298,7 @@ class _Run:
         e = self.choose(view, req, keys, limit, now)
         self.counts[e] += 1
         view.load[e] += 1
+        self.busy += int(self.engines[e].in_flight == 0)
         self.engines[e].count(now, +1)
         started = replays[e].start(prompt, keys, limit, req, now)
         if keys and limit:
@@ -308,6 +315,7 @@ class _Run:
     def _step_ended(self, now: float, e: int) -> int:
         """Engine ``e``'s step ended: first tokens, requests done; how many ended."""
         engine = self.engines[e]
+        engine.idle_since = now
         first, done = engine.steps.end_step()
         for job in first:
             job.ttft = now - job.arrival
@@ -319,13 +327,18 @@ class _Run:
             self.e2es.append(now - job.arrival)
             self.view.load[e] -= 1
             engine.count(now, -1)
+            self.busy -= int(engine.in_flight == 0)
         return len(done)
 
     def _start_step(self, now: float, e: int) -> None:
-        steps = self.engines[e].steps
-        if not steps.busy:
-            took = steps.start_step()
+        engine = self.engines[e]
+        if not engine.steps.busy:
+            took = engine.steps.start_step()
             if took is not None:
+                cost = self.cost
+                if self.shared and self.busy >= cost.host_cores:
+                    took *= cost.shared_step_factor
+                took += cost.woken(now - engine.idle_since)
                 self._push(now + took, 0, e)
 
     def result(
