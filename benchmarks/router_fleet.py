@@ -247,7 +247,7 @@ def predict(
 def compare(result: RunResult, sim: FleetResult) -> None:
     """Served fraction (percentage points apart), requests per engine (the largest gap,
     in points of the slice's requests), TTFT p50 and p90 and requests per second,
-    measured against predicted."""
+    measured against predicted; the router's CPU a request, measured."""
     measured = result.fraction(result.prefix_cache_tokens + result.connector_tokens)
     error = 100 * (measured - sim.fraction_served)
     total = sum(result.engine_requests) or 1
@@ -274,6 +274,9 @@ def compare(result: RunResult, sim: FleetResult) -> None:
             if m
         )
     )
+    if summary["router_cpu_ms_per_request"] is not None:
+        # (On the cores the engines use: kv_aware's reading of every KV event shows here.)
+        print(f"    vllm-router: {summary['router_cpu_ms_per_request']:.2f} ms of CPU a request")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from composer.servers import (
     alive,
+    cpu_seconds,
     group_alive,
     kill_group,
     kill_process,
@@ -207,3 +208,16 @@ def test_kill_group_kills_every_process_of_it(tmp_path: Path) -> None:
     while group_alive(proc.pid):
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_process_s_cpu_seconds_are_read_while_it_lives() -> None:
+    before = cpu_seconds(os.getpid())
+    assert before is not None
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:  # (busy: the clock ticks are 10 ms)
+        pass
+    after = cpu_seconds(os.getpid())
+    assert after is not None and after - before >= 0.1
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert cpu_seconds(child.pid) is None  # (reaped: gone)

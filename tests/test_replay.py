@@ -296,6 +296,10 @@ def test_a_fleets_engines_are_counted_busiest_first_and_pooled_like_with_like() 
     a = bench_report.RunResult("kv", record, 1.0, engine_requests=[30, 0])
     b = bench_report.RunResult("kv", record, 1.0, engine_requests=[28, 2])
     assert a.imbalance == 2.0 and bench_report.pool(a, b).engine_requests == [58, 2]
+    # The router's CPU, a request: added when pooled; unknown once either run's is.
+    cpu = [replace(a, router_cpu_s=0.004), replace(b, router_cpu_s=0.002)]
+    assert bench_report.pool(*cpu).summary()["router_cpu_ms_per_request"] == pytest.approx(3.0)
+    assert bench_report.pool(cpu[0], b).summary()["router_cpu_ms_per_request"] is None
     table = bench_report.markdown_table([a])
     assert "| requests by engine (busiest first) | imbalance |" in table
     assert "| 30/0 | 2.00 |" in table

@@ -46,6 +46,7 @@ from composer.bench.replay import BenchError, Prompt, Record, replay, served_mod
 from composer.bench.report import RunResult, engine_counters, pool
 from composer.bench.servers import Config, PortTaken, ServerSpec, servers
 from composer.bench.spec import BenchSpec, bench_prompts
+from composer.servers import cpu_seconds
 from composer.servers.loopback import LOOPBACK, free_port
 from composer.servers.vllm_router import vllm_router
 from composer.simulate.routers import parse_router
@@ -219,7 +220,9 @@ def run_policy(
         kv_event_sources=event_sources(engines) if p.kv_events else None,
         block_size=spec.server.block_size,
     ) as router:
+        cpu_before = cpu_seconds(router.pid)
         records, wall, deltas = replay_counted(spec, router.url, [e.url for e in engines], prompts)
+        cpu_after = cpu_seconds(router.pid)
     nodes: dict[str, float] = {}
     for delta in deltas:
         for key, value in delta.items():
@@ -237,6 +240,7 @@ def run_policy(
         node_tokens=nodes,
         # Busiest first: engines are alike, and pooled runs add up like with like.
         engine_requests=sorted((d["requests"] for d in deltas), reverse=True),
+        router_cpu_s=None if cpu_before is None or cpu_after is None else cpu_after - cpu_before,
     )
 
 

@@ -58,6 +58,9 @@ class RunResult:
     nixl_bytes: float = 0.0
     #: Requests in flight (``--concurrency``); None: sent at the trace's timestamps.
     concurrency: int | None = None
+    #: A fleet's run: CPU seconds vllm-router used during the replay (every thread; its
+    #: work per request differs by policy: ``kv_aware`` reads every engine's KV events).
+    router_cpu_s: float | None = None
 
     @property
     def imbalance(self) -> float | None:
@@ -132,6 +135,9 @@ class RunResult:
             "tokens_served_by_engine_and_node": self.side_tokens,
             "nixl_bytes": self.nixl_bytes,
             "served_by_tenant": self.tenants(),
+            "router_cpu_ms_per_request": 1000 * self.router_cpu_s / len(self.records)
+            if self.router_cpu_s is not None and self.records
+            else None,
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -233,6 +239,9 @@ def pool(a: RunResult, b: RunResult) -> RunResult:
         side_tokens=added(a.side_tokens, b.side_tokens),
         nixl_bytes=a.nixl_bytes + b.nixl_bytes,
         concurrency=a.concurrency,
+        router_cpu_s=None
+        if a.router_cpu_s is None or b.router_cpu_s is None
+        else a.router_cpu_s + b.router_cpu_s,
     )
 
 

@@ -4,6 +4,7 @@ and the child processes they run as (:mod:`composer.servers.process`)."""
 from composer.servers.loopback import LOOPBACK, free_port
 from composer.servers.process import (
     alive,
+    cpu_seconds,
     group_alive,
     kill_group,
     kill_process,
@@ -18,6 +19,7 @@ __all__ = [
     "LOOPBACK",
     "ValkeyServer",
     "alive",
+    "cpu_seconds",
     "free_port",
     "group_alive",
     "kill_group",

@@ -75,6 +75,19 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user and system, every thread) process ``pid`` has used so far, from
+    Linux's ``/proc``; None where it cannot be read (gone, another system)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        # After the command's name (in parentheses, which may hold spaces): the state,
+        # then fields 4..; utime and stime are fields 14 and 15, in clock ticks.
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def tail(log_path: Path, lines: int = 25) -> str:
     """The last ``lines`` lines of a log, for an error message (``(no log)`` without one)."""
     try:
