@@ -40,6 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cost_model import FITTED, fitted
 from composer import load_pipeline
 from composer.bench import report as bench_report
 from composer.bench import run as bench_run
@@ -48,8 +49,8 @@ from composer.bench.fleet import POLICIES, fleet, run_policy
 from composer.bench.replay import make_prompts, vocab_size_of
 from composer.bench.report import RunResult
 from composer.bench.servers import Config, ServerSpec
-from composer.simulate.calibrate import fit, fit_to_rate, samples_of
-from composer.simulate.cost import CALIBRATED, CostModel
+from composer.simulate.calibrate import fit_to_rate
+from composer.simulate.cost import CostModel
 from composer.simulate.fleet import FleetResult, simulate_fleet
 from composer.simulate.shape import model_shape
 from composer.testing.tiny_model import build_tiny_model
@@ -77,8 +78,8 @@ PIPELINE = ROOT / "examples/fleet-cpu-events.yaml"
 #: a tier's block credited in full, and a session bound to its engine for 10 minutes.
 MEASURED = (*POLICIES, "kv_aware-tiers:external=1", "kv_aware-tiers:affinity=600")
 SCALE, BLOCK, MAX_LEN, OUTPUT = 16, 32, 2048, 4
-#: The calibration's runs: requests in flight.
-CALIBRATION_RUNS = (1, 4, 8)
+#: The calibration's runs: requests in flight (those cost_model.py fits on).
+CALIBRATION_RUNS = FITTED
 WORKDIR = Path("kvc-bench-fleet")
 
 
@@ -138,9 +139,7 @@ def calibrated(model: str, trace: list[TraceRequest]) -> CostModel:
             spec = replace(base, concurrency=n)
             log = workdir / f"router-{n}.log"
             runs[n] = run_policy(spec, engines, POLICIES["round_robin"], prompts, log)
-    samples = {n: samples_of([vars(r) for r in run.records]) for n, run in runs.items()}
-    limits = replace(CALIBRATED, num_gpu_blocks=VLLM_BLOCKS)
-    cost = fit(samples, {n: run.wall_s for n, run in runs.items()}, limits, BLOCK)
+    cost = fitted(runs, VLLM_BLOCKS)
     print(f"fitted in this run on one engine behind the router, {CALIBRATION_RUNS} in flight:")
     print(f"  {cost}")
     for n, run in runs.items():

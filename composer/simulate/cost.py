@@ -69,8 +69,9 @@ class CostModel:
 
     def woken(self, idle_s: float) -> float:
         """Seconds more for a step of an engine idle ``idle_s`` before it: ``wake_s`` when
-        longer than a request's way in (one client's next request finds its engine
-        busy still, in real time; the nanosecond: float sums of the same times)."""
+        longer than a request's way in. (A client's next request to the same engine
+        comes exactly that long after its last step; the nanosecond absorbs float
+        rounding of those sums.)"""
         return self.wake_s if idle_s > self.request_s + 1e-9 else 0.0
 
     def as_dict(self) -> dict[str, float]:
@@ -116,16 +117,6 @@ def parse_cost(text: str, base: CostModel = CALIBRATED) -> CostModel:
 def _value(where: str, name: str, value: Any) -> Any:
     """A field's value: seconds a finite number >= 0, a limit a whole number >= its least,
     a factor a finite number >= its least."""
-    if name in FACTORS:
-        try:
-            factor = float(value)
-        except (TypeError, ValueError):
-            raise SimulateError(f"{where}: not a number: {value!r}") from None
-        if not FACTORS[name] <= factor < float("inf") or isinstance(value, bool):
-            raise SimulateError(
-                f"{where}: must be a finite number >= {FACTORS[name]}, got {value!r}"
-            )
-        return factor
     if name in LIMITS:
         try:
             number = int(str(value).strip())
@@ -134,13 +125,14 @@ def _value(where: str, name: str, value: Any) -> Any:
         if number < LIMITS[name]:
             raise SimulateError(f"{where}: must be >= {LIMITS[name]}, got {value!r}")
         return number
+    least = FACTORS.get(name, 0)  # (seconds: >= 0)
     try:
-        seconds = float(value)
+        real = float(value)
     except (TypeError, ValueError):
         raise SimulateError(f"{where}: not a number: {value!r}") from None
-    if not 0 <= seconds < float("inf") or isinstance(value, bool):
-        raise SimulateError(f"{where}: must be a finite number >= 0, got {value!r}")
-    return seconds
+    if not least <= real < float("inf") or isinstance(value, bool):
+        raise SimulateError(f"{where}: must be a finite number >= {least}, got {value!r}")
+    return real
 
 
 def cost_from(data: Mapping[str, Any], where: str) -> CostModel:
