@@ -23,19 +23,27 @@ and p90 and the requests per second. The engine model's costs are fitted in the
 same run (:func:`calibrated`: one such engine alone behind the router, at 1, 4
 and 8 in flight, as ``kvc calibrate`` fits them), not taken from another day:
 this machine's speed moves by 20 % from one session to the next (the same
-single-engine runs measured 7.5-8.1 ms TTFT p50 one day, 9.7 another). The
+single-engine runs measured 7.5-8.1 ms TTFT p50 one day, 9.7 another), and
+within a run, so the calibration's runs take their turns in the policies'
+rounds (:func:`measure`). The
 fleet adds two costs to one engine alone, both fitted on ``round_robin``
 (:func:`shared_cores`): an idle engine's wake-up (at 1 in flight its requests
 alternate between the engines) and, as the engines share this machine's cores
 with vllm-router and the clients, the factor on a step's time while they fill
 them (``KVC_BENCH_CONCURRENCY`` in flight); every other run is their check.
+The router's own CPU a request is an input, as measured around each policy's
+replay (``kvc bench``'s ``router_cpu_ms_per_request``): on the shared cores it
+is taken from the engines (``kv_aware`` reads every engine's KV events). Every
+engine is warmed up first (:data:`WARM_UP` passes of the slice at each number in
+flight it is measured at, not measured): an engine's first pass at a number in
+flight runs slower, and would make the first run's costs (the calibration's,
+the first policy's) too high.
 Writes ``kvc-bench-fleet/``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,13 +51,12 @@ from typing import Any
 from benchmarks.cost_model import FITTED, fitted
 from composer import load_pipeline
 from composer.bench import report as bench_report
-from composer.bench import run as bench_run
 from composer.bench import spec as bench_spec
-from composer.bench.fleet import POLICIES, fleet, run_policy
+from composer.bench.fleet import POLICIES, fleet, policy, run_policy, warm_up
 from composer.bench.replay import make_prompts, vocab_size_of
-from composer.bench.report import RunResult
+from composer.bench.report import RunResult, pool
 from composer.bench.servers import Config, ServerSpec
-from composer.simulate.calibrate import fit_to_rate
+from composer.simulate.calibrate import FleetRun, fit_fleet
 from composer.simulate.cost import CostModel
 from composer.simulate.fleet import FleetResult, simulate_fleet
 from composer.simulate.shape import model_shape
@@ -72,6 +79,11 @@ ENGINES = int(os.environ.get("KVC_BENCH_FLEET_ENGINES", "2"))
 CONCURRENCY = int(os.environ.get("KVC_BENCH_CONCURRENCY", "4"))
 ROUNDS = int(os.environ.get("KVC_BENCH_ROUNDS", "4"))
 VLLM_BLOCKS = int(os.environ.get("KVC_BENCH_VLLM_BLOCKS", "80"))
+#: Passes of the slice through every engine before it is measured (kvc bench --warm-up),
+#: at each number in flight it is measured at: the first pass at a new number in flight
+#: meets new batch shapes and runs slower (at one in flight, after a pass at four:
+#: 18.3-19.4 ms TTFT p90 against 14.2-15.2 in the next three).
+WARM_UP = int(os.environ.get("KVC_BENCH_WARM_UP", "1"))
 PIPELINE = ROOT / "examples/fleet-cpu-events.yaml"
 #: Every policy kvc bench --fleet measures, and kv_aware-tiers with vllm-router's own
 #: settings that kvc simulate found to serve the tiered fleet best (docs/fleet.md):
@@ -119,26 +131,62 @@ def bench(
         rounds=ROUNDS,
         fleet=ENGINES,
         policies=MEASURED,
+        warm_up=WARM_UP,
     )
     return replace(spec, **changes)
 
 
-def calibrated(model: str, trace: list[TraceRequest]) -> CostModel:
-    """The engine model's costs, fitted on one of the fleet's engines alone behind the
-    router (round_robin over it) at 1, 4 and 8 in flight, vLLM's prefix cache off (so
-    that every cached token is one the tier loaded: ``kvc calibrate``'s rule)."""
-    config = Config(PIPELINE.stem, PIPELINE, prefix_caching=False)
-    workdir = WORKDIR / "calibration"
-    workdir.mkdir(parents=True, exist_ok=True)
-    runs = {}
-    base = bench(model, trace, 1, workdir=workdir)
-    assert base.server is not None
-    prompts, _ = bench_spec.bench_prompts(base)
-    with fleet(config, base.server, 1, workdir) as engines:
-        for n in CALIBRATION_RUNS:
-            spec = replace(base, concurrency=n)
-            log = workdir / f"router-{n}.log"
-            runs[n] = run_policy(spec, engines, POLICIES["round_robin"], prompts, log)
+def measure(
+    model: str, trace: list[TraceRequest]
+) -> tuple[dict[int, RunResult], dict[int, list[RunResult]]]:
+    """The calibration's runs (by requests in flight) and the fleet's (by requests in
+    flight, one per policy), in :data:`ROUNDS` rounds of alternating order, pooled.
+
+    The calibration is one engine alone behind the router (round_robin over it) at 1,
+    4 and 8 in flight, vLLM's prefix cache off (so that every cached token is one the
+    tier loaded: ``kvc calibrate``'s rule); the fleet runs each policy at 1 and
+    :data:`CONCURRENCY` in flight. Both are up from the start (an idle engine takes no
+    CPU), are warmed up at each number in flight they run at, and take their turns in
+    the same rounds, so that what drifts within a run drifts for both. (Calibrated
+    first, and warmed up at four in flight only, the one engine measured 20 % slower at
+    one in flight than the fleet's engine doing the same work later.)"""
+    spec = bench(model, trace, 1)
+    assert spec.server is not None
+    prompts, skipped = bench_spec.bench_prompts(spec)
+    alone = Config(PIPELINE.stem, PIPELINE, prefix_caching=False)
+    runs = [(0, n, POLICIES["round_robin"]) for n in CALIBRATION_RUNS] + [
+        (ENGINES, n, policy(name)) for n in (1, CONCURRENCY) for name in MEASURED
+    ]
+    pooled: dict[tuple[int, int, str], RunResult] = {}
+    for where in ("calibration", "fleet"):
+        (WORKDIR / where).mkdir(parents=True, exist_ok=True)
+    with (
+        fleet(alone, spec.server, 1, WORKDIR / "calibration") as one,
+        fleet(spec.configs[0], spec.server, ENGINES, WORKDIR / "fleet") as engines,
+    ):
+        for size, n in dict.fromkeys((size, n) for size, n, _ in runs):  # (each once)
+            workdir = WORKDIR / ("calibration" if size == 0 else "fleet") / f"warm-up-{n}"
+            workdir.mkdir(exist_ok=True)
+            group = one if size == 0 else engines
+            warm_up(replace(spec, concurrency=n, workdir=workdir), group, prompts)
+        for round_index in range(ROUNDS):
+            for size, n, p in runs if round_index % 2 == 0 else runs[::-1]:
+                where = "calibration" if size == 0 else "fleet"
+                log = WORKDIR / where / f"router-{p.name}-{n}-{round_index + 1}.log"
+                result = run_policy(
+                    replace(spec, concurrency=n), one if size == 0 else engines, p, prompts, log
+                )
+                result.skipped = skipped
+                key = (size, n, p.name)
+                pooled[key] = pool(pooled[key], result) if key in pooled else result
+    calibration = {n: pooled[0, n, "round_robin"] for n in CALIBRATION_RUNS}
+    fleet_runs = {n: [pooled[ENGINES, n, name] for name in MEASURED] for n in (1, CONCURRENCY)}
+    return calibration, fleet_runs
+
+
+def calibrated(runs: dict[int, RunResult]) -> CostModel:
+    """The engine model's costs, fitted on the calibration's runs (as ``kvc calibrate``
+    fits them)."""
     cost = fitted(runs, VLLM_BLOCKS)
     print(f"fitted in this run on one engine behind the router, {CALIBRATION_RUNS} in flight:")
     print(f"  {cost}")
@@ -157,19 +205,18 @@ def main() -> int:
     trace_path = fleet_slice(model, WORKDIR / "slice.jsonl")
     trace = read_trace(trace_path)
     print(f"slice: {len(trace)} requests ({trace_path}); {ENGINES} engines; {ROUNDS} rounds")
-    cost = calibrated(model, trace)
-    measured: dict[int, list[RunResult]] = {}
-    for concurrency in (1, CONCURRENCY):
-        spec = bench(model, trace, concurrency)
-        measured[concurrency] = results = bench_run.run(spec)
-        bench_report.write_report(results, spec.workdir, plot=False)
+    calibration, measured = measure(model, trace)
+    cost = calibrated(calibration)
+    for concurrency, results in measured.items():
+        bench_report.write_report(results, WORKDIR / f"concurrency-{concurrency}", plot=False)
         print(f"\n### {concurrency} request(s) in flight\n")
         print(bench_report.markdown_table(results))
     cost = shared_cores(model, trace, cost, measured)
     for concurrency, results in measured.items():
-        predicted = predict(model, trace, concurrency, cost)
         print(f"\nmeasured vs kvc simulate --fleet --concurrency {concurrency}:")
         for result in results:
+            with_router = replace(cost, router_cpu_s=router_cpu_s(result))
+            predicted = predict(model, trace, concurrency, with_router, (result.config,))
             compare(result, predicted[result.config])
     return int(any(r.errors for results in measured.values() for r in results))
 
@@ -178,40 +225,39 @@ def shared_cores(
     model: str, trace: list[TraceRequest], cost: CostModel, measured: dict[int, list[RunResult]]
 ) -> CostModel:
     """``cost`` with what the fleet adds to one engine alone, fitted on ``round_robin``
-    (the other policies' runs are the check): the time an idle engine takes to wake
-    (its requests alternate between the engines: at 1 in flight each finds its engine
-    idle), then the cores the engines share with the router and the clients (this
-    machine's, at most one per engine) and the factor on their steps while they fill
-    them (at :data:`CONCURRENCY` in flight)."""
+    (:func:`composer.simulate.calibrate.fit_fleet`, as ``kvc simulate --fit-fleet`` fits
+    it; the other policies' runs are the check): the time an idle engine takes to wake
+    (at 1 in flight), then the cores the engines share with the router and the clients
+    (this machine's, at most one per engine) and the factor on their steps while they
+    fill them (at :data:`CONCURRENCY` in flight), besides the router's CPU (as
+    measured)."""
     cores = min(os.cpu_count() or 1, ENGINES)
 
-    def rate_at(concurrency: int) -> Callable[[CostModel], float]:
-        def rate(candidate: CostModel) -> float:
-            sim = predict(model, trace, concurrency, candidate, ("round_robin",))
-            run = sim["round_robin"]
-            return run.requests / run.makespan_s if run.makespan_s else 0.0
+    def rate(concurrency: int, candidate: CostModel) -> float:
+        run = predict(model, trace, concurrency, candidate, ("round_robin",))["round_robin"]
+        return run.requests / run.makespan_s if run.makespan_s else 0.0
 
-        return rate
-
-    def measured_rate(concurrency: int) -> float:
-        run = next(r for r in measured[concurrency] if r.config == "round_robin")
-        return float(run.summary()["requests_per_s"])
-
-    cost = fit_to_rate(cost, "wake_s", measured_rate(1), rate_at(1))
-    cost = fit_to_rate(
-        cost,
-        "shared_step_factor",
-        measured_rate(CONCURRENCY),
-        rate_at(CONCURRENCY),
-        host_cores=cores,
-    )
+    runs = {
+        n: FleetRun(float(r.summary()["requests_per_s"]), router_cpu_s(r))
+        for n, results in measured.items()
+        for r in results
+        if r.config == "round_robin"
+    }
+    cost = fit_fleet(cost, runs, rate, cores)
     print(
         f"\nfitted on round_robin: an idle engine wakes in {1000 * cost.wake_s:.1f} ms (1 in "
         f"flight); {ENGINES} engines, the router and the clients on {cores} core(s): a step "
         f"takes {cost.shared_step_factor:.2f}x while the engines fill them "
-        f"({CONCURRENCY} in flight)"
+        f"({CONCURRENCY} in flight), besides the router's {1000 * cost.router_cpu_s:.2f} ms "
+        "of CPU a request"
     )
     return cost
+
+
+def router_cpu_s(result: RunResult) -> float:
+    """The router's CPU seconds a request, as measured in ``result`` (0 unread)."""
+    cpu = result.summary()["router_cpu_ms_per_request"]
+    return 0.0 if cpu is None else cpu / 1000
 
 
 def predict(

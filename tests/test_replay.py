@@ -255,6 +255,11 @@ def test_cli_usage_errors_exit_2_without_a_traceback(tmp_path: Path) -> None:
             "--policy 'random': one of round_robin, consistent_hash",
         ),
         ((trace, "--model", "m", "--fleet", "0", "--config", PIPELINE), "--fleet must be >= 1"),
+        ((trace, "--model", "m", "--warm-up", "1"), "--warm-up warms a fleet's engines"),
+        (
+            (trace, "--model", "m", "--fleet", "2", "--config", PIPELINE, "--warm-up", "-1"),
+            "--warm-up must be >= 0, got -1",
+        ),
     ]
     for args, message in cases:
         proc = _kvc("bench", *args, "--output", str(tmp_path))

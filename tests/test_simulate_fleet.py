@@ -483,6 +483,31 @@ def test_engines_that_fill_the_cores_they_share_step_slower(
     assert result.ttft_s[99] == pytest.approx(factor * 0.097)
 
 
+@pytest.mark.parametrize(("cores", "taken"), [(0, 0.0), (1, 0.03), (2, 0.01), (3, 0.0)])
+def test_the_router_s_cpu_is_taken_from_engines_that_fill_the_cores(
+    cores: int, taken: float
+) -> None:
+    # Four at once, two on each engine: 0.194 s a step of two prompts. The router spends
+    # 0.01 s of CPU on a request placed while at least `cores` engines have requests
+    # (here the last 3, 2 or none of the 4), and each engine's step loses that
+    # spread over the cores (0: the router has cores of its own).
+    routed = replace(PLAIN, host_cores=cores, router_cpu_s=0.01)
+    result = _two(routed, _long(4), 4)
+    assert result.ttft_s[99] == pytest.approx(0.194 + taken)
+    assert result.ttft_s[50] == pytest.approx(0.194 + taken)
+
+
+def test_a_request_s_way_in_takes_the_factor_when_the_engines_fill_the_cores() -> None:
+    # One core shared, two requests at once: the first finds it free (0.01 s in), the
+    # second finds the first's engine holding it (0.02 s in); both engines' steps take
+    # twice 0.097 s while they hold it.
+    shared = replace(PLAIN, request_s=0.01, host_cores=1, shared_step_factor=2.0)
+    result = _two(shared, _long(2), 2)
+    assert (result.ttft_s[50], result.ttft_s[99]) == pytest.approx((0.204, 0.214))
+    alone = _two(replace(shared, host_cores=0), _long(2), 2)
+    assert (alone.ttft_s[50], alone.ttft_s[99]) == pytest.approx((0.107, 0.107))
+
+
 def test_an_engine_idle_longer_than_a_request_s_way_in_takes_wake_s_to_start() -> None:
     # Round robin, one at a time: each request finds its engine idle since the request
     # before the last. One engine, one at a time: idle only for a request's way in.

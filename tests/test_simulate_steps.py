@@ -156,6 +156,12 @@ def test_serve_sends_each_request_when_a_client_is_free() -> None:
     assert woken.ttft_s == pytest.approx(one.ttft_s)
     shared = serve(samples, 1, replace(cost, host_cores=1, shared_step_factor=2.0), BLOCK)
     assert shared.ttft_s == pytest.approx([0.005 + 0.22] * 4)
+    # The router's CPU is taken from that core only while the engine has requests: one
+    # at a time never; two at a time, the second of each pair's 0.01 s (sent after the
+    # first), in the step that runs them.
+    routed = replace(cost, host_cores=1, router_cpu_s=0.01)
+    assert serve(samples, 1, routed, BLOCK).ttft_s == pytest.approx(one.ttft_s)
+    assert serve(samples, 2, routed, BLOCK).ttft_s == pytest.approx([0.225] * 4)
 
 
 def _samples(cost: CostModel, concurrency: int) -> list[Sample]:
@@ -188,6 +194,20 @@ def test_a_fit_recovers_the_costs_its_samples_came_from() -> None:
         fit(runs, walls, replace(truth, max_num_batched_tokens=50), BLOCK)
 
 
+@pytest.mark.parametrize("busy", [0, 1, 2, 3])
+@pytest.mark.parametrize("cores", [0, 1, 2, 3])
+def test_engines_that_fill_the_cores_they_share_wait_for_them(cores: int, busy: int) -> None:
+    # While at least `cores` engines have requests (0: none shared): a step and a
+    # request's way in take the factor, and the step loses the router's CPU spread
+    # over the cores; else both take their own time.
+    cost = replace(CALIBRATED, request_s=0.01, host_cores=cores, shared_step_factor=1.5)
+    full = 0 < cores <= busy
+    assert cost.shared_step(0.1, busy, 0.02) == pytest.approx(
+        0.15 + 0.02 / cores if full else 0.1
+    )
+    assert cost.way_in(busy) == pytest.approx(0.015 if full else 0.01)
+
+
 def test_cost_names_each_field_and_checks_its_kind() -> None:
     model = parse_cost("prefill_token_s=1e-3, max_num_seqs=4, num_gpu_blocks=0")
     assert (model.prefill_token_s, model.max_num_seqs, model.num_gpu_blocks) == (1e-3, 4, 0)
@@ -213,6 +233,9 @@ def test_cost_names_each_field_and_checks_its_kind() -> None:
         ("shared_step_factor=nan", "shared_step_factor: must be a finite number >= 1.0"),
         ("shared_step_factor=x", "shared_step_factor: not a number"),
         ("wake_s=-0.001", "wake_s: must be a finite number >= 0"),
+        ("router_cpu_s=-0.001", "router_cpu_s: must be a finite number >= 0"),
+        ("router_cpu_s=nan", "router_cpu_s: must be a finite number >= 0"),
+        ("router_cpu_s=x", "router_cpu_s: not a number"),
     ],
 )
 def test_a_bad_cost_is_refused_by_name(text: str, message: str) -> None:
@@ -222,14 +245,21 @@ def test_a_bad_cost_is_refused_by_name(text: str, message: str) -> None:
 
 def test_a_calibration_file_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "calibration.json"
-    shared = replace(CALIBRATED, num_gpu_blocks=80, host_cores=2, shared_step_factor=1.4)
+    shared = replace(
+        CALIBRATED,
+        num_gpu_blocks=80,
+        host_cores=2,
+        shared_step_factor=1.4,
+        wake_s=0.002,
+        router_cpu_s=0.001,
+    )
     write_calibration(path, shared, {"tier, 1 in flight": {}})
     assert read_calibration(path) == shared
-    # A file written before the shared cores existed: none shared.
+    # A file written before the fleet's costs existed: none shared, no wake, no router.
     older = {
         k: v
         for k, v in CALIBRATED.as_dict().items()
-        if k not in ("host_cores", "shared_step_factor")
+        if k not in ("host_cores", "shared_step_factor", "wake_s", "router_cpu_s")
     }
     path.write_text(json.dumps({"format": FORMAT, "cost": older}))
     assert read_calibration(path) == CALIBRATED

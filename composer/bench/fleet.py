@@ -114,6 +114,7 @@ def run_fleet(spec: BenchSpec) -> list[RunResult]:
     spec.workdir.mkdir(parents=True, exist_ok=True)
     pooled: dict[str, RunResult] = {}
     with fleet(config, server, spec.fleet, spec.workdir) as engines:
+        warm_up(spec, engines, prompts)
         for round_index in range(spec.rounds):
             order = policies if round_index % 2 == 0 else policies[::-1]
             for p in order:
@@ -122,6 +123,14 @@ def run_fleet(spec: BenchSpec) -> list[RunResult]:
                 result.skipped = skipped
                 pooled[p.name] = pool(pooled[p.name], result) if p.name in pooled else result
     return [pooled[p.name] for p in policies]
+
+
+def warm_up(spec: BenchSpec, engines: Sequence[Engine], prompts: Sequence[Prompt]) -> None:
+    """``spec.warm_up`` passes of the prompts through ``round_robin`` over the engines,
+    not measured (every policy's run empties the caches first)."""
+    for n in range(1, spec.warm_up + 1):
+        log = spec.workdir / f"router-warm-up-{n}.log"
+        run_policy(spec, engines, POLICIES["round_robin"], prompts, log)
 
 
 def own_engines(spec: BenchSpec, flag: str, engines: str) -> tuple[Config, ServerSpec]:
@@ -133,6 +142,8 @@ def own_engines(spec: BenchSpec, flag: str, engines: str) -> tuple[Config, Serve
         raise BenchError(f"{flag} runs one pipeline on {engines}: give one --config PIPELINE")
     if spec.rounds < 1:
         raise BenchError(f"--rounds must be >= 1, got {spec.rounds}")
+    if spec.warm_up < 0:
+        raise BenchError(f"--warm-up must be >= 0, got {spec.warm_up}")
     return spec.configs[0], spec.server
 
 
@@ -241,6 +252,7 @@ def run_policy(
         # Busiest first: engines are alike, and pooled runs add up like with like.
         engine_requests=sorted((d["requests"] for d in deltas), reverse=True),
         router_cpu_s=None if cpu_before is None or cpu_after is None else cpu_after - cpu_before,
+        concurrency=spec.concurrency,
     )
 
 

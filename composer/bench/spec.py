@@ -39,6 +39,11 @@ class BenchSpec:
     #: start, so that a router's load counts have settled (one request at a time
     #: is then one at a time to the router too).
     pause_s: float = 0.0
+    #: With ``fleet``: passes of the prompts through the fleet (``round_robin``) before
+    #: it is measured, its caches emptied after. An engine's first passes over a slice
+    #: run slower (here its worker's CPU for one pass fell from 3.3 to 2.4 s over
+    #: four), so the first policy measured pays for them.
+    warm_up: int = 0
     #: A prefill and a decode engine behind the router's P/D mode, against the same
     #: engines without it (``kvc bench --pd``).
     pd: bool = False

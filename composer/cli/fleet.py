@@ -15,7 +15,7 @@ from composer.cli.common import dump
 from composer.errors import escape
 from composer.pipeline import ResolvedPipeline
 from composer.simulate import SimulateError
-from composer.simulate.calibrate import read_calibration
+from composer.simulate.calibrate import fit_fleet, read_calibration, read_fleet_bench
 from composer.simulate.capacity import (
     OPTION,
     check_target,
@@ -51,6 +51,7 @@ FLEET_ONLY = {
     "calibration": None,
     "seed": 0,
     "ttft_p90_below": None,
+    "fit_fleet": None,
 }
 
 
@@ -106,6 +107,21 @@ def add_fleet_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seed", type=int, default=0, help="with --fleet: the random policies' draws (default 0)"
     )
+    _add_fit_option(p)
+
+
+def _add_fit_option(p: argparse.ArgumentParser) -> None:
+    """``--fit-fleet``: a fleet's own costs from ``kvc bench --fleet``'s runs."""
+    p.add_argument(
+        "--fit-fleet",
+        action="append",
+        type=Path,
+        metavar="BENCH_JSON",
+        help="with --fleet N: fit what N engines add to one alone to kvc bench --fleet N's "
+        "round_robin runs of this trace (bench.json; one at --concurrency 1 fits wake_s, one "
+        "with more in flight, with --cost host_cores=C, shared_step_factor beside the "
+        "router's CPU), over the engine's costs (--calibration); prints them as --cost",
+    )
 
 
 def _add_arrival_options(p: argparse.ArgumentParser) -> None:
@@ -150,6 +166,8 @@ def simulate_fleet_command(
     for router in routers:
         check_router(router)
     sweep = parse_sweep(args.sweep) if args.sweep is not None else None
+    if args.fit_fleet:
+        return _fit_fleet(args, pipeline, trace, kwargs), []
     common, arrivals = _common(args, trace, kwargs, sweep)
     if args.ttft_p90_below is not None:
         return _search(args, pipeline, trace, routers, common, arrivals, kwargs["trace_name"])
@@ -238,6 +256,50 @@ def _common(
             file=sys.stderr,
         )
     return common, arrivals
+
+
+def _fit_fleet(
+    args: argparse.Namespace,
+    pipeline: ResolvedPipeline,
+    trace: Sequence[TraceRequest],
+    kwargs: dict[str, Any],
+) -> str:
+    """``--fit-fleet``: the fleet's costs fitted to its round_robin runs, and each run
+    measured (predicted) with them."""
+    for flag, given in (
+        ("--router", args.router),
+        ("--concurrency", args.concurrency is not None),
+        ("--rate", args.rate is not None),
+        ("--speedup", args.speedup != 1),
+        ("--sweep", args.sweep is not None),
+        (OPTION, args.ttft_p90_below is not None),
+    ):
+        if given:
+            raise SimulateError(f"--fit-fleet replays the bench's round_robin runs: no {flag}")
+    runs = read_fleet_bench(args.fit_fleet)
+    common, _ = _common(args, trace, kwargs, None)
+    base = common.pop("cost")
+
+    def rate(concurrency: int, cost: CostModel) -> float:
+        run = {"router": "round_robin", "concurrency": concurrency, "cost": cost}
+        result = simulate_many(pipeline, trace, [run], **common)[0]
+        return result.requests / result.makespan_s if result.makespan_s else 0.0
+
+    cost = fit_fleet(base, runs, rate, base.host_cores)
+    fitted = {k: getattr(cost, k) for k in ("host_cores", "shared_step_factor", "wake_s")}
+    fitted["router_cpu_s"] = cost.router_cpu_s
+    checked = {n: (run.requests_per_s, rate(n, cost)) for n, run in sorted(runs.items())}
+    if args.json:
+        return dump({"fitted": fitted, "requests_per_s": checked})
+    lines = [f"fitted on round_robin ({args.fleet} engines):"]
+    lines += [f"  {name} = {value:.4g}" for name, value in fitted.items()]
+    if runs.keys() - {1} and not base.host_cores:
+        lines.append("  (no cores shared: give --cost host_cores=C to fit shared_step_factor)")
+    lines += ["", "| in flight | requests/s measured (predicted) |", "| ---: | ---: |"]
+    lines += [f"| {n} | {m:.1f} ({p:.1f}) |" for n, (m, p) in checked.items()]
+    given = ",".join(f"{name}={value:.4g}" for name, value in fitted.items())
+    lines += ["", f"--cost {given}"]
+    return "\n".join(lines)
 
 
 def _label(results: Sequence[FleetResult], arrivals: str | None) -> None:

@@ -223,6 +223,10 @@ def _bench_spec(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> Benc
         raise BenchError(f"--fleet must be >= 1, got {args.fleet}")
     if args.policy and not (args.fleet or args.pd):
         raise BenchError("--policy chooses the router's policy: give --fleet N or --pd too")
+    if args.warm_up < 0:
+        raise BenchError(f"--warm-up must be >= 0, got {args.warm_up}")
+    if args.warm_up and not args.fleet:
+        raise BenchError("--warm-up warms a fleet's engines: give --fleet N too")
     configs = [Config.parse(c) for c in (args.config or ["none", "prefix"])]
     if args.pipeline_prefix_cache == "off":
         configs = [
@@ -254,5 +258,6 @@ def _bench_spec(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> Benc
         rounds=args.rounds,
         fleet=args.fleet or 0,
         policies=args.policy or (),
+        warm_up=args.warm_up,
         pd=args.pd,
     )

@@ -343,6 +343,12 @@ def _add_bench_run_options(p: argparse.ArgumentParser) -> None:
         "the table has a row per policy",
     )
     p.add_argument(
+        "--warm-up", type=int, default=0, metavar="PASSES",
+        help="with --fleet: replay the trace PASSES times through the fleet (round_robin) "
+        "before measuring, its caches emptied after: an engine's first passes run slower "
+        "(default 0)",
+    )
+    p.add_argument(
         "--pd", action="store_true",
         help="start a prefill and a decode engine running the one --config pipeline (with a "
         "transport node, e.g. NIXL) behind vLLM's router in its P/D mode, and replay the "

@@ -85,8 +85,6 @@ def serve(
     next request when its last one ends) to one engine of ``cost`` (its model's KV cache
     ``groups``; none: one full-attention group)."""
     engine = StepEngine(cost, block_size, groups)
-    # (One engine fills the cores it shares only where it shares one.)
-    shared = cost.shared_step_factor if cost.host_cores == 1 else 1.0
     jobs = [
         Job(i, 0.0, s.computed + s.loaded, s.loaded, s.loaded, s.output)
         for i, s in enumerate(samples)
@@ -95,25 +93,31 @@ def serve(
     coming: list[tuple[float, int, Job]] = []
     sent = 0
 
+    #: The router's CPU taken from a shared core, so far and at the last step's start.
+    router_cpu = router_cpu_seen = 0.0
+
     def send(now: float) -> None:
-        nonlocal sent
+        nonlocal sent, router_cpu
         if sent < len(jobs):
+            busy = int(sent > len(e2es))  # (requests in flight: the engine holds its core)
+            if busy and cost.host_cores == 1:
+                router_cpu += cost.router_cpu_s
             jobs[sent].arrival = now
-            heapq.heappush(coming, (now + cost.request_s, sent, jobs[sent]))
+            heapq.heappush(coming, (now + cost.way_in(busy), sent, jobs[sent]))
             sent += 1
 
-    for _ in range(concurrency):
-        send(0.0)
     ttfts: list[float] = []
     e2es: list[float] = []
+    for _ in range(concurrency):
+        send(0.0)
     now, step_end, idle_since = 0.0, math.inf, 0.0
     while coming or engine.busy or engine.waiting or engine.running:
         if engine.busy and (not coming or step_end <= coming[0][0]):
             now = step_end
             first, done = engine.end_step()
             ttfts += [now - j.arrival for j in first]
-            for job in done:
-                e2es.append(now - job.arrival)
+            e2es += [now - job.arrival for job in done]
+            for _ in done:
                 send(now)
         elif coming:
             when, _, job = heapq.heappop(coming)
@@ -126,7 +130,9 @@ def serve(
             step_end = math.inf
             if took is not None:
                 # (As a fleet's engine steps: :mod:`.fleet`'s ``_start_step``.)
-                step_end = idle_since = now + took * shared + cost.woken(now - idle_since)
+                took = cost.shared_step(took, 1, router_cpu - router_cpu_seen)
+                router_cpu_seen = router_cpu
+                step_end = idle_since = now + took + cost.woken(now - idle_since)
     return Served(ttfts, e2es, now)
 
 
@@ -278,6 +284,80 @@ def fit_to_rate(
         else:
             high = middle
     return at(float(f"{(low + high) / 2:.3g}"))
+
+
+@dataclass(frozen=True)
+class FleetRun:
+    """A fleet's ``round_robin`` run as ``kvc bench --fleet`` measured it: the requests a
+    second it served and the router's CPU seconds a request (0: not read)."""
+
+    requests_per_s: float
+    router_cpu_s: float = 0.0
+
+
+def fit_fleet(
+    cost: CostModel,
+    runs: Mapping[int, FleetRun],
+    rate: Callable[[int, CostModel], float],
+    host_cores: int,
+) -> CostModel:
+    """``cost`` with what a fleet adds to its engines alone, fitted on its ``round_robin``
+    runs (``runs``: by requests in flight; ``rate``: the simulated fleet's requests a
+    second at that many in flight under a cost model): ``wake_s`` on the run one at a
+    time (each request finds its engine idle since the one before the last), then, on
+    ``host_cores`` shared cores (0: none, nothing more to fit), ``shared_step_factor``
+    on the run with the most in flight, besides the router's CPU as measured there."""
+    if 1 in runs:
+        cost = fit_to_rate(cost, "wake_s", runs[1].requests_per_s, lambda c: rate(1, c))
+    most = max((n for n in runs if n > 1), default=None)
+    if most is None or host_cores < 1:
+        return cost
+    return fit_to_rate(
+        cost,
+        "shared_step_factor",
+        runs[most].requests_per_s,
+        lambda c: rate(most, c),
+        host_cores=host_cores,
+        router_cpu_s=runs[most].router_cpu_s,
+    )
+
+
+def read_fleet_bench(paths: Sequence[Path]) -> dict[int, FleetRun]:
+    """The ``round_robin`` runs in ``kvc bench --fleet``'s ``bench.json`` files, by
+    requests in flight; a located error for anything else."""
+    runs: dict[int, FleetRun] = {}
+    for path in paths:
+        data = _json(path, "kvc bench --fleet's bench.json")
+        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+            raise SimulateError(f"{path}: not kvc bench's bench.json (a list of runs)")
+        for i, run in enumerate(data):
+            if run.get("config") != "round_robin":
+                continue
+            where = f"{path}: run {i} (round_robin)"
+            n, rate, cpu = (
+                run.get(k) for k in ("concurrency", "requests_per_s", "router_cpu_ms_per_request")
+            )
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise SimulateError(
+                    f"{where}: concurrency: expected kvc bench --fleet --concurrency N's, got {n!r}"
+                )
+            if n in runs:
+                raise SimulateError(f"{where}: a second round_robin run at concurrency {n}")
+            for name, value in (("requests_per_s", rate), ("router_cpu_ms_per_request", cpu)):
+                if not _seconds_like(value) and (value is not None or name == "requests_per_s"):
+                    raise SimulateError(f"{where}: {name}: expected a number >= 0, got {value!r}")
+            runs[n] = FleetRun(float(rate), (cpu or 0.0) / 1000)
+    if not runs:
+        raise SimulateError(
+            f"{', '.join(map(str, paths))}: no round_robin run (kvc bench --fleet N "
+            "--policy round_robin --concurrency 1, and again with more in flight)"
+        )
+    return runs
+
+
+def _seconds_like(value: Any) -> bool:
+    """A finite number >= 0 (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf
 
 
 def samples_of(records: Sequence[Mapping[str, Any]]) -> list[Sample]:

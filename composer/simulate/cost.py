@@ -10,10 +10,14 @@ Engines that share a host's CPU cores with each other, the router and the
 clients (vLLM's CPU build, several engines on one machine) run slower when
 they are all busy: ``host_cores`` says how many cores they share (0: each
 engine has its own, and the router and clients theirs: a GPU fleet) and
-``shared_step_factor`` how much longer a step takes while at least that many
-engines have requests. An engine that sat idle (longer than a request's way
+``shared_step_factor`` how much longer a step, and a request's way in, take
+while at least that many engines have requests. An engine that sat idle (longer than a request's way
 in) takes ``wake_s`` more to start its next step: its processes are woken.
-Both are fitted on a fleet's runs (:func:`.calibrate.fit_to_rate`).
+Both are fitted on a fleet's runs (:func:`.calibrate.fit_to_rate`). The
+router's own CPU a request (``router_cpu_s``, measured: ``kvc bench --fleet``
+prints it per policy; vllm-router's ``kv_aware`` reads every engine's KV
+events and takes twice the others') is taken from the engines' steps while
+they fill the shared cores, spread over those cores.
 
 :data:`CALIBRATED` are the figures measured on this project's 2-core machine
 (``kvc bench``, the tiny model, one engine on one core, lengths scaled by 16;
@@ -50,12 +54,16 @@ class CostModel:
     max_num_seqs: int = 128
     num_gpu_blocks: int = 0
     #: The CPU cores the engines share with each other, the router and the clients
-    #: (0: none shared), and the factor on a step's time while that many engines
-    #: have requests (their steps, the router's and the clients' work contend).
+    #: (0: none shared), and the factor on a step's time and a request's way in while
+    #: that many engines have requests (their steps, the router's and the clients'
+    #: work contend).
     host_cores: int = 0
     shared_step_factor: float = 1.0
     #: Seconds more for the first step of an engine idle for longer than ``request_s``.
     wake_s: float = 0.0
+    #: The router's CPU seconds a request: on shared cores, taken from the engines'
+    #: steps while they fill them.
+    router_cpu_s: float = 0.0
 
     def alone_ttft_s(self, computed: int, loaded: int) -> float:
         """A request's TTFT on an engine with nothing else to do."""
@@ -74,6 +82,24 @@ class CostModel:
         rounding of those sums.)"""
         return self.wake_s if idle_s > self.request_s + 1e-9 else 0.0
 
+    def shared_step(self, took: float, busy: int, router_cpu: float) -> float:
+        """A step of ``took`` seconds alone, on cores shared by ``busy`` engines with
+        requests, the router having spent ``router_cpu`` seconds on them since the
+        engine's last step began: while the engines fill the cores, slower by the
+        factor and by the router's CPU spread over the cores (each engine loses its
+        core's part)."""
+        if not 0 < self.host_cores <= busy:
+            return took
+        return took * self.shared_step_factor + router_cpu / self.host_cores
+
+    def way_in(self, busy: int) -> float:
+        """Seconds from a client's send to the engine's queue while ``busy`` engines have
+        requests: ``request_s``, slower by the factor while they fill the shared cores
+        (the hops through the router and the API server wait for a core)."""
+        if not 0 < self.host_cores <= busy:
+            return self.request_s
+        return self.request_s * self.shared_step_factor
+
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -83,7 +109,7 @@ LIMITS = {"max_num_batched_tokens": 1, "max_num_seqs": 1, "num_gpu_blocks": 0, "
 #: Factors: finite numbers, each at least this.
 FACTORS = {"shared_step_factor": 1.0}
 #: Fields a calibration file may leave out (written before they existed): their defaults.
-OPTIONAL = {"host_cores", "shared_step_factor", "wake_s"}
+OPTIONAL = {"host_cores", "shared_step_factor", "wake_s", "router_cpu_s"}
 
 #: Fitted by ``kvc calibrate`` on ``benchmarks/cost_model.py``'s runs on this project's
 #: machine, 2026-11-28 (one engine, the tiny model, every process of it on one core,

@@ -135,7 +135,7 @@ class _Engine:
     """One engine: its steps (:class:`~composer.simulate.steps.StepEngine`), and how busy
     it was (requests in flight over time, the most at once, their waits)."""
 
-    __slots__ = ("steps", "in_flight", "last", "area", "peak", "wait", "idle_since")
+    __slots__ = ("steps", "in_flight", "last", "area", "peak", "wait", "idle_since", "router_cpu")
 
     def __init__(self, cost: CostModel, block_size: int, groups: Sequence[SimKVGroup]) -> None:
         self.steps = StepEngine(cost, block_size, groups)
@@ -144,6 +144,8 @@ class _Engine:
         self.peak = 0
         #: When its last step ended (idle since then unless a step is under way).
         self.idle_since = 0.0
+        #: The router's CPU spent on the shared cores up to its last step's start.
+        self.router_cpu = 0.0
 
     def count(self, now: float, change: int) -> None:
         self.area += self.in_flight * (now - self.last)
@@ -230,10 +232,12 @@ class _Run:
         self.view = FleetView(replays, [0] * len(replays), pending=[0] * len(replays))
         self.choose = make_router(router, len(replays), seed)
         self.engines = [_Engine(cost, block_size, groups) for _ in replays]
-        #: Engines with requests, and whether their steps slow down when they fill the
-        #: cores they share (:class:`~composer.simulate.cost.CostModel`'s ``host_cores``).
+        #: Engines with requests (their steps slow down when they fill the cores they
+        #: share: :meth:`~composer.simulate.cost.CostModel.shared_step`), and the
+        #: router's CPU seconds spent on those cores so far (while the engines filled
+        #: them; with a core free it runs there).
         self.busy = 0
-        self.shared = cost.host_cores > 0 and cost.shared_step_factor != 1.0
+        self.router_cpu = 0.0
         self.counts = [0] * len(replays)
         self.ttfts: list[float] = []
         self.e2es: list[float] = []
@@ -291,13 +295,18 @@ class _Run:
 
     def _arrive(self, now: float, index: int, req: TraceRequest, units: Units) -> None:
         """The router places the request; its engine looks it up at once (its hits are
-        what the caches hold now); it reaches the engine's queue ``request_s`` later."""
-        replays, view = self.replays, self.view
+        what the caches hold now); it reaches the engine's queue after its way in
+        (``request_s``, slower while the engines fill the cores they share, where the
+        router's CPU for it is taken from them)."""
+        replays, view, cost = self.replays, self.view, self.cost
         prompt, keys, limit = units
         view.estimate = None
         e = self.choose(view, req, keys, limit, now)
         self.counts[e] += 1
         view.load[e] += 1
+        way_in = cost.way_in(self.busy)
+        if 0 < cost.host_cores <= self.busy:
+            self.router_cpu += cost.router_cpu_s
         self.busy += int(self.engines[e].in_flight == 0)
         self.engines[e].count(now, +1)
         started = replays[e].start(prompt, keys, limit, req, now)
@@ -310,7 +319,7 @@ class _Run:
         job = Job(index, now, prompt, started.tokens_served, loaded, output, started)
         job.reserved = job.reserved if view.estimate is None else view.estimate
         view.pending[e] += job.reserved
-        self._push(now + self.cost.request_s, 2, e, job)
+        self._push(now + way_in, 2, e, job)
 
     def _step_ended(self, now: float, e: int) -> int:
         """Engine ``e``'s step ended: first tokens, requests done; how many ended."""
@@ -336,8 +345,8 @@ class _Run:
             took = engine.steps.start_step()
             if took is not None:
                 cost = self.cost
-                if self.shared and self.busy >= cost.host_cores:
-                    took *= cost.shared_step_factor
+                took = cost.shared_step(took, self.busy, self.router_cpu - engine.router_cpu)
+                engine.router_cpu = self.router_cpu
                 took += cost.woken(now - engine.idle_since)
                 self._push(now + took, 0, e)
 
