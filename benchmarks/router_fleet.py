@@ -80,9 +80,9 @@ CONCURRENCY = int(os.environ.get("KVC_BENCH_CONCURRENCY", "4"))
 ROUNDS = int(os.environ.get("KVC_BENCH_ROUNDS", "4"))
 VLLM_BLOCKS = int(os.environ.get("KVC_BENCH_VLLM_BLOCKS", "80"))
 #: Passes of the slice through every engine before it is measured (kvc bench --warm-up),
-#: at each number in flight it is measured at: the first pass at a new number in flight
-#: meets new batch shapes and runs slower (at one in flight, after a pass at four:
-#: 18.3-19.4 ms TTFT p90 against 14.2-15.2 in the next three).
+#: at each number in flight it is measured at: an engine's first pass at a number in
+#: flight it has not run at is slower (at one in flight, after a pass at four: 18.3-19.4
+#: ms TTFT p90 against 14.2-15.2 in the next three).
 WARM_UP = int(os.environ.get("KVC_BENCH_WARM_UP", "1"))
 PIPELINE = ROOT / "examples/fleet-cpu-events.yaml"
 #: Every policy kvc bench --fleet measures, and kv_aware-tiers with vllm-router's own

@@ -100,7 +100,7 @@ def serve(
         nonlocal sent, router_cpu
         if sent < len(jobs):
             busy = int(sent > len(e2es))  # (requests in flight: the engine holds its core)
-            if busy and cost.host_cores == 1:
+            if cost.fills(busy):
                 router_cpu += cost.router_cpu_s
             jobs[sent].arrival = now
             heapq.heappush(coming, (now + cost.way_in(busy), sent, jobs[sent]))

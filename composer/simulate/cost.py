@@ -11,13 +11,14 @@ clients (vLLM's CPU build, several engines on one machine) run slower when
 they are all busy: ``host_cores`` says how many cores they share (0: each
 engine has its own, and the router and clients theirs: a GPU fleet) and
 ``shared_step_factor`` how much longer a step, and a request's way in, take
-while at least that many engines have requests. An engine that sat idle (longer than a request's way
-in) takes ``wake_s`` more to start its next step: its processes are woken.
-Both are fitted on a fleet's runs (:func:`.calibrate.fit_to_rate`). The
-router's own CPU a request (``router_cpu_s``, measured: ``kvc bench --fleet``
-prints it per policy; vllm-router's ``kv_aware`` reads every engine's KV
-events and takes twice the others') is taken from the engines' steps while
-they fill the shared cores, spread over those cores.
+while at least that many engines have requests. An engine that sat idle
+(longer than a request's way in) takes ``wake_s`` more to start its next
+step: its processes are woken. Both are fitted on a fleet's runs
+(:func:`.calibrate.fit_fleet`). The router's own CPU a request
+(``router_cpu_s``, measured: ``kvc bench --fleet`` prints it per policy;
+vllm-router's ``kv_aware`` reads every engine's KV events and takes twice the
+others') is taken from the engines' steps while they fill the shared cores,
+spread over those cores.
 
 :data:`CALIBRATED` are the figures measured on this project's 2-core machine
 (``kvc bench``, the tiny model, one engine on one core, lengths scaled by 16;
@@ -82,13 +83,18 @@ class CostModel:
         rounding of those sums.)"""
         return self.wake_s if idle_s > self.request_s + 1e-9 else 0.0
 
+    def fills(self, busy: int) -> bool:
+        """Whether ``busy`` engines with requests fill the cores they share (none are
+        shared: never)."""
+        return 0 < self.host_cores <= busy
+
     def shared_step(self, took: float, busy: int, router_cpu: float) -> float:
-        """A step of ``took`` seconds alone, on cores shared by ``busy`` engines with
-        requests, the router having spent ``router_cpu`` seconds on them since the
+        """A step of ``took`` seconds alone, with ``busy`` engines having requests, the
+        router having spent ``router_cpu`` seconds on the shared cores since the
         engine's last step began: while the engines fill the cores, slower by the
         factor and by the router's CPU spread over the cores (each engine loses its
         core's part)."""
-        if not 0 < self.host_cores <= busy:
+        if not self.fills(busy):
             return took
         return took * self.shared_step_factor + router_cpu / self.host_cores
 
@@ -96,9 +102,7 @@ class CostModel:
         """Seconds from a client's send to the engine's queue while ``busy`` engines have
         requests: ``request_s``, slower by the factor while they fill the shared cores
         (the hops through the router and the API server wait for a core)."""
-        if not 0 < self.host_cores <= busy:
-            return self.request_s
-        return self.request_s * self.shared_step_factor
+        return self.request_s * (self.shared_step_factor if self.fills(busy) else 1.0)
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -305,7 +305,7 @@ class _Run:
         self.counts[e] += 1
         view.load[e] += 1
         way_in = cost.way_in(self.busy)
-        if 0 < cost.host_cores <= self.busy:
+        if cost.fills(self.busy):
             self.router_cpu += cost.router_cpu_s
         self.busy += int(self.engines[e].in_flight == 0)
         self.engines[e].count(now, +1)

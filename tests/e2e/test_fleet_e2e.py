@@ -27,6 +27,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from composer.bench.fleet import (
     event_sources,
     fleet,
     run_policy,
+    warm_up,
 )
 from composer.bench.replay import Prompt, make_prompts, send, served_model, vocab_size_of
 from composer.bench.servers import Config, ServerSpec
@@ -124,6 +126,10 @@ def runs(
     with fleet(config, server, 2, workdir) as engines:
         # (Read while they run: the tests run after the module's engines stopped.)
         out["cores"] = [_cores(e.pid) for e in engines]
+        before = sum(counters(e.url)["requests"] for e in engines)
+        warm_up(replace(spec, warm_up=1), engines, prompts[:4])
+        time.sleep(SETTLE_S)
+        out["warmed"] = sum(counters(e.url)["requests"] for e in engines) - before
         for name in ("kv_aware-tiers", "kv_aware-vllm"):
             out[f"steer/{name}"] = _steer(engines, name, vocab, workdir)
         for name in POLICIES:
@@ -187,6 +193,11 @@ def test_every_process_of_an_engine_runs_on_its_own_core(runs: dict[str, Any]) -
     for i, group in enumerate(runs["cores"]):
         assert len(group) >= 2, group  # the API server, the engine core and its worker
         assert group == dict.fromkeys(group, {i % cores})
+
+
+def test_a_warm_up_pass_goes_through_the_router_before_any_run(runs: dict[str, Any]) -> None:
+    # (Not measured: every run after it empties the caches and reads its own counters.)
+    assert runs["warmed"] == 4
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
