@@ -14,6 +14,11 @@ vLLM's settings of the measured engine, given, not fitted.
 
 A calibration file holds the fitted costs, the format's version and what the
 fit was checked against; ``kvc simulate --calibration FILE`` reads it back.
+
+What engines sharing a host add to one alone (an idle engine's wake-up, the
+cores they share with the router and the clients) is fitted on a fleet's
+``round_robin`` runs, over the engine's costs (:func:`fit_fleet`; ``kvc
+simulate --fit-fleet``).
 """
 
 from __future__ import annotations
@@ -343,9 +348,12 @@ def read_fleet_bench(paths: Sequence[Path]) -> dict[int, FleetRun]:
                 )
             if n in runs:
                 raise SimulateError(f"{where}: a second round_robin run at concurrency {n}")
-            for name, value in (("requests_per_s", rate), ("router_cpu_ms_per_request", cpu)):
-                if not _seconds_like(value) and (value is not None or name == "requests_per_s"):
-                    raise SimulateError(f"{where}: {name}: expected a number >= 0, got {value!r}")
+            if not (_finite(rate) and rate > 0):
+                raise SimulateError(f"{where}: requests_per_s: expected a number > 0, got {rate!r}")
+            if cpu is not None and not (_finite(cpu) and cpu >= 0):
+                raise SimulateError(
+                    f"{where}: router_cpu_ms_per_request: expected a number >= 0, got {cpu!r}"
+                )
             runs[n] = FleetRun(float(rate), (cpu or 0.0) / 1000)
     if not runs:
         raise SimulateError(
@@ -355,9 +363,9 @@ def read_fleet_bench(paths: Sequence[Path]) -> dict[int, FleetRun]:
     return runs
 
 
-def _seconds_like(value: Any) -> bool:
-    """A finite number >= 0 (not a bool)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf
+def _finite(value: Any) -> bool:
+    """A finite number (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def samples_of(records: Sequence[Mapping[str, Any]]) -> list[Sample]:
