@@ -46,7 +46,6 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from benchmarks.cost_model import FITTED, fitted
 from composer import load_pipeline
@@ -109,11 +108,10 @@ def fleet_slice(model: str, path: Path) -> Path:
     return path
 
 
-def bench(
-    model: str, trace: list[TraceRequest], concurrency: int, **changes: Any
-) -> bench_spec.BenchSpec:
-    """The fleet's run at ``concurrency`` (``changes``: the calibration's own)."""
-    spec = bench_spec.BenchSpec(
+def bench(model: str, trace: list[TraceRequest]) -> bench_spec.BenchSpec:
+    """What every run replays, and against what engines (each run sets its own number
+    in flight; :func:`measure` runs the rounds and the policies)."""
+    return bench_spec.BenchSpec(
         trace=trace,
         configs=[Config.parse(str(PIPELINE))],
         server=ServerSpec(
@@ -124,16 +122,12 @@ def bench(
             extra_args=["--enforce-eager"],
         ),
         scale=SCALE,
-        concurrency=concurrency,
+        concurrency=1,
         max_output_tokens=OUTPUT,
-        workdir=WORKDIR / f"concurrency-{concurrency}",
+        workdir=WORKDIR,
         progress=False,
-        rounds=ROUNDS,
-        fleet=ENGINES,
-        policies=MEASURED,
         warm_up=WARM_UP,
     )
-    return replace(spec, **changes)
 
 
 def measure(
@@ -150,7 +144,7 @@ def measure(
     the same rounds, so that what drifts within a run drifts for both. (Calibrated
     first, and warmed up at four in flight only, the one engine measured 20 % slower at
     one in flight than the fleet's engine doing the same work later.)"""
-    spec = bench(model, trace, 1)
+    spec = bench(model, trace)
     assert spec.server is not None
     prompts, skipped = bench_spec.bench_prompts(spec)
     alone = Config(PIPELINE.stem, PIPELINE, prefix_caching=False)
